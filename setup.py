@@ -1,0 +1,179 @@
+"""Build script for trainloom's Cython extensions.
+
+Every ``pyx/<area>/_name.pyx`` becomes the extension ``trainloom.<area>._name`` (and
+``pyx/_name.pyx`` becomes ``trainloom._name``), so adding a compiled module never needs an edit here.
+The extensions build against the C library only: no torch headers, no CUDA, no NCCL (NCCL is
+dlopen'ed at run time).
+
+Environment switches:
+
+``TRAINLOOM_NO_OPENMP=1``      build without OpenMP even if the compiler supports it.
+``TRAINLOOM_DEBUG_CYTHON=1``   turn on bounds/wraparound/initialized checks and line tracing.
+``TRAINLOOM_ANNOTATE=1``       also write ``cython -a`` HTML next to each .pyx.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+from setuptools import Extension, setup
+
+ROOT = Path(__file__).resolve().parent
+PYX = ROOT / "pyx"
+
+
+def _truthy(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def _has_openmp() -> tuple[bool, str]:
+    """Compile and link a two-line OpenMP program; return (works, compiler used)."""
+    cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
+    cc_argv = cc.split()
+    if shutil.which(cc_argv[0]) is None:
+        return False, cc
+    src = "#include <omp.h>\nint main(void){return omp_get_max_threads() > 0 ? 0 : 1;}\n"
+    with tempfile.TemporaryDirectory() as tmp:
+        c_file = Path(tmp) / "probe.c"
+        c_file.write_text(src)
+        cmd = [*cc_argv, "-fopenmp", str(c_file), "-o", str(Path(tmp) / "probe")]
+        ok = subprocess.run(cmd, capture_output=True).returncode == 0
+    return ok, cc
+
+
+def _discover() -> list[tuple[str, str]]:
+    """(module name, source path) for every pyx/**/_*.pyx."""
+    found = []
+    for src in sorted(PYX.rglob("_*.pyx")):
+        rel = src.relative_to(PYX).with_suffix("")
+        found.append(("trainloom." + ".".join(rel.parts), str(src.relative_to(ROOT))))
+    return found
+
+
+NO_OMP_REQUESTED = _truthy("TRAINLOOM_NO_OPENMP")
+OMP_OK, CC = _has_openmp()
+USE_OMP = OMP_OK and not NO_OMP_REQUESTED
+DEBUG = _truthy("TRAINLOOM_DEBUG_CYTHON")
+OMP_FLAGS = ["-fopenmp"] if USE_OMP else []
+
+# -O3 lets gcc vectorize the reduction and optimizer loops. -ffp-contract=off keeps the rounding
+# sequence exactly as written (fused optimizer kernels must match torch bit for bit; they use explicit
+# fma() where torch does). No -march=native: wheels must run on any x86-64 / aarch64 CPU.
+COMPILE_ARGS = ["-O3", "-ffp-contract=off", "-fno-strict-aliasing", *OMP_FLAGS]
+if DEBUG:
+    COMPILE_ARGS = ["-O0", "-g", "-ffp-contract=off", *OMP_FLAGS]
+MACROS = [("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
+MACROS += [("TRAINLOOM_OPENMP", "1" if USE_OMP else "0"), ("TRAINLOOM_DEBUG", "1" if DEBUG else "0")]
+if DEBUG:
+    MACROS += [("CYTHON_TRACE_NOGIL", "1")]
+
+DIRECTIVES = {
+    "language_level": "3",
+    "boundscheck": DEBUG,
+    "wraparound": DEBUG,
+    "initializedcheck": DEBUG,
+    "cdivision": not DEBUG,
+    "embedsignature": True,
+    "linetrace": DEBUG,
+}
+
+
+def _extensions() -> list[Extension]:
+    return [
+        Extension(
+            name,
+            [src],
+            define_macros=MACROS,
+            extra_compile_args=COMPILE_ARGS,
+            extra_link_args=[*OMP_FLAGS, "-ldl"],
+        )
+        for name, src in _discover()
+    ]
+
+
+def _cythonize(exts: list[Extension]) -> list[Extension]:
+    try:
+        import Cython
+        from Cython.Build import cythonize
+    except ImportError:
+        sys.exit("trainloom: building needs Cython >= 3 (pip install 'Cython>=3').")
+    if int(Cython.__version__.split(".")[0]) < 3:
+        sys.exit(f"trainloom: building needs Cython >= 3, found {Cython.__version__}.")
+    return cythonize(
+        exts,
+        include_path=[str(PYX)],
+        compiler_directives=DIRECTIVES,
+        annotate=_truthy("TRAINLOOM_ANNOTATE"),
+        compile_time_env={"TRAINLOOM_OPENMP": USE_OMP, "TRAINLOOM_DEBUG": DEBUG},
+        quiet=True,
+    )
+
+
+def _source_hash(src: str) -> str:
+    h = hashlib.sha256((ROOT / src).read_bytes())
+    for pxd in sorted(PYX.glob("*.pxd")):
+        h.update(pxd.read_bytes())
+    return h.hexdigest()
+
+
+def _build_info() -> dict[str, object]:
+    import Cython
+
+    return {
+        "openmp": USE_OMP,
+        "openmp_compiler_support": OMP_OK,
+        "openmp_disabled_by_env": NO_OMP_REQUESTED,
+        "debug": DEBUG,
+        "compiler": CC,
+        "compile_args": COMPILE_ARGS,
+        "cython": Cython.__version__,
+        "python": sys.version.split()[0],
+        "extensions": [name for name, _ in _discover()],
+        # sha256 of each .pyx (and the shared .pxd files) at build time: trainloom._build_check
+        # compares them with the sources of a checkout to report a stale build.
+        "source_hashes": {name: _source_hash(src) for name, src in _discover()},
+    }
+
+
+def _write_build_info(info: dict[str, object]) -> None:
+    # Read back by trainloom.show_config(); generated, not tracked by git.
+    text = "# Generated by setup.py at build time. Do not edit.\nBUILD_INFO = " + repr(info) + "\n"
+    (ROOT / "trainloom" / "_build_info.py").write_text(text)
+
+
+def _summary(info: dict[str, object]) -> None:
+    bar = "=" * 64
+    lines = [
+        bar,
+        "trainloom build configuration",
+        f"  OpenMP            : {'yes' if USE_OMP else 'NO'}",
+        f"  debug directives  : {'yes (boundscheck, wraparound, linetrace)' if DEBUG else 'no'}",
+        f"  compiler          : {CC}",
+        f"  compile args      : {' '.join(COMPILE_ARGS)}",
+        f"  Cython            : {info['cython']}",
+        f"  extensions        : {len(info['extensions'])}",  # type: ignore[arg-type]
+        bar,
+    ]
+    print("\n".join(lines), file=sys.stderr)
+    if not USE_OMP:
+        why = "TRAINLOOM_NO_OPENMP is set" if NO_OMP_REQUESTED else f"{CC} cannot compile with -fopenmp"
+        print(
+            "\n" + "!" * 64 + "\n"
+            f"WARNING: building trainloom WITHOUT OpenMP ({why}).\n"
+            "The optimizer and reduction kernels will run on one thread.\n"
+            "Install a compiler with OpenMP (gcc, or clang with libomp) and rebuild.\n" + "!" * 64,
+            file=sys.stderr,
+        )
+
+
+_info = _build_info()
+_write_build_info(_info)
+_summary(_info)
+setup(ext_modules=_cythonize(_extensions()))

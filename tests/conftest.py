@@ -1,0 +1,23 @@
+"""Shared pytest set-up: markers for hardware-bound tests and the multi-process harness on sys.path."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+# tests/multiproc.py is imported by the forkserver that starts ranks; make it importable by name.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+HAS_GPU = torch.cuda.is_available()
+requires_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU; this machine has none")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    for item in items:
+        if "gpu" in item.keywords and not HAS_GPU:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU; this machine has none"))
+        if "multigpu" in item.keywords and torch.cuda.device_count() < 2:
+            item.add_marker(pytest.mark.skip(reason="needs 2 or more CUDA GPUs"))

@@ -1,0 +1,85 @@
+"""Turn a missing or stale compiled module into an ImportError that says how to rebuild.
+
+Modelled on scikit-learn's ``sklearn/__check_build``: the bare ``No module named
+'trainloom.optim._fused'`` a user otherwise sees does not tell them that the package was never
+compiled (a source checkout used without building) or was compiled for another Python.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from pathlib import Path
+from types import ModuleType
+
+_REBUILD = (
+    "Rebuild the compiled extensions:\n"
+    "    pip install -e .            # from the source checkout, or\n"
+    "    python setup.py build_ext --inplace\n"
+    "(set TRAINLOOM_DEBUG_CYTHON=1 for a build with bounds checks)."
+)
+
+
+def _describe_dir(pkg_dir: Path, stem: str) -> str:
+    found = sorted(p.name for p in pkg_dir.glob(stem + ".*") if p.suffix in (".so", ".pyd"))
+    if found:
+        return f"Found {', '.join(found)} in {pkg_dir}, but none loads with this Python."
+    return f"No compiled file {stem}.*.so in {pkg_dir}."
+
+
+def import_compiled(name: str) -> ModuleType:
+    """Import the compiled module ``name`` (e.g. ``"trainloom.optim._fused"``).
+
+    Raises:
+        ImportError: naming the module, what was found on disk, and the rebuild command.
+    """
+    check_stale(name)
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        # Only the module itself missing or unloadable is a build problem; re-raise anything a
+        # compiled module raised while importing its own dependencies unchanged.
+        if exc.name not in (None, name) and not str(exc).startswith(("dynamic module", "/")):
+            raise
+        parts = name.split(".")
+        pkg_dir = Path(__file__).resolve().parent.joinpath(*parts[1:-1])
+        where = _describe_dir(pkg_dir, parts[-1])
+        src = Path(__file__).resolve().parent.parent / "pyx" / Path(*parts[1:]).with_suffix(".pyx")
+        hint = f" Its source is {src}." if src.exists() else ""
+        msg = f"trainloom's compiled module {name!r} could not be imported ({exc}). {where}{hint}\n{_REBUILD}"
+        raise ImportError(msg, name=name, path=os.fspath(pkg_dir)) from exc
+
+
+def source_hash(pyx: Path) -> str:
+    """The hash setup.py records for a .pyx: the file plus every shared pyx/*.pxd."""
+    import hashlib
+
+    root = pyx.parent
+    while root.name != "pyx" and root != root.parent:
+        root = root.parent
+    h = hashlib.sha256(pyx.read_bytes())
+    for pxd in sorted(root.glob("*.pxd")):
+        h.update(pxd.read_bytes())
+    return h.hexdigest()
+
+
+def check_stale(name: str) -> None:
+    """Raise ImportError when a source checkout's .pyx differs from the one that was compiled.
+
+    Only applies where the sources sit next to the package (an editable or in-place build); an
+    installed wheel has no pyx/ directory and is never stale.
+    """
+    try:
+        from trainloom._build_info import BUILD_INFO
+    except ImportError:
+        return
+    recorded = BUILD_INFO.get("source_hashes", {}).get(name)
+    parts = name.split(".")
+    src = Path(__file__).resolve().parent.parent / "pyx" / Path(*parts[1:]).with_suffix(".pyx")
+    if recorded is None or not src.exists():
+        return
+    if source_hash(src) != recorded:
+        raise ImportError(
+            f"trainloom's compiled module {name!r} is stale: {src} changed after it was built.\n{_REBUILD}",
+            name=name,
+        )

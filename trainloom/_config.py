@@ -1,0 +1,131 @@
+"""``trainloom.show_config()``: build facts and which optional parts are usable on this machine."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import platform
+import sys
+from typing import Any, Dict, Optional, TextIO
+
+logger = logging.getLogger("trainloom")
+
+
+def _build_info() -> Dict[str, Any]:
+    try:
+        from trainloom._build_info import BUILD_INFO
+    except ImportError:
+        return {}
+    return dict(BUILD_INFO)
+
+
+def _nccl_status() -> Dict[str, Any]:
+    """Loads libnccl (only when asked, never at import) and reports its version and path."""
+    from trainloom._locate import nccl_candidates
+
+    info: Dict[str, Any] = {"candidates": nccl_candidates()}
+    try:
+        from trainloom.comm import nccl
+    except ImportError as exc:  # the binding is not built in this checkout
+        info.update(available=False, reason=f"NCCL binding not importable: {exc}")
+        return info
+    if nccl.is_available():
+        info.update(available=True, version=nccl.get_version(), path=nccl.library_path())
+    else:
+        info.update(available=False, reason=nccl.unavailable_reason())
+    return info
+
+
+def config() -> Dict[str, Any]:
+    """The facts :func:`show_config` prints, as a dict (for tests and bug reports)."""
+    import torch
+
+    from trainloom import __version__
+    from trainloom._locate import find_redis_server
+
+    build = _build_info()
+    try:
+        from trainloom import _openmp_helpers as omp
+
+        openmp = {
+            "compiled": omp.openmp_enabled(),
+            "max_threads": omp.openmp_max_threads(),
+        }
+    except ImportError as exc:
+        openmp = {"compiled": False, "error": str(exc)}
+    lmdb_version: Optional[str]
+    try:
+        import lmdb
+
+        lmdb_version = lmdb.version_string() if hasattr(lmdb, "version_string") else lmdb.__version__
+    except ImportError:
+        lmdb_version = None
+    return {
+        "trainloom": __version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cuda_available": torch.cuda.is_available(),
+        "cpu_count": os.cpu_count(),
+        "build": build,
+        "openmp": openmp,
+        "lmdb": lmdb_version,
+        "redis_py": importlib.util.find_spec("redis") is not None,
+        "redis_server": find_redis_server(),
+        "nccl": _nccl_status(),
+    }
+
+
+def show_config(file: Optional[TextIO] = None) -> None:
+    """Print how trainloom was built and which optional parts work here.
+
+    Args:
+        file: where to print; standard output by default.
+
+    Example::
+
+        >>> import trainloom
+        >>> trainloom.show_config()  # doctest: +SKIP
+    """
+    out = file if file is not None else sys.stdout
+    c = config()
+    b = c["build"]
+    omp = c["openmp"]
+    nccl = c["nccl"]
+
+    def yes(v: Any) -> str:
+        return "yes" if v else "no"
+
+    omp_line = yes(omp.get("compiled"))
+    if omp.get("compiled"):
+        omp_line += f" ({omp['max_threads']} threads)"
+    elif "error" in omp:
+        omp_line += f" (compiled module missing: {omp['error'].splitlines()[0]})"
+    if nccl.get("available"):
+        nccl_line = f"yes, {nccl['version']} at {nccl['path']}"
+    else:
+        nccl_line = f"no ({nccl.get('reason', 'not found')})"
+    lines = [
+        f"trainloom {c['trainloom']}",
+        "build:",
+        f"  OpenMP            : {omp_line}",
+        f"  debug directives  : {yes(b.get('debug'))}",
+        f"  compiler          : {b.get('compiler', 'unknown (no build info: not built by setup.py)')}",
+        f"  compile args      : {' '.join(b.get('compile_args', []))}",
+        f"  Cython            : {b.get('cython', 'unknown')}",
+        f"  extensions        : {', '.join(b.get('extensions', [])) or 'none'}",
+        "runtime:",
+        f"  python            : {c['python']} on {c['platform']}",
+        f"  torch             : {c['torch']} ({c['torch_threads']} threads)",
+        f"  CPU count         : {c['cpu_count']}",
+        f"  CUDA available    : {yes(c['cuda_available'])}",
+        "optional parts:",
+        f"  lmdb              : {c['lmdb'] or 'no (pip install lmdb)'}",
+        f"  redis-py          : {yes(c['redis_py'])}"
+        + ("" if c["redis_py"] else " (pip install trainloom[redis])"),
+        f"  redis-server      : {c['redis_server'] or 'not found (pip install trainloom[redis])'}",
+        f"  NCCL              : {nccl_line}",
+    ]
+    print("\n".join(lines), file=out)

@@ -1,0 +1,133 @@
+"""The ``trainloom`` command.
+
+Subcommands live in their own modules, each exposing ``add_arguments(parser)`` and
+``run(args) -> int``; :data:`SUBCOMMANDS` maps a name to that module. A subcommand whose module is
+not importable (an optional part not installed) is listed with the reason instead of crashing the
+whole command.
+
+``trainloom bench NAME [ARGS...]`` runs ``tools/bench_NAME.py`` from the source checkout with the
+remaining arguments (benchmarks are not part of the installed API).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import runpy
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+#: name -> (module implementing add_arguments/run, one-line help)
+SUBCOMMANDS: Dict[str, Tuple[str, str]] = {
+    "demo": ("trainloom.demo", "train a small model end to end with every part of trainloom"),
+    "cache": ("trainloom.data.cache_cli", "inspect or clear trainloom caches (info, clear)"),
+}
+
+
+def tools_dir() -> Optional[Path]:
+    """The checkout's ``tools/`` directory, or None for an install without sources."""
+    env = os.environ.get("TRAINLOOM_TOOLS_DIR")
+    candidates = [Path(env)] if env else []
+    candidates.append(Path(__file__).resolve().parent.parent / "tools")
+    candidates.append(Path.cwd() / "tools")
+    for c in candidates:
+        if c.is_dir() and any(c.glob("bench_*.py")):
+            return c
+    return None
+
+
+def benchmarks() -> List[str]:
+    """Names accepted by ``trainloom bench``."""
+    d = tools_dir()
+    return sorted(p.stem[len("bench_") :] for p in d.glob("bench_*.py")) if d else []
+
+
+def _run_bench(name: str, argv: Sequence[str]) -> int:
+    d = tools_dir()
+    if d is None:
+        print(
+            "trainloom bench: no tools/ directory found. Benchmarks ship with the source checkout: "
+            "run from a clone (pip install -e .), or set TRAINLOOM_TOOLS_DIR.",
+            file=sys.stderr,
+        )
+        return 2
+    script = d / f"bench_{name}.py"
+    if not script.is_file():
+        known = ", ".join(benchmarks()) or "none"
+        print(f"trainloom bench: unknown benchmark {name!r} (known: {known})", file=sys.stderr)
+        return 2
+    old_argv = sys.argv
+    sys.argv = [str(script), *argv]
+    sys.path.insert(0, str(d))
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code
+        return code if isinstance(code, int) else (0 if code is None else 1)
+    finally:
+        sys.argv = old_argv
+        sys.path.remove(str(d))
+    return 0
+
+
+def _build_parser() -> Tuple[argparse.ArgumentParser, Dict[str, str]]:
+    from trainloom import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="trainloom",
+        description="trainloom: cached data, load-balanced samplers, fast collectives and fused "
+        "optimizer steps for PyTorch training.",
+    )
+    parser.add_argument("--version", action="version", version=f"trainloom {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.add_parser("info", help="show how trainloom was built and which optional parts work here")
+    bench = sub.add_parser(
+        "bench",
+        help="run a benchmark from tools/ (trainloom bench NAME --help)",
+        description="Run tools/bench_NAME.py with the remaining arguments.",
+    )
+    bench.add_argument("name", nargs="?", help="benchmark name: " + (", ".join(benchmarks()) or "none found"))
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
+    unavailable: Dict[str, str] = {}
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name is None or not module.startswith(exc.name):
+                raise
+            unavailable[name] = f"{help_text} [unavailable: {module} is not in this build]"
+            continue
+        p = sub.add_parser(name, help=help_text, description=(mod.__doc__ or help_text).strip())
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser, unavailable
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``trainloom`` console script."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    parser, unavailable = _build_parser()
+    if args_list and args_list[0] in unavailable:
+        print(f"trainloom {args_list[0]}: {unavailable[args_list[0]]}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(args_list)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    if args.command == "info":
+        from trainloom import show_config
+
+        show_config()
+        return 0
+    if args.command == "bench":
+        if not args.name:
+            print("benchmarks: " + (", ".join(benchmarks()) or "none found"))
+            return 0
+        return _run_bench(args.name, args.bench_args)
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""trainloom.optim."""
