@@ -1,0 +1,897 @@
+# The sample codec: nested tuples/lists/dicts of tensors, numpy arrays, numbers, str and bytes into one
+# checksummed buffer, and back.
+#
+# Layout of an encoded value (all integers little-endian; x86-64 and aarch64 are both little-endian):
+#
+#   [0:4)   magic b"TLC\x01"
+#   [4:8)   meta_len   u32   length of the meta section (the object tree, small)
+#   [8:16)  data_len   u64   length of the data section (raw array bytes)
+#   [16:24) checksum   u64   _checksum over meta, chained (as seed) into _checksum over data
+#   [24:32) reserved   zero
+#   [32:32+meta_len)         meta: one tag byte per node, then the node's fields
+#   pad to a multiple of 64  so that array data sits on cache-line offsets from the value start
+#   [data_start:+data_len)   data: each array's C-contiguous bytes, each at a 64-aligned offset
+#
+# Only the elements a view covers are written (a 10-element view of a 1M-element tensor costs 40 bytes,
+# not 4 MB as pickle would), and tensors never go through pickle: objects the tree cannot express are
+# pickled with protocol 5, but every tensor/array inside them is pulled out through persistent_id and
+# stored raw in the data section like any other array.
+#
+# Decoding copies the data section once (fused with the checksum pass) into a fresh bytearray and
+# returns tensors/arrays that are views of it. That single copy is what LMDB needs (its buffers are only
+# valid inside the read transaction); the source is never copied twice.
+import io
+import pickle
+
+import numpy as np
+import torch
+
+from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBUF_C_CONTIGUOUS
+from cpython.buffer cimport PyBuffer_Release, PyObject_GetBuffer
+from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
+from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
+from libc.string cimport memcpy, memset
+
+# ---------------------------------------------------------------------------------------------------
+# Constants
+# ---------------------------------------------------------------------------------------------------
+cdef enum:
+    HEADER = 32
+    ALIGN = 64
+    # Below this many bytes, hashing/copying takes less than releasing and re-taking the GIL (~0.1-0.2
+    # us with contention), so the small-sample path keeps the GIL.
+    NOGIL_MIN = 65536
+    # Nesting depth guard: a self-referencing list would otherwise recurse until the C stack overflows.
+    MAX_DEPTH = 200
+
+cdef bytes MAGIC = b"TLC\x01"
+
+cdef enum Tag:
+    T_NONE = 0
+    T_FALSE = 1
+    T_TRUE = 2
+    T_INT = 3
+    T_FLOAT = 4
+    T_STR = 5
+    T_BYTES = 6
+    T_TUPLE = 7
+    T_LIST = 8
+    T_DICT = 9
+    T_NDARRAY = 10
+    T_TENSOR = 11
+    T_NPSCALAR = 12
+    T_PICKLE = 13
+
+# Array descriptor kinds inside a T_PICKLE node.
+cdef enum Kind:
+    K_NDARRAY = 0
+    K_TENSOR = 1
+    K_RAW = 2
+
+cdef uint64_t P1 = 0x9E3779B185EBCA87ULL
+cdef uint64_t P2 = 0xC2B2AE3D27D4EB4FULL
+cdef uint64_t P3 = 0x165667B19E3779F9ULL
+cdef uint64_t P4 = 0x85EBCA77C2B2AE63ULL
+cdef uint64_t P5 = 0x27D4EB2F165667C5ULL
+
+# dtype tables: code <-> dtype. Codes are part of the on-disk format: append only, never renumber.
+_NP_DTYPES = [np.dtype(x) for x in (
+    "bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64",
+    "complex64", "complex128", "uint16", "uint32", "uint64")]
+_NP_CODE = {dt: i for i, dt in enumerate(_NP_DTYPES)}
+_TORCH_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                 torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128,
+                 torch.uint16, torch.uint32, torch.uint64, torch.bfloat16]
+_TORCH_CODE = {dt: i for i, dt in enumerate(_TORCH_DTYPES)}
+_TORCH_ITEMSIZE = [torch.empty((), dtype=dt).element_size() for dt in _TORCH_DTYPES]
+
+_Tensor = torch.Tensor
+_ndarray = np.ndarray
+_npgeneric = np.generic
+_strided = torch.strided
+_frombuffer_np = np.frombuffer
+_frombuffer_torch = torch.frombuffer
+_torch_empty = torch.empty
+_np_empty = np.empty
+
+
+class CodecError(ValueError):
+    """A value could not be encoded, or a buffer is not a valid encoded value."""
+
+
+class ChecksumError(CodecError):
+    """An encoded value is damaged: its checksum does not match its contents."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# XXH64 (Yann Collet's xxHash, 64-bit variant): ~10 GB/s on one core, 4 independent lanes so the
+# multiplies pipeline. Used both as the value checksum and as ClusterStore's stable key hash.
+# ---------------------------------------------------------------------------------------------------
+cdef inline uint64_t _rotl(uint64_t x, int r) noexcept nogil:
+    return (x << r) | (x >> (64 - r))
+
+cdef inline uint64_t _rd64(const uint8_t* p) noexcept nogil:
+    cdef uint64_t v
+    memcpy(&v, p, 8)      # unaligned-safe; gcc turns this into one load
+    return v
+
+cdef inline uint32_t _rd32(const uint8_t* p) noexcept nogil:
+    cdef uint32_t v
+    memcpy(&v, p, 4)
+    return v
+
+cdef inline uint64_t _round(uint64_t acc, uint64_t inp) noexcept nogil:
+    acc = acc + inp * P2
+    acc = _rotl(acc, 31)
+    return acc * P1
+
+cdef inline uint64_t _merge(uint64_t acc, uint64_t val) noexcept nogil:
+    val = _round(0, val)
+    acc = acc ^ val
+    return acc * P1 + P4
+
+cdef uint64_t _xxh64(const uint8_t* p, size_t n, uint64_t seed, uint8_t* dst) noexcept nogil:
+    """XXH64 of p[0:n]. When dst is not NULL, also copies p[0:n] to dst in the same pass, so the
+    source is read from memory once for both (decode is bound by memory bandwidth)."""
+    cdef const uint8_t* end = p + n
+    cdef uint64_t h, v1, v2, v3, v4, k
+    cdef const uint8_t* limit
+    if n >= 32:
+        v1 = seed + P1 + P2
+        v2 = seed + P2
+        v3 = seed
+        v4 = seed - P1
+        limit = end - 32
+        while p <= limit:
+            if dst != NULL:
+                memcpy(dst, p, 32)
+                dst += 32
+            v1 = _round(v1, _rd64(p))
+            v2 = _round(v2, _rd64(p + 8))
+            v3 = _round(v3, _rd64(p + 16))
+            v4 = _round(v4, _rd64(p + 24))
+            p += 32
+        h = _rotl(v1, 1) + _rotl(v2, 7) + _rotl(v3, 12) + _rotl(v4, 18)
+        h = _merge(h, v1)
+        h = _merge(h, v2)
+        h = _merge(h, v3)
+        h = _merge(h, v4)
+    else:
+        h = seed + P5
+    h += <uint64_t>n
+    if dst != NULL and end > p:
+        memcpy(dst, p, <size_t>(end - p))
+    while p + 8 <= end:
+        k = _round(0, _rd64(p))
+        h = h ^ k
+        h = _rotl(h, 27) * P1 + P4
+        p += 8
+    if p + 4 <= end:
+        h = h ^ (<uint64_t>_rd32(p) * P1)
+        h = _rotl(h, 23) * P2 + P3
+        p += 4
+    while p < end:
+        h = h ^ (<uint64_t>p[0] * P5)
+        h = _rotl(h, 11) * P1
+        p += 1
+    h = h ^ (h >> 33)
+    h = h * P2
+    h = h ^ (h >> 29)
+    h = h * P3
+    h = h ^ (h >> 32)
+    return h
+
+
+# ---------------------------------------------------------------------------------------------------
+# The value checksum: XXH3's long-input accumulate loop (8 lanes, acc += lo32(d^k) * hi32(d^k), the
+# data word added to the neighbour lane, a scramble every 1 KiB), finished with XXH64's avalanche.
+# It uses only 32x32->64 multiplies, which gcc vectorises with plain SSE2 (pmuludq): ~3x the speed
+# of XXH64 here, so the checksum does not dominate decoding a 150 KB image (memcpy does). Not
+# byte-compatible with XXH3 (own key, own finish); it only has to be stable and catch damage.
+# ---------------------------------------------------------------------------------------------------
+cdef uint64_t[8] _KEY = [0xbe4ba423396cfeb8ULL, 0x1cad21f72c81017cULL, 0xdb979083e96dd4deULL,
+                         0x1f67b3b7a4a44072ULL, 0x78e5c0cc4ee679cbULL, 0x2172ffcc7dd05a82ULL,
+                         0x8e2443f7744608b8ULL, 0x4c263a81e69035e0ULL]
+
+cdef inline uint64_t _avalanche(uint64_t h) noexcept nogil:
+    h = h ^ (h >> 33)
+    h = h * P2
+    h = h ^ (h >> 29)
+    h = h * P3
+    return h ^ (h >> 32)
+
+cdef extern from *:
+    """
+    #include <stdint.h>
+    #include <string.h>
+    #if defined(__SSE2__)
+    #include <emmintrin.h>
+    #endif
+    /* 64-byte stripes into 8 u64 lanes (XXH3's accumulate_512). With SSE2 every x86-64 CPU has, the
+       32x32->64 multiply is one pmuludq per two lanes; other CPUs run the identical scalar form. */
+    static inline void tl_accumulate(uint64_t* acc, const uint8_t* p, uint8_t* dst, const uint64_t* key) {
+    #if defined(__SSE2__)
+        __m128i* a = (__m128i*)acc;
+        for (int i = 0; i < 4; i++) {
+            __m128i d = _mm_loadu_si128((const __m128i*)(p + 16 * i));
+            if (dst) _mm_storeu_si128((__m128i*)(dst + 16 * i), d);
+            __m128i k = _mm_loadu_si128((const __m128i*)(key + 2 * i));
+            __m128i dk = _mm_xor_si128(d, k);
+            __m128i dk_hi = _mm_shuffle_epi32(dk, _MM_SHUFFLE(0, 3, 0, 1));
+            __m128i prod = _mm_mul_epu32(dk, dk_hi);
+            __m128i swap = _mm_shuffle_epi32(d, _MM_SHUFFLE(1, 0, 3, 2));
+            a[i] = _mm_add_epi64(a[i], _mm_add_epi64(prod, swap));
+        }
+    #else
+        uint64_t d[8];
+        memcpy(d, p, 64);
+        if (dst) memcpy(dst, d, 64);
+        for (int i = 0; i < 8; i++) {
+            uint64_t k = d[i] ^ key[i];
+            acc[i ^ 1] += d[i];
+            acc[i] += (k & 0xFFFFFFFFULL) * (k >> 32);
+        }
+    #endif
+    }
+    static inline void tl_scramble(uint64_t* acc, const uint64_t* key) {
+        for (int i = 0; i < 8; i++) acc[i] = (acc[i] ^ (acc[i] >> 47) ^ key[i]) * 0x9E3779B1ULL;
+    }
+    """
+    void tl_accumulate(uint64_t* acc, const uint8_t* p, uint8_t* dst, const uint64_t* key) noexcept nogil
+    void tl_scramble(uint64_t* acc, const uint64_t* key) noexcept nogil
+
+
+cdef uint64_t _checksum(const uint8_t* p, size_t n, uint64_t seed, uint8_t* dst) noexcept nogil:
+    """Checksum of p[0:n]; when dst is not NULL also copies p to dst in the same pass (the source is
+    read from memory once for both: decoding is bound by memory bandwidth)."""
+    cdef uint64_t acc[8]
+    cdef uint64_t h
+    cdef size_t i, stripe = 0
+    cdef const uint8_t* end = p + n
+    if n < 256:
+        # Short values (small samples, metadata): XXH64 has less set-up than 8 lanes.
+        return _xxh64(p, n, seed, dst)
+    for i in range(8):
+        acc[i] = _KEY[i] ^ (seed * P1 + i)
+    while p + 64 <= end:
+        tl_accumulate(acc, p, dst, _KEY)
+        if dst != NULL:
+            dst += 64
+        p += 64
+        stripe += 1
+        if (stripe & 15) == 0:      # scramble every 1 KiB so lanes cannot cancel over long inputs
+            tl_scramble(acc, _KEY)
+    h = <uint64_t>n * P1
+    for i in range(8):
+        h = _merge(h, acc[i])
+    # The tail (< 64 bytes) goes through XXH64 seeded with the lanes' state.
+    return _avalanche(_xxh64(p, <size_t>(end - p), h, dst) ^ h)
+
+
+def checksum(data, uint64_t seed=0):
+    """The codec's value checksum of a bytes-like object (for tests and tools)."""
+    cdef Py_buffer view
+    cdef uint64_t h
+    PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+    try:
+        h = _checksum(<const uint8_t*>view.buf, <size_t>view.len, seed, NULL)
+    finally:
+        PyBuffer_Release(&view)
+    return h
+
+
+def hash64(data, uint64_t seed=0):
+    """XXH64 of a bytes-like object (or the UTF-8 of a str): a stable 64-bit hash, identical in every
+    process and every run (unlike Python's salted ``hash``)."""
+    cdef Py_buffer view
+    cdef uint64_t h
+    if isinstance(data, str):
+        data = (<str>data).encode("utf-8")
+    PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+    try:
+        if view.len >= NOGIL_MIN:
+            with nogil:
+                h = _xxh64(<const uint8_t*>view.buf, <size_t>view.len, seed, NULL)
+        else:
+            h = _xxh64(<const uint8_t*>view.buf, <size_t>view.len, seed, NULL)
+    finally:
+        PyBuffer_Release(&view)
+    return h
+
+
+# ---------------------------------------------------------------------------------------------------
+# Encoder
+# ---------------------------------------------------------------------------------------------------
+cdef struct ArrayRef:
+    const uint8_t* ptr      # borrowed: the owner object is kept alive in _Encoder.keep
+    uint64_t nbytes
+    uint64_t offset         # in the data section
+
+
+cdef class _Encoder:
+    cdef uint8_t* meta
+    cdef size_t meta_len, meta_cap
+    cdef ArrayRef* arrays
+    cdef size_t n_arrays, arrays_cap
+    cdef uint64_t data_len
+    cdef list keep          # owners of every ArrayRef.ptr (contiguous copies included)
+
+    def __cinit__(self):
+        self.meta = NULL
+        self.arrays = NULL
+        self.meta_len = self.meta_cap = 0
+        self.n_arrays = self.arrays_cap = 0
+        self.data_len = 0
+        self.keep = []
+
+    def __dealloc__(self):
+        # Plain C buffers only; the owners in self.keep are released by the normal refcounting.
+        PyMem_Free(self.meta)
+        PyMem_Free(self.arrays)
+
+    cdef int _reserve(self, size_t extra) except -1:
+        cdef size_t cap
+        cdef uint8_t* m
+        if self.meta_len + extra <= self.meta_cap:
+            return 0
+        cap = max(self.meta_cap * 2, self.meta_len + extra, <size_t>256)
+        m = <uint8_t*>PyMem_Realloc(self.meta, cap)
+        if m == NULL:
+            raise MemoryError()
+        self.meta = m
+        self.meta_cap = cap
+        return 0
+
+    cdef inline int _put(self, const void* src, size_t n) except -1:
+        self._reserve(n)
+        memcpy(self.meta + self.meta_len, src, n)
+        self.meta_len += n
+        return 0
+
+    cdef inline int _u8(self, uint8_t v) except -1:
+        return self._put(&v, 1)
+
+    cdef inline int _u32(self, uint32_t v) except -1:
+        return self._put(&v, 4)
+
+    cdef inline int _u64(self, uint64_t v) except -1:
+        return self._put(&v, 8)
+
+    cdef uint64_t _add_array(self, const uint8_t* ptr, uint64_t nbytes, object owner) except? 0xFFFFFFFFFFFFFFFF:
+        cdef ArrayRef* a
+        cdef size_t cap
+        cdef uint64_t off
+        if self.n_arrays == self.arrays_cap:
+            cap = max(self.arrays_cap * 2, <size_t>8)
+            a = <ArrayRef*>PyMem_Realloc(self.arrays, cap * sizeof(ArrayRef))
+            if a == NULL:
+                raise MemoryError()
+            self.arrays = a
+            self.arrays_cap = cap
+        off = (self.data_len + ALIGN - 1) // ALIGN * ALIGN
+        self.arrays[self.n_arrays].ptr = ptr
+        self.arrays[self.n_arrays].nbytes = nbytes
+        self.arrays[self.n_arrays].offset = off
+        self.n_arrays += 1
+        self.data_len = off + nbytes
+        self.keep.append(owner)
+        return off
+
+    cdef int _shape(self, tuple shape) except -1:
+        cdef Py_ssize_t d
+        if len(shape) > 255:
+            raise CodecError(f"arrays with {len(shape)} dimensions are not supported (max 255)")
+        self._u8(<uint8_t>len(shape))
+        for d in shape:
+            self._u64(<uint64_t>d)
+        return 0
+
+    cdef int _tensor(self, object t) except -1:
+        """Descriptor of a strided CPU tensor: dtype code, ndim, shape, data offset, nbytes."""
+        cdef uint64_t nbytes, off
+        code = _TORCH_CODE.get(t.dtype)
+        if code is None:
+            raise CodecError(f"tensor dtype {t.dtype} is not supported by the codec")
+        if t.requires_grad:
+            t = t.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.resolve_conj().resolve_neg()
+        if not t.is_contiguous():
+            t = t.contiguous()  # copies only the elements the view covers
+        nbytes = <uint64_t>t.numel() * <uint64_t>_TORCH_ITEMSIZE[code]
+        self._u8(<uint8_t>code)
+        self._shape(tuple(t.shape))
+        off = self._add_array(<const uint8_t*><size_t>t.data_ptr(), nbytes, t) if nbytes else 0
+        self._u64(off)
+        return 0
+
+    cdef int _ndarray(self, object a, int code) except -1:
+        cdef Py_buffer view
+        cdef uint64_t off = 0, nbytes
+        if not a.flags.c_contiguous:
+            a = np.ascontiguousarray(a)
+        nbytes = <uint64_t>a.nbytes
+        self._u8(<uint8_t>code)
+        self._shape(a.shape)
+        if nbytes:
+            PyObject_GetBuffer(a, &view, PyBUF_SIMPLE)
+            # numpy keeps the memory while `a` lives (kept in self.keep) and refuses to resize an
+            # array that is referenced, so the pointer stays valid after the view is released.
+            off = self._add_array(<const uint8_t*>view.buf, nbytes, a)
+            PyBuffer_Release(&view)
+        self._u64(off)
+        return 0
+
+    cdef int encode(self, object obj, int depth) except -1:
+        cdef Py_ssize_t n
+        cdef const char* s
+        cdef int64_t iv
+        cdef double fv
+        cdef object t = type(obj)
+        if depth > MAX_DEPTH:
+            raise CodecError(f"sample nested deeper than {MAX_DEPTH} levels (a self-referencing container?)")
+        if obj is None:
+            return self._u8(T_NONE)
+        if t is bool:
+            return self._u8(T_TRUE if obj else T_FALSE)
+        if t is int:
+            if -0x8000000000000000 <= obj <= 0x7FFFFFFFFFFFFFFF:
+                iv = obj
+                self._u8(T_INT)
+                return self._put(&iv, 8)
+            return self._pickle(obj)
+        if t is float:
+            fv = obj
+            self._u8(T_FLOAT)
+            return self._put(&fv, 8)
+        if t is str:
+            s = PyUnicode_AsUTF8AndSize(obj, &n)
+            self._u8(T_STR)
+            self._u64(<uint64_t>n)
+            return self._put(s, <size_t>n)
+        if t is bytes:
+            n = len(<bytes>obj)
+            self._u8(T_BYTES)
+            self._u64(<uint64_t>n)
+            return self._put(PyBytes_AS_STRING(obj), <size_t>n)
+        if t is tuple or t is list:
+            n = len(obj)
+            self._u8(T_TUPLE if t is tuple else T_LIST)
+            self._u64(<uint64_t>n)
+            for item in obj:
+                self.encode(item, depth + 1)
+            return 0
+        if t is dict:
+            self._u8(T_DICT)
+            self._u64(<uint64_t>len(obj))
+            for k, v in (<dict>obj).items():
+                self.encode(k, depth + 1)
+                self.encode(v, depth + 1)
+            return 0
+        if isinstance(obj, _Tensor):
+            if obj.layout is _strided and type(obj) in (_Tensor, torch.nn.Parameter) and obj.dtype in _TORCH_CODE:
+                self._u8(T_TENSOR)
+                return self._tensor(obj)
+            return self._pickle(obj)
+        if isinstance(obj, _ndarray):
+            code = _NP_CODE.get(obj.dtype)
+            if code is not None and t is _ndarray:
+                self._u8(T_NDARRAY)
+                return self._ndarray(obj, code)
+            return self._pickle(obj)
+        if isinstance(obj, _npgeneric):
+            code = _NP_CODE.get(obj.dtype)
+            if code is not None:
+                raw = obj.tobytes()
+                self._u8(T_NPSCALAR)
+                self._u8(<uint8_t>code)
+                return self._put(PyBytes_AS_STRING(raw), <size_t>len(raw))
+            return self._pickle(obj)
+        return self._pickle(obj)
+
+    cdef int _pickle(self, object obj) except -1:
+        """Pickle protocol 5; every tensor/array inside goes raw into the data section."""
+        refs = []   # (kind, code, shape, offset) per persistent id
+        out = io.BytesIO()
+        p = _Pickler(out, self, refs)
+        try:
+            p.dump(obj)
+        except CodecError:
+            raise
+        except (pickle.PicklingError, TypeError, AttributeError, RecursionError) as exc:
+            raise CodecError(f"cannot serialize a value of type {type(obj).__name__}: {exc}") from exc
+        payload = out.getbuffer()
+        self._u8(T_PICKLE)
+        self._u32(<uint32_t>len(refs))
+        for kind, code, shape, off in refs:
+            self._u8(<uint8_t>kind)
+            self._u8(<uint8_t>code)
+            self._shape(shape)
+            self._u64(<uint64_t>off)
+        n = len(payload)
+        self._u64(<uint64_t>n)
+        raw = bytes(payload)
+        payload.release()
+        return self._put(PyBytes_AS_STRING(raw), <size_t>n)
+
+    cdef uint64_t _raw(self, object obj) except? 0xFFFFFFFFFFFFFFFF:
+        cdef Py_buffer view
+        cdef uint64_t off = 0
+        PyObject_GetBuffer(obj, &view, PyBUF_SIMPLE)
+        try:
+            if view.len:
+                off = self._add_array(<const uint8_t*>view.buf, <uint64_t>view.len, obj)
+        finally:
+            PyBuffer_Release(&view)
+        return off
+
+    cdef uint64_t _persist(self, object obj, list refs) except? 0xFFFFFFFFFFFFFFFF:
+        """Store a tensor/ndarray found inside a pickled object; returns its persistent id + 1, or 0 to
+        let pickle handle the object itself."""
+        cdef uint64_t nbytes
+        cdef Py_buffer view
+        if type(obj) is _Tensor and obj.layout is _strided:
+            code = _TORCH_CODE.get(obj.dtype)
+            if code is None:
+                return 0
+            t = obj.detach()
+            if t.device.type != "cpu":
+                t = t.cpu()
+            t = t.resolve_conj().resolve_neg().contiguous()
+            nbytes = <uint64_t>t.numel() * <uint64_t>_TORCH_ITEMSIZE[code]
+            off = self._add_array(<const uint8_t*><size_t>t.data_ptr(), nbytes, t) if nbytes else 0
+            refs.append((K_TENSOR, code, tuple(t.shape), off))
+            return len(refs)
+        if type(obj) is _ndarray:
+            code = _NP_CODE.get(obj.dtype)
+            if code is None:
+                return 0
+            a = np.ascontiguousarray(obj)
+            off = 0
+            if a.nbytes:
+                PyObject_GetBuffer(a, &view, PyBUF_SIMPLE)
+                off = self._add_array(<const uint8_t*>view.buf, <uint64_t>a.nbytes, a)
+                PyBuffer_Release(&view)
+            refs.append((K_NDARRAY, code, a.shape, off))
+            return len(refs)
+        return 0
+
+    cdef bytes finish(self):
+        cdef uint64_t data_start = (HEADER + self.meta_len + ALIGN - 1) // ALIGN * ALIGN
+        cdef uint64_t total = data_start + self.data_len
+        cdef uint32_t meta_len32
+        cdef bytes out
+        cdef uint8_t* o
+        cdef size_t i
+        cdef uint64_t h
+        if self.meta_len > 0xFFFFFFFF:
+            raise CodecError(f"sample structure too large ({self.meta_len} bytes of metadata; max 4 GiB)")
+        meta_len32 = <uint32_t>self.meta_len
+        out = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>total)
+        o = <uint8_t*>PyBytes_AS_STRING(out)
+        memcpy(o, <const char*>MAGIC, 4)
+        memcpy(o + 4, &meta_len32, 4)
+        memcpy(o + 8, &self.data_len, 8)
+        memset(o + 24, 0, 8)
+        memcpy(o + HEADER, self.meta, self.meta_len)
+        memset(o + HEADER + self.meta_len, 0, <size_t>(data_start - HEADER - self.meta_len))
+        if self.data_len >= NOGIL_MIN:
+            # The owners in self.keep pin every source pointer; nothing here touches Python objects.
+            with nogil:
+                self._fill(o, data_start)
+                h = _checksum(o + HEADER, self.meta_len, self.data_len, NULL)
+                h = _checksum(o + data_start, <size_t>self.data_len, h, NULL)
+        else:
+            self._fill(o, data_start)
+            h = _checksum(o + HEADER, self.meta_len, self.data_len, NULL)
+            h = _checksum(o + data_start, <size_t>self.data_len, h, NULL)
+        memcpy(o + 16, &h, 8)
+        return out
+
+    cdef void _fill(self, uint8_t* o, uint64_t data_start) noexcept nogil:
+        cdef size_t i
+        cdef uint64_t pos = 0
+        cdef uint8_t* d = o + data_start
+        for i in range(self.n_arrays):
+            if self.arrays[i].offset > pos:      # alignment gap: zero it, output is deterministic
+                memset(d + pos, 0, <size_t>(self.arrays[i].offset - pos))
+            memcpy(d + self.arrays[i].offset, self.arrays[i].ptr, <size_t>self.arrays[i].nbytes)
+            pos = self.arrays[i].offset + self.arrays[i].nbytes
+
+
+class _Pickler(pickle.Pickler):
+    def __init__(self, file, enc, refs):
+        super().__init__(file, protocol=5, buffer_callback=self._buffer)
+        self._enc = enc
+        self._refs = refs
+
+    def persistent_id(self, obj):
+        pid = _persist_hook(self._enc, obj, self._refs)
+        return pid - 1 if pid else None
+
+    def _buffer(self, pb):
+        # Out-of-band buffers (protocol 5) also go raw into the data section.
+        raw = pb.raw()
+        off = _raw_hook(self._enc, raw)
+        self._refs.append((K_RAW, 0, (len(raw),), off))
+        return False
+
+
+def _persist_hook(_Encoder enc, obj, list refs):
+    return enc._persist(obj, refs)
+
+
+def _raw_hook(_Encoder enc, obj):
+    return enc._raw(obj)
+
+
+def encode(obj):
+    """Encode a sample into one checksummed ``bytes`` value (see the module comment for the layout)."""
+    cdef _Encoder enc = _Encoder()
+    enc.encode(obj, 0)
+    return enc.finish()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Decoder
+# ---------------------------------------------------------------------------------------------------
+cdef struct Cursor:
+    const uint8_t* p
+    const uint8_t* end
+
+
+cdef inline int _need(Cursor* c, size_t n) except -1:
+    if <size_t>(c.end - c.p) < n:
+        raise CodecError("encoded value is truncated or malformed (metadata runs past its end)")
+    return 0
+
+cdef inline uint8_t _gu8(Cursor* c) except? 255:
+    _need(c, 1)
+    cdef uint8_t v = c.p[0]
+    c.p += 1
+    return v
+
+cdef inline uint32_t _gu32(Cursor* c) except? 0xFFFFFFFF:
+    _need(c, 4)
+    cdef uint32_t v = _rd32(c.p)
+    c.p += 4
+    return v
+
+cdef inline uint64_t _gu64(Cursor* c) except? 0xFFFFFFFFFFFFFFFF:
+    _need(c, 8)
+    cdef uint64_t v = _rd64(c.p)
+    c.p += 8
+    return v
+
+
+cdef class _Decoder:
+    cdef object arena          # bytearray (or the caller's writable buffer) the arrays view
+    cdef uint64_t arena_off    # where the data section starts inside arena
+    cdef uint64_t data_len
+
+    cdef tuple _shape(self, Cursor* c, uint64_t* numel):
+        cdef uint8_t nd = _gu8(c)
+        cdef uint8_t i
+        cdef uint64_t d
+        cdef list dims = []
+        numel[0] = 1
+        for i in range(nd):
+            d = _gu64(c)
+            numel[0] *= d
+            dims.append(d)
+        return tuple(dims)
+
+    cdef object _array(self, int kind, int code, tuple shape, uint64_t numel, uint64_t off):
+        cdef uint64_t itemsize, nbytes
+        if kind == K_TENSOR:
+            if code >= len(_TORCH_DTYPES):
+                raise CodecError(f"unknown tensor dtype code {code}")
+            dt = _TORCH_DTYPES[code]
+            itemsize = _TORCH_ITEMSIZE[code]
+        else:
+            if code >= len(_NP_DTYPES):
+                raise CodecError(f"unknown array dtype code {code}")
+            dt = _NP_DTYPES[code]
+            itemsize = (<object>dt).itemsize
+        nbytes = numel * itemsize
+        if numel == 0:
+            return _torch_empty(shape, dtype=dt) if kind == K_TENSOR else _np_empty(shape, dtype=dt)
+        if off + nbytes > self.data_len or off + nbytes < off:
+            raise CodecError("encoded value is malformed (an array runs past the data section)")
+        if kind == K_TENSOR:
+            t = _frombuffer_torch(self.arena, dtype=dt, count=numel, offset=self.arena_off + off)
+            return t if len(shape) == 1 else t.view(shape)
+        a = _frombuffer_np(self.arena, dt, numel, self.arena_off + off)
+        return a if len(shape) == 1 else a.reshape(shape)
+
+    cdef object decode(self, Cursor* c, int depth):
+        cdef uint8_t tag = _gu8(c)
+        cdef uint64_t n, i, numel, off
+        cdef int64_t iv
+        cdef double fv
+        cdef uint8_t code
+        if depth > MAX_DEPTH:
+            raise CodecError("encoded value nests too deeply")
+        if tag == T_NONE:
+            return None
+        if tag == T_FALSE:
+            return False
+        if tag == T_TRUE:
+            return True
+        if tag == T_INT:
+            _need(c, 8)
+            memcpy(&iv, c.p, 8)
+            c.p += 8
+            return iv
+        if tag == T_FLOAT:
+            _need(c, 8)
+            memcpy(&fv, c.p, 8)
+            c.p += 8
+            return fv
+        if tag == T_STR:
+            n = _gu64(c)
+            _need(c, n)
+            s = PyUnicode_DecodeUTF8(<const char*>c.p, <Py_ssize_t>n, "strict")
+            c.p += n
+            return s
+        if tag == T_BYTES:
+            n = _gu64(c)
+            _need(c, n)
+            b = PyBytes_FromStringAndSize(<const char*>c.p, <Py_ssize_t>n)
+            c.p += n
+            return b
+        if tag == T_TUPLE or tag == T_LIST:
+            n = _gu64(c)
+            if n > <uint64_t>(c.end - c.p):   # every item takes at least one byte
+                raise CodecError("encoded value is malformed (container longer than its metadata)")
+            items = [self.decode(c, depth + 1) for i in range(n)]
+            return tuple(items) if tag == T_TUPLE else items
+        if tag == T_DICT:
+            n = _gu64(c)
+            if n > <uint64_t>(c.end - c.p):
+                raise CodecError("encoded value is malformed (dict longer than its metadata)")
+            d = {}
+            for i in range(n):
+                k = self.decode(c, depth + 1)
+                d[k] = self.decode(c, depth + 1)
+            return d
+        if tag == T_TENSOR or tag == T_NDARRAY:
+            code = _gu8(c)
+            shape = self._shape(c, &numel)
+            off = _gu64(c)
+            return self._array(K_TENSOR if tag == T_TENSOR else K_NDARRAY, code, shape, numel, off)
+        if tag == T_NPSCALAR:
+            code = _gu8(c)
+            if code >= len(_NP_DTYPES):
+                raise CodecError(f"unknown array dtype code {code}")
+            dt = _NP_DTYPES[code]
+            n = (<object>dt).itemsize
+            _need(c, n)
+            v = _frombuffer_np(PyBytes_FromStringAndSize(<const char*>c.p, <Py_ssize_t>n), dt)[0]
+            c.p += n
+            return v
+        if tag == T_PICKLE:
+            return self._unpickle(c)
+        raise CodecError(f"encoded value is malformed (unknown tag {tag})")
+
+    cdef object _unpickle(self, Cursor* c):
+        cdef uint32_t nrefs = _gu32(c)
+        cdef uint32_t i
+        cdef uint8_t kind, code
+        cdef uint64_t numel, off, n
+        objs = []
+        buffers = []
+        for i in range(nrefs):
+            kind = _gu8(c)
+            code = _gu8(c)
+            shape = self._shape(c, &numel)
+            off = _gu64(c)
+            if kind == K_RAW:
+                if off + numel > self.data_len:
+                    raise CodecError("encoded value is malformed (a buffer runs past the data section)")
+                buffers.append(memoryview(self.arena)[self.arena_off + off:self.arena_off + off + numel])
+            elif kind == K_TENSOR or kind == K_NDARRAY:
+                objs.append(self._array(kind, code, shape, numel, off))
+            else:
+                raise CodecError(f"encoded value is malformed (unknown reference kind {kind})")
+        n = _gu64(c)
+        _need(c, n)
+        payload = PyBytes_FromStringAndSize(<const char*>c.p, <Py_ssize_t>n)
+        c.p += n
+        up = _Unpickler(io.BytesIO(payload), objs, buffers)
+        return up.load()
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file, objs, buffers):
+        super().__init__(file, buffers=buffers)
+        self._objs = objs
+
+    def persistent_load(self, pid):
+        if type(pid) is not int or not 0 <= pid < len(self._objs):
+            raise pickle.UnpicklingError(f"bad persistent id {pid!r}")
+        return self._objs[pid]
+
+
+def decode(buf, bint copy=True):
+    """Decode a value produced by :func:`encode`.
+
+    Verifies the checksum first; raises :class:`ChecksumError` for damaged values and
+    :class:`CodecError` for anything that is not an encoded value. With ``copy=True`` (the default)
+    the array bytes are copied once into a fresh buffer the returned tensors/arrays view, so ``buf``
+    may be released right after (LMDB buffers). With ``copy=False`` and a writable ``buf`` (a
+    bytearray), the arrays are views of ``buf`` itself.
+    """
+    cdef Py_buffer view
+    cdef const uint8_t* p
+    cdef uint32_t meta_len
+    cdef uint64_t data_len, stored, h, data_start, total
+    cdef uint8_t* dst = NULL
+    cdef Cursor c
+    cdef _Decoder dec = _Decoder()
+    cdef bint writable = False
+    if not copy:
+        try:
+            PyObject_GetBuffer(buf, &view, PyBUF_WRITABLE)
+            writable = True
+        except BufferError:
+            copy = True
+    if not writable:
+        PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
+    try:
+        p = <const uint8_t*>view.buf
+        total = <uint64_t>view.len
+        if total < HEADER or memcmp4(p, <const char*>MAGIC) != 0:
+            raise CodecError("not a trainloom-encoded value (bad magic or shorter than the 32-byte header)")
+        memcpy(&meta_len, p + 4, 4)
+        memcpy(&data_len, p + 8, 8)
+        memcpy(&stored, p + 16, 8)
+        data_start = (HEADER + <uint64_t>meta_len + ALIGN - 1) // ALIGN * ALIGN
+        if data_start > total or total - data_start != data_len:
+            raise ChecksumError(
+                f"damaged value: header says {meta_len}+{data_len} bytes, buffer holds {total}")
+        if copy and data_len:
+            dec.arena = PyByteArray_FromStringAndSize(NULL, <Py_ssize_t>data_len)
+            dst = <uint8_t*>PyByteArray_AS_STRING(dec.arena)
+            dec.arena_off = 0
+        else:
+            dec.arena = buf
+            dec.arena_off = data_start
+        dec.data_len = data_len
+        if data_len >= NOGIL_MIN:
+            # `view` pins the source and dec.arena owns dst: no Python object is touched in here.
+            with nogil:
+                h = _checksum(p + HEADER, meta_len, data_len, NULL)
+                h = _checksum(p + data_start, <size_t>data_len, h, dst)
+        else:
+            h = _checksum(p + HEADER, meta_len, data_len, NULL)
+            h = _checksum(p + data_start, <size_t>data_len, h, dst)
+        if h != stored:
+            raise ChecksumError(f"damaged value: checksum {h:#018x} != stored {stored:#018x}")
+        c.p = p + HEADER
+        c.end = p + HEADER + meta_len
+        out = dec.decode(&c, 0)
+        if c.p != c.end:
+            raise CodecError("encoded value is malformed (trailing metadata)")
+        return out
+    finally:
+        PyBuffer_Release(&view)
+
+
+cdef inline int memcmp4(const uint8_t* a, const char* b) noexcept nogil:
+    return 0 if (a[0] == <uint8_t>b[0] and a[1] == <uint8_t>b[1] and a[2] == <uint8_t>b[2]
+                 and a[3] == <uint8_t>b[3]) else 1
+
+
+def is_encoded(buf):
+    """True when ``buf`` starts with the codec's magic (cheap; does not verify the checksum)."""
+    cdef Py_buffer view
+    PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
+    try:
+        return view.len >= HEADER and memcmp4(<const uint8_t*>view.buf, <const char*>MAGIC) == 0
+    finally:
+        PyBuffer_Release(&view)

@@ -1,0 +1,630 @@
+"""``CacheLoader`` and ``CachedDataset``: compute each sample once, read it back fast afterwards.
+
+Values are encoded with :mod:`trainloom.data.codec` (checksummed, tensors raw) and kept in a
+key-value store: :class:`~trainloom.data.stores.LmdbStore` (embedded, the default) or
+:class:`~trainloom.data.stores.RedisStore` (shared by every node). The API is Bagua's
+(``bagua.torch_api.contrib.CacheLoader`` / ``CachedDataset``): a Bagua user changes the import; the
+default backend is ``"lmdb"`` instead of ``"redis"``, so it works with no server at all.
+
+What is guaranteed:
+
+* nothing computed is lost: buffered writes are flushed when the buffer is full, on :meth:`flush`,
+  :meth:`close`, at interpreter exit and when a DataLoader worker process stops (through
+  ``multiprocessing.util.Finalize``, which runs in forked, spawned and forkserver workers, where
+  ``atexit`` does not);
+* a damaged value is detected by its checksum, counted (``stats()["corrupt"]``) and recomputed;
+* a failing store raises :class:`~trainloom.errors.StoreError`, or with ``on_error="bypass"`` is
+  skipped with one warning, counted, and retried every ``retry_interval`` seconds while writes wait
+  in a buffer bounded by ``max_buffer_bytes``;
+* Redis running out of memory stops new writes with one warning (``stats()["oom"]``).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing.util
+import operator
+import os
+import threading
+import time
+import warnings
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from torch.utils.data import Dataset
+
+from trainloom._build_check import import_compiled
+from trainloom.data.codec import ChecksumError, CodecError
+from trainloom.data.stores.base import Store, StoreError, StoreOutOfMemoryError
+
+_codec = import_compiled("trainloom.data._codec")
+
+__all__ = ["CacheLoader", "CachedDataset", "CodecError", "ChecksumError", "make_store"]
+
+log = logging.getLogger("trainloom.data")
+
+#: Key of the entry holding a namespace's fingerprint (cannot collide: cache keys never start with NUL).
+META_KEY = b"\x00trainloom-meta"
+_CORRUPT = object()
+_STAT_NAMES = (
+    "hits",
+    "misses",
+    "writes",
+    "bytes_read",
+    "bytes_written",
+    "errors",
+    "corrupt",
+    "bypassed",
+    "dropped",
+    "oom",
+    "flushes",
+)
+
+
+def make_store(backend: Any, namespace: str, **store_kwargs: Any) -> Store:
+    """Build the store for ``backend`` ("lmdb", "redis" or a :class:`Store` instance)."""
+    if isinstance(backend, Store):
+        if store_kwargs:
+            raise ValueError(f"store arguments {sorted(store_kwargs)} cannot be used with a Store instance")
+        return backend
+    if backend == "lmdb":
+        from trainloom.data.stores.lmdb_store import LmdbStore
+
+        return LmdbStore(namespace=namespace, **store_kwargs)
+    if backend == "redis":
+        from trainloom.data.stores.redis_store import RedisStore
+
+        return RedisStore(namespace=namespace, **store_kwargs)
+    raise ValueError(f"unknown cache backend {backend!r}: use 'lmdb', 'redis' or a trainloom Store instance")
+
+
+def _flush_at_exit(ref: weakref.ref[CacheLoader]) -> None:
+    loader = ref()
+    if loader is not None:
+        loader._flush_on_exit()
+
+
+class CacheLoader:
+    """Caches values computed by an expensive function under their keys.
+
+    Values are stored under ``"{dataset_name}_{key}"`` in the store's namespace ``dataset_name``, so
+    loaders with different ``dataset_name`` never see each other's entries (even for names like
+    ``"a"`` + key ``"b_1"`` and ``"a_b"`` + key ``"1"``).
+
+    Args:
+        backend: ``"lmdb"`` (default, embedded), ``"redis"``, or a :class:`~trainloom.data.stores.Store`.
+        dataset_name: name of the dataset; the store namespace and the key prefix.
+        writer_buffer_size: number of computed values collected before one batched write.
+        fingerprint: optional str/bytes/int describing how values are computed (dataset version,
+            preprocessing parameters). When it differs from the one stored with the namespace,
+            the stale entries are dropped once, at construction.
+        on_error: ``"raise"`` (default): a failing store raises :class:`~trainloom.errors.StoreError`.
+            ``"bypass"``: warn once, count the error, serve misses (compute with ``load_fn``) and
+            retry the store after ``retry_interval`` seconds; writes wait in a buffer of at most
+            ``max_buffer_bytes`` (the oldest are dropped and counted beyond that).
+        max_buffer_bytes: bound of the write buffer in bypass mode (default 64 MiB).
+        retry_interval: seconds between attempts to use a failed store in bypass mode.
+        **store_kwargs: passed to the store (``path=``, ``map_size=`` for LMDB; ``hosts=``,
+            ``cluster_mode=``, ``capacity_per_node=`` for Redis).
+
+    Example::
+
+        >>> loader = CacheLoader(path=tmp_path / "cache", dataset_name="squares")
+        >>> loader.get(3, lambda k: k * k)   # computed and stored
+        9
+        >>> loader.get(3, lambda k: -1)      # read from the cache
+        9
+    """
+
+    def __init__(
+        self,
+        backend: Any = "lmdb",
+        dataset_name: str = "",
+        writer_buffer_size: int = 1,
+        *,
+        fingerprint: Any = None,
+        on_error: str = "raise",
+        max_buffer_bytes: int = 64 << 20,
+        retry_interval: float = 5.0,
+        **store_kwargs: Any,
+    ) -> None:
+        if not isinstance(dataset_name, str):
+            raise TypeError(f"dataset_name must be a str, got {type(dataset_name).__name__}")
+        if (
+            not isinstance(writer_buffer_size, int)
+            or isinstance(writer_buffer_size, bool)
+            or writer_buffer_size < 1
+        ):
+            raise ValueError(f"writer_buffer_size must be an int >= 1, got {writer_buffer_size!r}")
+        if on_error not in ("raise", "bypass"):
+            raise ValueError(f"on_error must be 'raise' or 'bypass', got {on_error!r}")
+        if not isinstance(max_buffer_bytes, int) or max_buffer_bytes < 0:
+            raise ValueError(f"max_buffer_bytes must be an int >= 0, got {max_buffer_bytes!r}")
+        if not retry_interval >= 0:
+            raise ValueError(f"retry_interval must be >= 0, got {retry_interval!r}")
+        self.dataset_name = dataset_name
+        self.writer_buffer_size = writer_buffer_size
+        self.on_error = on_error
+        self.max_buffer_bytes = max_buffer_bytes
+        self.retry_interval = float(retry_interval)
+        self.store = make_store(backend, dataset_name, **store_kwargs)
+        self.backend = self.store.backend
+        self._prefix = (dataset_name + "_").encode("utf-8")
+        self._reset_process_state()
+        self._has_meta = False
+        if fingerprint is not None:
+            self._check_fingerprint(fingerprint)
+
+    # -- process-local state ----------------------------------------------------------------------
+    def _reset_process_state(self) -> None:
+        self._pid = os.getpid()
+        self._buffer: Dict[bytes, bytes] = {}
+        self._buffer_bytes = 0
+        self._lock = threading.RLock()
+        self._finalizer: Optional[multiprocessing.util.Finalize] = None
+        self._stats = dict.fromkeys(_STAT_NAMES, 0)
+        self._down_until = 0.0
+        self._warned: set = set()
+        self._writes_disabled = False
+        self._closed = False
+
+    def _check_pid(self) -> None:
+        if self._pid != os.getpid():
+            # A forked child: the parent flushes its own buffer; the child starts empty.
+            self._reset_process_state()
+
+    def __getstate__(self) -> Dict[str, Any]:
+        with self._lock:
+            if self._pid == os.getpid():
+                self.flush()
+            state = dict(self.__dict__)
+        for k in ("_buffer", "_lock", "_finalizer", "_stats", "_warned"):
+            state.pop(k, None)
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset_process_state()
+
+    def _ensure_finalizer(self) -> None:
+        if self._finalizer is None:
+            # atexit and weakref.finalize do not run when a forked DataLoader worker exits; Finalize
+            # with an exitpriority runs from multiprocessing's _exit_function in every worker kind
+            # and, through atexit, in the main process.
+            self._finalizer = multiprocessing.util.Finalize(
+                None, _flush_at_exit, args=(weakref.ref(self),), exitpriority=10
+            )
+
+    def _flush_on_exit(self) -> None:
+        if self._pid != os.getpid() or self._closed:
+            return
+        try:
+            self.flush()
+        except StoreError as exc:
+            log.error(
+                "CacheLoader(%r): could not flush %d buffered values at exit: %s",
+                self.dataset_name,
+                len(self._buffer),
+                exc,
+            )
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def key(self, key: Any) -> bytes:
+        """The store key of ``key``: ``"{dataset_name}_{key}"`` as UTF-8."""
+        if type(key) is int:
+            return b"%b%d" % (self._prefix, key)
+        return self._prefix + str(key).encode("utf-8")
+
+    def _warn_once(self, what: str, message: str) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
+            log.warning(message)
+
+    def _store_failed(self, exc: StoreError, action: str) -> None:
+        self._stats["errors"] += 1
+        if self.on_error == "raise":
+            raise exc
+        self._down_until = time.monotonic() + self.retry_interval
+        self._warn_once(
+            "bypass",
+            f"CacheLoader({self.dataset_name!r}): the {self.backend} store failed during {action} ({exc}); "
+            f"on_error='bypass': serving misses and retrying every {self.retry_interval:g}s. "
+            "See stats() for the error, bypass and drop counts.",
+        )
+
+    def _is_down(self) -> bool:
+        return self._down_until > 0.0 and time.monotonic() < self._down_until
+
+    def _decode_one(self, buf: Any) -> Any:
+        self._stats["bytes_read"] += len(buf)
+        try:
+            return _codec.decode(buf, True)
+        except (_codec.CodecError, UnicodeDecodeError):
+            return _CORRUPT
+
+    def _read(self, keys: List[bytes]) -> List[Any]:
+        """Values (or None / _CORRUPT) for store keys; counts; honours bypass."""
+        if self._is_down():
+            self._stats["bypassed"] += len(keys)
+            return [None] * len(keys)
+        stats = self._stats
+        nbytes = 0
+        dec = _codec.decode
+
+        def fast(buf: Any) -> Any:
+            nonlocal nbytes
+            nbytes += len(buf)
+            return dec(buf, True)
+
+        try:
+            try:
+                out = self.store.mget_apply(keys, fast)
+                stats["bytes_read"] += nbytes
+            except (_codec.CodecError, UnicodeDecodeError):
+                # Some value is damaged: redo the batch item by item, marking only the bad ones.
+                out = self.store.mget_apply(keys, self._decode_one)
+        except StoreError as exc:
+            self._store_failed(exc, "a read")
+            stats["bypassed"] += len(keys)
+            return [None] * len(keys)
+        if self._buffer:
+            buf = self._buffer
+            for i, k in enumerate(keys):
+                if out[i] is None and k in buf:
+                    out[i] = _codec.decode(buf[k], True)
+        return out
+
+    def _encode(self, value: Any, what: str) -> bytes:
+        try:
+            return _codec.encode(value)
+        except (_codec.CodecError, RecursionError) as exc:
+            raise CodecError(
+                f"CacheLoader({self.dataset_name!r}): {what} cannot be serialized for the cache: {exc}. "
+                "Return tensors, numpy arrays, numbers, str, bytes or picklable objects."
+            ) from exc
+
+    def _put(self, k: bytes, encoded: bytes) -> None:
+        if self._writes_disabled:
+            self._stats["dropped"] += 1
+            return
+        with self._lock:
+            old = self._buffer.pop(k, None)
+            if old is not None:
+                self._buffer_bytes -= len(old)
+            self._buffer[k] = encoded
+            self._buffer_bytes += len(encoded)
+            self._ensure_finalizer()
+            if len(self._buffer) >= self.writer_buffer_size and not self._is_down():
+                self.flush()
+            self._trim_buffer()
+
+    def _trim_buffer(self) -> None:
+        # Only grows past writer_buffer_size while the store is down (bypass): bounded in bytes.
+        while self._buffer and self._buffer_bytes > self.max_buffer_bytes and len(self._buffer) > 1:
+            k = next(iter(self._buffer))
+            self._buffer_bytes -= len(self._buffer.pop(k))
+            self._stats["dropped"] += 1
+
+    def _check_fingerprint(self, fingerprint: Any) -> None:
+        value = b"trainloom-cache-v1|" + repr(fingerprint).encode("utf-8")
+        try:
+            dropped = self.store.reset_if_changed(META_KEY, value)
+        except StoreError as exc:
+            self._store_failed(exc, "the fingerprint check")
+            return
+        self._has_meta = True
+        if dropped:
+            log.warning(
+                "CacheLoader(%r): fingerprint changed (%r); dropped the stale entries of namespace %r",
+                self.dataset_name,
+                fingerprint,
+                self.dataset_name,
+            )
+
+    # -- public API -------------------------------------------------------------------------------
+    def get(self, key: Any, load_fn: Callable[[Any], Any]) -> Any:
+        """The cached value of ``key``, or ``load_fn(key)`` computed, stored and returned.
+
+        Args:
+            key: any key whose ``str()`` identifies the value (an int index, a path...).
+            load_fn: computes the value from ``key`` on a miss.
+
+        Raises:
+            CodecError: the computed value cannot be serialized (names the key).
+            StoreError: the store failed (unless ``on_error="bypass"``).
+        """
+        self._check_pid()
+        k = self.key(key)
+        v = self._read([k])[0]
+        if v is not None and v is not _CORRUPT:
+            self._stats["hits"] += 1
+            return v
+        if v is _CORRUPT:
+            self._stats["corrupt"] += 1
+            log.warning("CacheLoader(%r): damaged value for key %r recomputed", self.dataset_name, key)
+        self._stats["misses"] += 1
+        value = load_fn(key)
+        self._put(k, self._encode(value, f"the value for key {key!r}"))
+        return value
+
+    def get_many(
+        self,
+        keys: Sequence[Any],
+        load_fn: Callable[[Any], Any],
+        load_many: Optional[Callable[[List[Any]], List[Any]]] = None,
+        what: str = "key",
+    ) -> List[Any]:
+        """Values for several keys with one batched read; misses computed with ``load_many(keys)``
+        when given, else ``load_fn(key)`` each."""
+        self._check_pid()
+        ks = [self.key(k) for k in keys]
+        vals = self._read(ks)
+        missing = [i for i, v in enumerate(vals) if v is None or v is _CORRUPT]
+        self._stats["hits"] += len(ks) - len(missing)
+        if missing:
+            bad = sum(1 for i in missing if vals[i] is _CORRUPT)
+            if bad:
+                self._stats["corrupt"] += bad
+                log.warning("CacheLoader(%r): %d damaged values recomputed", self.dataset_name, bad)
+            self._stats["misses"] += len(missing)
+            todo = [keys[i] for i in missing]
+            computed = load_many(todo) if load_many is not None else [load_fn(k) for k in todo]
+            if len(computed) != len(todo):
+                raise ValueError(f"load_many returned {len(computed)} values for {len(todo)} keys")
+            for i, value in zip(missing, computed):
+                vals[i] = value
+                self._put(ks[i], self._encode(value, f"the value for {what} {keys[i]!r}"))
+        return vals
+
+    def contains_many(self, keys: Sequence[Any]) -> List[bool]:
+        """Whether each key is in the store (reads no value, decodes nothing)."""
+        self._check_pid()
+        ks = [self.key(k) for k in keys]
+        out = self.store.mget_apply(ks, lambda buf: True)
+        return [v is not None or k in self._buffer for k, v in zip(ks, out)]
+
+    def num_keys(self) -> int:
+        """The number of cached values of this loader's ``dataset_name`` (written ones)."""
+        self._check_pid()
+        n = self.store.num_keys()
+        if self._has_meta and n:
+            n -= 1
+        return n
+
+    def flush(self) -> None:
+        """Write the buffered values to the store now."""
+        self._check_pid()
+        with self._lock:
+            if not self._buffer:
+                return
+            if self._writes_disabled:
+                self._stats["dropped"] += len(self._buffer)
+                self._buffer.clear()
+                self._buffer_bytes = 0
+                return
+            items = self._buffer
+            try:
+                self.store.mset(items)
+            except StoreOutOfMemoryError as exc:
+                self._stats["oom"] += 1
+                self._stats["dropped"] += len(items)
+                self._writes_disabled = True
+                self._buffer = {}
+                self._buffer_bytes = 0
+                self._warn_once(
+                    "oom",
+                    f"CacheLoader({self.dataset_name!r}): the store is out of memory ({exc}); no new values "
+                    "will be written by this process (reads continue). Raise capacity_per_node= or clear "
+                    "old caches.",
+                )
+                return
+            except StoreError as exc:
+                self._trim_buffer()
+                self._store_failed(exc, "a write")
+                return
+            self._stats["writes"] += len(items)
+            self._stats["bytes_written"] += self._buffer_bytes
+            self._stats["flushes"] += 1
+            self._buffer = {}
+            self._buffer_bytes = 0
+            self._down_until = 0.0
+
+    def stats(self) -> Dict[str, int]:
+        """Counters of this process: hits, misses, writes, bytes_read, bytes_written, errors,
+        corrupt (damaged values recomputed), bypassed (reads skipped in bypass mode), dropped
+        (values not written: buffer bound, OOM), oom, flushes, and buffered (values waiting)."""
+        self._check_pid()
+        out = dict(self._stats)
+        out["buffered"] = len(self._buffer)
+        out["buffered_bytes"] = self._buffer_bytes
+        return out
+
+    def clear(self) -> None:
+        """Delete every cached value of this ``dataset_name`` (other names are untouched)."""
+        self._check_pid()
+        with self._lock:
+            self._buffer.clear()
+            self._buffer_bytes = 0
+            self.store.clear()
+            self._has_meta = False
+
+    def close(self) -> None:
+        """Flush, then release this process's store handles (idempotent)."""
+        if self._closed:
+            return
+        self._check_pid()
+        try:
+            self.flush()
+        finally:
+            self._closed = True
+            if self._finalizer is not None:
+                self._finalizer.cancel()
+                self._finalizer = None
+            self.store.close()
+
+    def __enter__(self) -> CacheLoader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"CacheLoader(store={self.store!r}, dataset_name={self.dataset_name!r})"
+
+
+class _Warm(Dataset):
+    """Computes and caches a batch in a worker; returns only the count (no sample crosses processes)."""
+
+    def __init__(self, ds: CachedDataset, indices: List[int]) -> None:
+        self.ds = ds
+        self.indices = indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> int:
+        return len(self.__getitems__([i]))
+
+    def __getitems__(self, positions: List[int]) -> int:
+        self.ds.__getitems__([self.indices[p] for p in positions])
+        return len(positions)
+
+
+class CachedDataset(Dataset):
+    """A map-style dataset whose samples are computed once by ``dataset`` and then read from a cache.
+
+    Samples are stored under ``"{dataset_name}_{index}"``. ``__getitems__`` lets torch's DataLoader
+    fetch a whole batch with one batched read. The cache is invalidated (once, at construction) when
+    ``len(dataset)`` or ``fingerprint`` changes.
+
+    Args:
+        dataset: the map-style dataset to cache.
+        backend: ``"lmdb"`` (default), ``"redis"`` or a :class:`~trainloom.data.stores.Store`.
+        dataset_name: name of the dataset (store namespace and key prefix).
+        writer_buffer_size: computed samples collected before one batched write.
+        fingerprint: optional description of the dataset version/preprocessing; see
+            :class:`CacheLoader`.
+        **kwargs: passed to :class:`CacheLoader` (``on_error=``...) and the store (``path=``...).
+
+    Example::
+
+        >>> ds = CachedDataset(SlowDataset(64), path=tmp_path / "cache", dataset_name="slow")
+        >>> loader = torch.utils.data.DataLoader(ds, batch_size=16, num_workers=2)
+        >>> for batch in loader: ...      # first epoch computes, later epochs read the cache
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        backend: Any = "lmdb",
+        dataset_name: str = "",
+        writer_buffer_size: int = 20,
+        *,
+        fingerprint: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
+            raise TypeError(
+                "CachedDataset needs a map-style dataset with __getitem__ and __len__, "
+                f"got {type(dataset).__name__}"
+            )
+        self.dataset = dataset
+        self._len = len(dataset)
+        self.cache_loader = CacheLoader(
+            backend,
+            dataset_name,
+            writer_buffer_size,
+            fingerprint=("len", self._len, fingerprint),
+            **kwargs,
+        )
+
+    def __len__(self) -> int:
+        return self._len
+
+    def _index(self, index: Any) -> int:
+        try:
+            i = operator.index(index)
+        except TypeError:
+            raise TypeError(
+                f"CachedDataset indices must be integers, got {type(index).__name__} ({index!r})"
+            ) from None
+        if i < 0:
+            i += self._len
+        if not 0 <= i < self._len:
+            raise IndexError(f"CachedDataset index {index} out of range for a dataset of length {self._len}")
+        return i
+
+    def _load(self, index: int) -> Any:
+        return self.dataset[index]
+
+    def _load_many(self, indices: List[int]) -> List[Any]:
+        many = getattr(self.dataset, "__getitems__", None)
+        if many is not None:
+            return list(many(indices))
+        return [self.dataset[i] for i in indices]
+
+    def __getitem__(self, index: Any) -> Any:
+        i = self._index(index)
+        return self.cache_loader.get_many([i], self._load, self._load_many, what="dataset index")[0]
+
+    def __getitems__(self, indices: Sequence[Any]) -> List[Any]:
+        idx = [self._index(i) for i in indices]
+        return self.cache_loader.get_many(idx, self._load, self._load_many, what="dataset index")
+
+    def stats(self) -> Dict[str, int]:
+        """This process's cache counters (see :meth:`CacheLoader.stats`)."""
+        return self.cache_loader.stats()
+
+    def warmup(
+        self,
+        num_workers: int = 0,
+        progress: bool = True,
+        batch_size: int = 64,
+        multiprocessing_context: Optional[str] = None,
+    ) -> int:
+        """Compute and cache every sample not cached yet, with a tqdm progress bar.
+
+        Args:
+            num_workers: DataLoader worker processes computing samples (0: this process).
+            progress: show a progress bar.
+            batch_size: samples per batched read/write.
+            multiprocessing_context: start method for the workers (default: torch's).
+
+        Returns:
+            The number of samples computed.
+        """
+        from torch.utils.data import DataLoader
+        from tqdm.auto import tqdm
+
+        missing: List[int] = []
+        for start in range(0, self._len, 4096):
+            idx = list(range(start, min(start + 4096, self._len)))
+            missing += [i for i, hit in zip(idx, self.cache_loader.contains_many(idx)) if not hit]
+        if not missing:
+            return 0
+        loader = DataLoader(
+            _Warm(self, missing),
+            batch_size=batch_size,
+            num_workers=num_workers,
+            collate_fn=_identity,
+            multiprocessing_context=multiprocessing_context if num_workers else None,
+        )
+        with tqdm(
+            total=len(missing),
+            disable=not progress,
+            desc=f"caching {self.cache_loader.dataset_name!r}",
+            unit="sample",
+        ) as bar:
+            for n in loader:
+                bar.update(n)
+        self.cache_loader.flush()
+        return len(missing)
+
+    def close(self) -> None:
+        """Flush and close the cache (see :meth:`CacheLoader.close`)."""
+        self.cache_loader.close()
+
+
+def _identity(x: Any) -> Any:
+    return x

@@ -1,0 +1,112 @@
+"""The sample codec: one checksummed buffer per sample, tensors stored raw.
+
+A sample is any nesting of ``tuple``, ``list`` and ``dict`` holding torch tensors, numpy arrays,
+numpy scalars, ``int``, ``float``, ``bool``, ``None``, ``str`` and ``bytes``. :func:`encode` writes it
+into one ``bytes`` value: a 32-byte header, a small metadata section describing the tree, and the raw
+C-contiguous bytes of every array (only the elements a view covers, never its whole storage).
+Anything else is pickled with protocol 5, but tensors and arrays inside such objects are still
+pulled out and stored raw, so tensors never go through pickle.
+
+:func:`decode` verifies the checksum, then copies the array bytes once into a fresh buffer (fused
+with the checksum pass) and returns tensors/arrays that view it. A damaged value raises
+:class:`ChecksumError`; the cache counts it and recomputes the sample.
+
+Example::
+
+    >>> from trainloom.data.codec import decode, encode
+    >>> x = (torch.arange(3), {"label": 7})
+    >>> decode(encode(x))
+    (tensor([0, 1, 2]), {'label': 7})
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+from trainloom._build_check import import_compiled
+from trainloom.errors import TrainloomError
+
+_codec = import_compiled("trainloom.data._codec")
+
+__all__ = ["encode", "decode", "checksum", "hash64", "is_encoded", "CodecError", "ChecksumError"]
+
+BytesLike = Union[bytes, bytearray, memoryview]
+
+
+class CodecError(TrainloomError, ValueError):
+    """A sample cannot be encoded, or a buffer is not a valid encoded value."""
+
+
+class ChecksumError(CodecError):
+    """An encoded value is damaged (its checksum does not match); it is never returned as a sample."""
+
+
+def encode(obj: Any) -> bytes:
+    """Encode a sample into one checksummed ``bytes`` value.
+
+    Args:
+        obj: the sample (see the module docstring for what is stored natively).
+
+    Returns:
+        The encoded value.
+
+    Raises:
+        CodecError: the sample (or something inside it) cannot be serialized, e.g. a lambda or an
+            open file, or it nests more than 200 levels deep.
+
+    Example::
+
+        >>> len(encode(torch.zeros(10, dtype=torch.uint8)))  # header + metadata + padding + 10
+        138
+    """
+    try:
+        return _codec.encode(obj)
+    except _codec.CodecError as exc:
+        raise CodecError(str(exc)) from exc
+
+
+def decode(buf: BytesLike, copy: bool = True) -> Any:
+    """Decode a value produced by :func:`encode`.
+
+    Args:
+        buf: the encoded value (any bytes-like object; read only inside this call when ``copy``).
+        copy: ``True`` (default) copies the array bytes once into a new buffer, so ``buf`` may be
+            released or reused afterwards (required for LMDB buffers). ``False`` with a writable
+            ``buf`` (a ``bytearray``) returns arrays that view ``buf`` itself, with no copy at all.
+
+    Returns:
+        The sample, with tensors and arrays writable.
+
+    Raises:
+        ChecksumError: the value is damaged.
+        CodecError: ``buf`` is not an encoded value.
+    """
+    try:
+        return _codec.decode(buf, copy)
+    except _codec.ChecksumError as exc:
+        raise ChecksumError(str(exc)) from exc
+    except _codec.CodecError as exc:
+        raise CodecError(str(exc)) from exc
+    except UnicodeDecodeError as exc:
+        raise CodecError(f"encoded value is malformed (bad UTF-8 in a string: {exc})") from exc
+
+
+def checksum(buf: BytesLike, seed: int = 0) -> int:
+    """The 64-bit checksum the codec stores (SSE2 multiply-accumulate lanes + XXH64 finish)."""
+    return _codec.checksum(buf, seed)
+
+
+def hash64(data: Union[str, BytesLike], seed: int = 0) -> int:
+    """XXH64 of ``data`` (a str is hashed as UTF-8): stable across processes, runs and machines.
+
+    Example::
+
+        >>> hex(hash64(b"abc"))
+        '0x44bc2cf5ad770999'
+    """
+    return _codec.hash64(data, seed)
+
+
+def is_encoded(buf: BytesLike) -> bool:
+    """Whether ``buf`` starts with the codec's magic (cheap; does not verify the checksum)."""
+    return bool(_codec.is_encoded(buf))

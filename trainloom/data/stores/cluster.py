@@ -1,0 +1,98 @@
+"""``ClusterStore``: shard keys over several stores with a stable 64-bit hash (Bagua's ``ClusterStore``)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, TypeVar
+
+from trainloom.data.codec import hash64
+from trainloom.data.stores.base import Key, Store, Value, key_bytes
+
+__all__ = ["ClusterStore", "shard_of"]
+
+T = TypeVar("T")
+
+
+def shard_of(key: Key, num_shards: int) -> int:
+    """The shard of ``key``: XXH64(key as UTF-8) mod ``num_shards``, the same in every process and run."""
+    return hash64(key_bytes(key)) % num_shards
+
+
+class ClusterStore(Store):
+    """Shards entries over ``stores`` by a stable 64-bit hash of the key (XXH64, not Python's ``hash``,
+    which is salted per process).
+
+    Args:
+        stores: the stores to shard over (at least one). Their order defines the shards.
+
+    Example::
+
+        >>> cluster = ClusterStore([LmdbStore(tmp_path / "a"), LmdbStore(tmp_path / "b")])
+        >>> cluster.mset({"x": b"1", "y": b"2"})
+        >>> cluster.mget(["x", "y"])
+        [b'1', b'2']
+    """
+
+    backend = "cluster"
+
+    def __init__(self, stores: Sequence[Store]) -> None:
+        stores = list(stores)
+        if not stores:
+            raise ValueError("ClusterStore needs at least one store")
+        for i, s in enumerate(stores):
+            if not isinstance(s, Store):
+                raise TypeError(f"ClusterStore: stores[{i}] is a {type(s).__name__}, not a trainloom Store")
+        self.stores = stores
+
+    def _shard(self, key: Key) -> int:
+        return shard_of(key, len(self.stores)) if len(self.stores) > 1 else 0
+
+    def mget_apply(self, keys: Sequence[Key], fn: Callable[[Any], T]) -> List[Optional[T]]:
+        if len(self.stores) == 1:
+            return self.stores[0].mget_apply(keys, fn)
+        groups: Dict[int, List[int]] = {}
+        for i, k in enumerate(keys):
+            groups.setdefault(self._shard(k), []).append(i)
+        out: List[Optional[T]] = [None] * len(keys)
+        for shard, idx in groups.items():
+            vals = self.stores[shard].mget_apply([keys[i] for i in idx], fn)
+            for i, v in zip(idx, vals):
+                out[i] = v
+        return out
+
+    def mset(self, dictionary: Mapping[Key, Value]) -> None:
+        if len(self.stores) == 1:
+            self.stores[0].mset(dictionary)
+            return
+        groups: Dict[int, Dict[Key, Value]] = {}
+        for k, v in dictionary.items():
+            groups.setdefault(self._shard(k), {})[k] = v
+        for shard, part in groups.items():
+            self.stores[shard].mset(part)
+
+    def num_keys(self) -> int:
+        return sum(s.num_keys() for s in self.stores)
+
+    def clear(self) -> None:
+        for s in self.stores:
+            s.clear()
+
+    def reset_if_changed(self, key: Key, value: bytes) -> bool:
+        # The fingerprint lives on every shard, so each shard checks its own entries atomically.
+        dropped = False
+        for s in self.stores:
+            dropped = s.reset_if_changed(key, value) or dropped
+        return dropped
+
+    def status(self) -> bool:
+        return all(s.status() for s in self.stores)
+
+    def shutdown(self) -> None:
+        for s in self.stores:
+            s.shutdown()
+
+    def close(self) -> None:
+        for s in self.stores:
+            s.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.stores!r})"

@@ -1,0 +1,414 @@
+"""``LmdbStore``: the embedded default store (one LMDB environment, one named database per namespace).
+
+No server: every process of a node maps the same file. Reads are zero-copy views of the memory map
+handed to a callback inside the read transaction; writes are one transaction per batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, TypeVar
+
+from trainloom.data.stores.base import (
+    Key,
+    Store,
+    StoreError,
+    StoreFullError,
+    Value,
+    check_namespace,
+    key_bytes,
+    value_bytes,
+)
+
+__all__ = ["LmdbStore", "default_cache_dir", "CACHE_DIR_ENV"]
+
+log = logging.getLogger("trainloom.data")
+T = TypeVar("T")
+
+#: Environment variable naming the directory for caches created without an explicit path.
+CACHE_DIR_ENV = "TRAINLOOM_CACHE_DIR"
+_DB_PREFIX = b"tl:"
+_GIB = 1 << 30
+
+
+def default_cache_dir() -> Path:
+    """``$TRAINLOOM_CACHE_DIR``, else ``$XDG_CACHE_HOME/trainloom``, else ``~/.cache/trainloom``."""
+    explicit = os.environ.get(CACHE_DIR_ENV)
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".cache"
+    return base / "trainloom"
+
+
+def _import_lmdb() -> Any:
+    try:
+        import lmdb
+    except ImportError as exc:  # pragma: no cover - lmdb is a core dependency
+        raise ImportError(
+            "LmdbStore needs the 'lmdb' package: pip install 'trainloom[lmdb]' (or lmdb)"
+        ) from exc
+    return lmdb
+
+
+# One environment per path per process: py-lmdb refuses to open a path twice in one process, and
+# several stores (namespaces) commonly share the default path. path -> [env, pid, users].
+_ENVS: Dict[str, List[Any]] = {}
+_ENVS_LOCK = threading.Lock()
+
+
+def _acquire_env(store: LmdbStore) -> Any:
+    lmdb = _import_lmdb()
+    key = os.path.realpath(store.path)
+    pid = os.getpid()
+    with _ENVS_LOCK:
+        entry = _ENVS.get(key)
+        if entry is not None and entry[1] != pid:
+            # Inherited through fork(): LMDB environments must not be used across fork, and py-lmdb
+            # refuses to open the path again while the inherited handle is open. Closing it in the
+            # child drops only the child's mapping and descriptors (reader slots belong to pids).
+            with contextlib.suppress(lmdb.Error):
+                entry[0].close()
+            del _ENVS[key]
+            entry = None
+        if entry is None:
+            try:
+                env = lmdb.open(
+                    key,
+                    map_size=store.map_size,
+                    subdir=True,
+                    readonly=store.readonly,
+                    max_dbs=store.max_dbs,
+                    max_readers=store.max_readers,
+                    readahead=False,
+                    meminit=False,
+                    sync=store.sync,
+                    metasync=store.sync,
+                    lock=True,
+                )
+            except lmdb.Error as exc:
+                raise StoreError(f"LmdbStore: cannot open {store.path}: {exc}", backend="lmdb") from exc
+            # Reclaim reader slots of processes that died (killed DataLoader workers) at every open.
+            store.reader_checks += env.reader_check()
+            entry = _ENVS[key] = [env, pid, 0]
+        entry[2] += 1
+        return entry[0]
+
+
+def _release_env(path: Path) -> None:
+    key = os.path.realpath(path)
+    with _ENVS_LOCK:
+        entry = _ENVS.get(key)
+        if entry is None or entry[1] != os.getpid():
+            return
+        entry[2] -= 1
+        if entry[2] <= 0:
+            del _ENVS[key]
+            entry[0].close()
+
+
+class LmdbStore(Store):
+    """A key-value store in an LMDB environment; the default backend of the cache.
+
+    Args:
+        path: directory of the LMDB environment. Default: ``<cache dir>/lmdb`` where the cache dir is
+            ``$TRAINLOOM_CACHE_DIR``, ``$XDG_CACHE_HOME/trainloom`` or ``~/.cache/trainloom``.
+        namespace: the named database this store reads and writes; ``num_keys()`` and ``clear()``
+            act on it only.
+        map_size: initial size of the memory map in bytes (default 1 GiB). The map grows by doubling
+            when full, and the failed batch is retried.
+        max_map_size: cap of that growth (default 1 TiB); reaching it raises :class:`StoreFullError`.
+        max_readers: reader slots, shared by every process on the node (ranks x DataLoader workers x
+            threads). Slots left by killed processes are reclaimed with ``reader_check()``.
+        max_dbs: how many namespaces the environment can hold.
+        sync: fsync on every commit. Off by default: a cache survives a process crash either way,
+            only an operating-system crash may lose (or, rarely, damage) the last writes.
+        readonly: open read-only (``trainloom cache info``).
+
+    The store pickles without its handles; each process (DataLoader workers under fork, spawn or
+    forkserver) opens its own environment lazily, and an environment inherited through ``fork()``
+    is closed in the child, never used.
+
+    Example::
+
+        >>> with LmdbStore(tmp_path / "db", namespace="ds") as store:
+        ...     store.set("a", b"1")
+        ...     store.mget(["a", "b"])
+        [b'1', None]
+    """
+
+    backend = "lmdb"
+
+    def __init__(
+        self,
+        path: Optional[os.PathLike] = None,
+        namespace: str = "",
+        map_size: int = _GIB,
+        max_map_size: int = 1024 * _GIB,
+        max_readers: int = 1024,
+        max_dbs: int = 256,
+        sync: bool = False,
+        readonly: bool = False,
+    ) -> None:
+        _import_lmdb()
+        for name, v in (("map_size", map_size), ("max_map_size", max_map_size), ("max_readers", max_readers)):
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"LmdbStore: {name} must be a positive int, got {v!r}")
+        if max_map_size < map_size:
+            raise ValueError(
+                f"LmdbStore: max_map_size ({max_map_size}) is smaller than map_size ({map_size})"
+            )
+        self.path = Path(path) if path is not None else default_cache_dir() / "lmdb"
+        self.namespace = check_namespace(namespace)
+        self.map_size = int(map_size)
+        self.max_map_size = int(max_map_size)
+        self.max_readers = int(max_readers)
+        self.max_dbs = int(max_dbs)
+        self.sync = bool(sync)
+        self.readonly = bool(readonly)
+        self._env: Any = None
+        self._db: Any = None
+        self._pid = -1
+        self.grow_count = 0
+        self.reader_checks = 0
+
+    # -- process-local handles -------------------------------------------------------------------
+    def __getstate__(self) -> Dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_env"] = state["_db"] = None
+        state["_pid"] = -1
+        return state
+
+    def _handles(self) -> Any:
+        if self._env is not None and self._pid == os.getpid():
+            return self._env
+        self._env = self._db = None
+        self._open()
+        return self._env
+
+    def _open(self) -> None:
+        lmdb = _import_lmdb()
+        if not self.readonly:
+            self.path.mkdir(parents=True, exist_ok=True)
+        elif not (self.path / "data.mdb").exists():
+            raise StoreError(f"LmdbStore: no LMDB environment at {self.path}", backend="lmdb")
+        env = _acquire_env(self)
+        try:
+            name = _DB_PREFIX + self.namespace.encode("utf-8")
+            if self.readonly:
+                with env.begin() as txn:
+                    exists = txn.get(name) is not None
+                if not exists:
+                    raise StoreError(
+                        f"LmdbStore: namespace {self.namespace!r} does not exist in {self.path}",
+                        backend="lmdb",
+                    )
+                self._db = env.open_db(name, create=False)
+            else:
+                self._db = self._retry_grow(env, lambda: env.open_db(name, create=True))
+        except lmdb.Error as exc:
+            _release_env(self.path)
+            raise StoreError(
+                f"LmdbStore: cannot open namespace {self.namespace!r} in {self.path}: {exc}", backend="lmdb"
+            ) from exc
+        except BaseException:
+            _release_env(self.path)
+            raise
+        self._env = env
+        self._pid = os.getpid()
+
+    # -- error handling ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _grow_lock(self) -> Iterator[None]:
+        # Resizing from two processes at once can corrupt the environment: serialise growth per node.
+        with open(self.path / "trainloom-grow.lock", "a") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    def _grow(self, env: Any) -> None:
+        with self._grow_lock():
+            env.set_mapsize(0)  # adopt a size another process may already have grown to
+            cur = env.info()["map_size"]
+            if cur >= self.max_map_size:
+                raise StoreFullError(
+                    f"LmdbStore: {self.path} is full at max_map_size={self.max_map_size} bytes "
+                    f"(namespace {self.namespace!r}); pass a larger max_map_size= or clear old caches "
+                    "with `trainloom cache clear`",
+                    backend="lmdb",
+                )
+            new = min(max(cur * 2, cur + (64 << 20)), self.max_map_size)
+            env.set_mapsize(new)
+            self.grow_count += 1
+            log.info("LmdbStore: grew the map of %s from %d to %d bytes", self.path, cur, new)
+
+    def _retry_grow(self, env: Any, fn: Callable[[], T]) -> T:
+        lmdb = _import_lmdb()
+        while True:
+            try:
+                return fn()
+            except lmdb.MapFullError:
+                # The failed transaction was rolled back as a whole: grow, then redo the same batch.
+                self._grow(env)
+            except lmdb.MapResizedError:
+                env.set_mapsize(0)
+
+    def _call(self, what: str, fn: Callable[[Any], T]) -> T:
+        """Run fn(env) with the recoveries LMDB needs: reader slots, map resized by another process."""
+        lmdb = _import_lmdb()
+        env = self._handles()
+        for attempt in range(3):
+            try:
+                return fn(env)
+            except lmdb.ReadersFullError as exc:
+                self.reader_checks += env.reader_check()
+                if attempt == 2:
+                    raise StoreError(
+                        f"LmdbStore.{what}: all {self.max_readers} reader slots of {self.path} are in use "
+                        "by live processes; pass a larger max_readers=",
+                        backend="lmdb",
+                    ) from exc
+            except lmdb.MapResizedError:
+                env.set_mapsize(0)
+            except lmdb.Error as exc:
+                raise StoreError(
+                    f"LmdbStore.{what} on {self.path} (namespace {self.namespace!r}): {exc}", backend="lmdb"
+                ) from exc
+        raise StoreError(f"LmdbStore.{what}: map resized repeatedly by other processes", backend="lmdb")
+
+    # -- the Store API ----------------------------------------------------------------------------
+    def mget_apply(self, keys: Sequence[Key], fn: Callable[[Any], T]) -> List[Optional[T]]:
+        kb = [k if type(k) is bytes else key_bytes(k) for k in keys]
+
+        def run(env: Any) -> List[Optional[T]]:
+            # buffers=True: values are views of the map, valid only inside this transaction; fn copies.
+            with env.begin(db=self._db, buffers=True) as txn:
+                get = txn.get
+                out: List[Optional[T]] = []
+                for k in kb:
+                    v = get(k)
+                    out.append(None if v is None else fn(v))
+                return out
+
+        return self._call("mget", run)
+
+    def mset(self, dictionary: Mapping[Key, Value]) -> None:
+        if self.readonly:
+            raise StoreError(f"LmdbStore: {self.path} was opened read-only", backend="lmdb")
+        items = [(key_bytes(k), value_bytes(k, v)) for k, v in dictionary.items()]
+        if not items:
+            return
+
+        def write(env: Any) -> None:
+            def txn() -> None:
+                with env.begin(write=True, db=self._db) as t:
+                    t.cursor().putmulti(items, dupdata=False, overwrite=True)
+
+            self._retry_grow(env, txn)
+
+        self._call("mset", write)
+
+    def delete(self, keys: Sequence[Key]) -> None:
+        """Delete ``keys`` from this namespace (missing keys are ignored)."""
+        kb = [key_bytes(k) for k in keys]
+
+        def run(env: Any) -> None:
+            with env.begin(write=True, db=self._db) as t:
+                for k in kb:
+                    t.delete(k)
+
+        self._call("delete", run)
+
+    def num_keys(self) -> int:
+        def run(env: Any) -> int:
+            with env.begin(db=self._db) as t:
+                return t.stat(self._db)["entries"]
+
+        return self._call("num_keys", run)
+
+    def clear(self) -> None:
+        def run(env: Any) -> None:
+            with env.begin(write=True) as t:
+                t.drop(self._db, delete=False)
+
+        self._call("clear", run)
+
+    def reset_if_changed(self, key: Key, value: bytes) -> bool:
+        """Atomically (one write transaction): unless ``key`` already holds ``value``, clear the
+        namespace and set ``key`` to ``value``. Used for the cache fingerprint.
+
+        Returns:
+            True when entries were dropped.
+        """
+        kb = key_bytes(key)
+
+        def run(env: Any) -> bool:
+            def txn() -> bool:
+                with env.begin(write=True, db=self._db) as t:
+                    cur = t.get(kb)
+                    if cur is not None and bytes(cur) == value:
+                        return False
+                    dropped = t.stat(self._db)["entries"] > 0
+                    if dropped:
+                        t.drop(self._db, delete=False)
+                    t.put(kb, value)
+                    return dropped
+
+            return self._retry_grow(env, txn)
+
+        return self._call("reset_if_changed", run)
+
+    def status(self) -> bool:
+        try:
+            self._call("status", lambda env: env.stat())
+        except StoreError:
+            return False
+        return True
+
+    def close(self) -> None:
+        env, self._env, self._db = self._env, None, None
+        if env is not None and self._pid == os.getpid():
+            _release_env(self.path)
+        self._pid = -1
+
+    # -- inspection (trainloom cache info) --------------------------------------------------------
+    def namespaces(self) -> List[str]:
+        """Every namespace held by this environment."""
+
+        def run(env: Any) -> List[str]:
+            out = []
+            with env.begin() as t:
+                for k in t.cursor().iternext(values=False):
+                    if k.startswith(_DB_PREFIX):
+                        out.append(k[len(_DB_PREFIX) :].decode("utf-8", "replace"))
+            return out
+
+        return self._call("namespaces", run)
+
+    def info(self) -> Dict[str, Any]:
+        """Path, map size, bytes used, readers and this namespace's entry count."""
+
+        def run(env: Any) -> Dict[str, Any]:
+            i, s = env.info(), env.stat()
+            used = (i["last_pgno"] + 1) * s["psize"]
+            return {
+                "path": str(self.path),
+                "namespace": self.namespace,
+                "map_size": i["map_size"],
+                "used_bytes": used,
+                "readers": i["num_readers"],
+                "max_readers": i["max_readers"],
+                "entries": self.num_keys(),
+            }
+
+        return self._call("info", run)
+
+    def __repr__(self) -> str:
+        return f"LmdbStore(path={str(self.path)!r}, namespace={self.namespace!r})"
