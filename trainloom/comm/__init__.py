@@ -1,1 +1,96 @@
-"""trainloom.comm."""
+"""trainloom.comm: Bagua's communication API over NCCL, a shared-memory engine and gloo.
+
+Bagua scripts move over by changing their import::
+
+    import trainloom.comm as bagua            # was: import bagua.torch_api as bagua
+    from trainloom.comm import allreduce      # was: from bagua.torch_api import allreduce
+
+Importing this package loads neither libnccl nor the shared-memory engine's segment; NCCL is
+dlopen'ed at the first CUDA collective (see :mod:`trainloom.comm.nccl`).
+"""
+
+from trainloom.comm.collectives import (
+    SUPPORTED_DTYPES,
+    ReduceOp,
+    allgather,
+    allgather_inplace,
+    allreduce,
+    allreduce_inplace,
+    alltoall,
+    alltoall_inplace,
+    alltoall_v,
+    alltoall_v_inplace,
+    barrier,
+    broadcast,
+    gather,
+    gather_inplace,
+    recv,
+    reduce,
+    reduce_inplace,
+    reduce_scatter,
+    reduce_scatter_inplace,
+    scatter,
+    scatter_inplace,
+    send,
+)
+from trainloom.comm.env import (
+    get_default_bucket_size,
+    get_local_rank,
+    get_local_size,
+    get_rank,
+    get_world_size,
+)
+from trainloom.comm.group import (
+    BaguaProcessGroup,
+    Communicator,
+    ProcessGroup,
+    RepeatedInitializationError,
+    destroy_process_group,
+    from_torch_group,
+    get_default_group,
+    init_process_group,
+    is_initialized,
+    new_group,
+)
+from trainloom.comm.work import Work
+
+__all__ = [
+    "ReduceOp",
+    "SUPPORTED_DTYPES",
+    "allgather",
+    "allgather_inplace",
+    "allreduce",
+    "allreduce_inplace",
+    "alltoall",
+    "alltoall_inplace",
+    "alltoall_v",
+    "alltoall_v_inplace",
+    "barrier",
+    "broadcast",
+    "gather",
+    "gather_inplace",
+    "recv",
+    "reduce",
+    "reduce_inplace",
+    "reduce_scatter",
+    "reduce_scatter_inplace",
+    "scatter",
+    "scatter_inplace",
+    "send",
+    "get_default_bucket_size",
+    "get_local_rank",
+    "get_local_size",
+    "get_rank",
+    "get_world_size",
+    "BaguaProcessGroup",
+    "Communicator",
+    "ProcessGroup",
+    "RepeatedInitializationError",
+    "destroy_process_group",
+    "from_torch_group",
+    "get_default_group",
+    "init_process_group",
+    "is_initialized",
+    "new_group",
+    "Work",
+]

@@ -1,0 +1,520 @@
+"""The gloo engine: torch.distributed's ProcessGroupGloo behind the shared-memory engine's interface.
+
+Used for CPU tensors of groups that span nodes (and for same-node groups while the shared-memory
+engine is not available). It follows the method signatures of
+:class:`trainloom.comm.shm.ShmCommunicator` (shm-interface.md), so the API layer treats both alike.
+
+Gloo itself aborts the process, or returns silently wrong data, when ranks disagree on sizes or
+dtypes (FINDINGS.md). So before each data transfer the ranks exchange a 16-int64 header (operation,
+sequence number, dtype, reduce op, root, element count, shape) with one small allgather and every
+rank checks every other rank's header; disagreements raise :class:`~trainloom.errors.CommError` on
+every rank, naming both ranks' values. The header costs one extra small gloo round (about the latency
+of a 4 KiB allreduce, ~0.1-0.4 ms here); ``TRAINLOOM_COMM_CHECK=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import time
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from trainloom.errors import CommError, CommTimeoutError
+
+logger = logging.getLogger("trainloom.comm")
+
+__all__ = ["GlooEngine", "DTYPE_CODES", "OP_NAMES", "OPCODES"]
+
+# Bagua's ReduceOp values.
+SUM, PRODUCT, MIN, MAX, BOR, BAND, BXOR, AVG = 0, 1, 2, 3, 7, 8, 9, 10
+OP_NAMES = {
+    SUM: "SUM",
+    PRODUCT: "PRODUCT",
+    MIN: "MIN",
+    MAX: "MAX",
+    BOR: "BOR",
+    BAND: "BAND",
+    BXOR: "BXOR",
+    AVG: "AVG",
+}
+_TORCH_OPS = {
+    SUM: dist.ReduceOp.SUM,
+    PRODUCT: dist.ReduceOp.PRODUCT,
+    MIN: dist.ReduceOp.MIN,
+    MAX: dist.ReduceOp.MAX,
+    BOR: dist.ReduceOp.BOR,
+    BAND: dist.ReduceOp.BAND,
+    BXOR: dist.ReduceOp.BXOR,
+    AVG: dist.ReduceOp.SUM,  # gloo has no AVG: SUM, then divide by the world size
+}
+
+DTYPE_CODES = {
+    torch.float16: 1,
+    torch.bfloat16: 2,
+    torch.float32: 3,
+    torch.float64: 4,
+    torch.int8: 5,
+    torch.uint8: 6,
+    torch.int16: 7,
+    torch.int32: 8,
+    torch.int64: 9,
+    torch.bool: 10,
+    torch.complex64: 11,
+    torch.complex128: 12,
+}
+_CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
+
+OPCODES = {
+    "allreduce": 1,
+    "reduce": 2,
+    "broadcast": 3,
+    "allgather": 4,
+    "gather": 5,
+    "scatter": 6,
+    "reduce_scatter": 7,
+    "alltoall": 8,
+    "alltoall_v": 9,
+    "send": 10,
+    "recv": 11,
+    "barrier": 12,
+}
+_OPCODE_NAMES = {v: k for k, v in OPCODES.items()}
+_MAGIC = 0x746C6F6F6D  # "tloom"
+_HDR = 16
+_MAX_DIMS = 6
+_NO = -1  # header field that does not apply to this operation
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor (data movement does not care about the dtype)."""
+    flat = t.reshape(-1)
+    if flat.dtype.is_complex:
+        flat = torch.view_as_real(flat).reshape(-1)
+    return flat.view(torch.uint8)
+
+
+def _check_enabled() -> bool:
+    return os.environ.get("TRAINLOOM_COMM_CHECK", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+class GlooEngine:
+    """One gloo process group over ``world_size`` ranks, with cross-rank argument checks.
+
+    Args:
+        store: the job's store (a prefix is added).
+        rank: this process's rank in the group.
+        world_size: the group size.
+        prefix: unique per group (every member passes the same one).
+        timeout: default per-operation deadline in seconds.
+
+    Thread-safety: one thread at a time (the API layer serialises calls).
+    """
+
+    name = "gloo"
+
+    def __init__(
+        self, store: dist.Store, rank: int, world_size: int, *, prefix: str, timeout: float = 300.0
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = float(timeout)
+        self._prefix = prefix
+        self._store = store
+        self._seq = 0
+        self._broken: Optional[str] = None
+        self._closed = False
+        self._check = _check_enabled()
+        self._pg = dist.ProcessGroupGloo(
+            dist.PrefixStore(prefix + "/pg", store),
+            rank,
+            world_size,
+            datetime.timedelta(seconds=self.timeout),
+        )
+
+    # ----------------------------------------------------------------- plumbing
+    def _begin(self, opname: str) -> int:
+        if self._closed:
+            raise CommError(f"{opname}: gloo communicator used after close()/destroy_process_group()")
+        if self._broken is not None:
+            raise CommError(
+                f"{opname}: this communicator is unusable after an earlier failure ({self._broken}); "
+                "destroy the process group and create a new one"
+            )
+        self._seq += 1
+        return self._seq
+
+    def _wait(self, work: dist.Work, opname: str, seq: int, timeout: Optional[float]) -> None:
+        t = self.timeout if timeout is None else timeout
+        try:
+            work.wait(datetime.timedelta(seconds=t))
+        except RuntimeError as exc:
+            self._fail(exc, opname, seq, t)
+
+    def _fail(self, exc: BaseException, opname: str, seq: int, timeout: float) -> None:
+        text = str(exc)
+        low = text.lower()
+        if "timed out" in low or "timeout" in low:
+            missing = self._missing_ranks(seq)
+            who = f"ranks {missing} did not arrive" if missing else "a peer stopped responding"
+            self._broken = f"{opname} #{seq} timed out"
+            raise CommTimeoutError(
+                f"{opname} #{seq} (gloo, rank {self.rank} of {self.world_size}): timed out after "
+                f"{timeout:g}s; {who}. Check that every rank calls the same collectives in the same "
+                f"order, or raise the timeout"
+            ) from None
+        self._broken = f"{opname} #{seq} failed: {text.splitlines()[0][:200]}"
+        if "closed" in low or "reset" in low or "broken pipe" in low or "connection" in low:
+            raise CommError(
+                f"{opname} #{seq} (gloo, rank {self.rank}): a peer died or left the job ({text[:200]})"
+            ) from None
+        raise CommError(f"{opname} #{seq} (gloo, rank {self.rank}): {text[:300]}") from None
+
+    def _missing_ranks(self, seq: int) -> List[int]:
+        """After a timeout: which ranks never reached operation ``seq`` (through the store)."""
+        try:
+            self._store.set(f"{self._prefix}/late/{seq}/{self.rank}", "1")
+            # Ranks that arrived time out within moments of each other; give them that long.
+            deadline = time.monotonic() + 1.0
+            missing = list(range(self.world_size))
+            while missing and time.monotonic() < deadline:
+                missing = [
+                    r
+                    for r in range(self.world_size)
+                    if not self._store.check([f"{self._prefix}/late/{seq}/{r}"])
+                ]
+                if missing:
+                    time.sleep(0.05)
+            return missing
+        except RuntimeError as exc:  # the store itself is gone (rank 0 died): report what we know
+            logger.warning("could not ask the store which ranks are missing: %s", exc)
+            return []
+
+    def _header(
+        self,
+        opname: str,
+        seq: int,
+        t: Optional[torch.Tensor],
+        op: int = _NO,
+        root: int = _NO,
+        numel: Optional[int] = None,
+    ) -> torch.Tensor:
+        h = torch.full((_HDR,), _NO, dtype=torch.int64)
+        h[0] = _MAGIC
+        h[1] = seq
+        h[2] = OPCODES[opname]
+        h[3] = DTYPE_CODES.get(t.dtype, 0) if t is not None else _NO
+        h[4] = op
+        h[5] = root
+        h[6] = (t.numel() if t is not None else 0) if numel is None else numel
+        if t is not None:
+            h[7] = t.dim()
+            for i, d in enumerate(t.shape[:_MAX_DIMS]):
+                h[8 + i] = d
+        return h
+
+    @staticmethod
+    def _describe(h: Sequence[int]) -> str:
+        parts = [f"{_OPCODE_NAMES.get(int(h[2]), '?')} #{int(h[1])}"]
+        if h[3] != _NO:
+            parts.append(f"dtype={_CODE_DTYPES.get(int(h[3]), '?')}".replace("torch.", ""))
+            ndim = int(h[7])
+            dims = [int(x) for x in h[8 : 8 + min(ndim, _MAX_DIMS)]]
+            shape = (
+                "("
+                + ", ".join(map(str, dims))
+                + (", ..." if ndim > _MAX_DIMS else "")
+                + ("," if ndim == 1 else "")
+                + ")"
+            )
+            parts.append(f"numel={int(h[6])} shape={shape}")
+        if h[4] != _NO:
+            parts.append(f"op={OP_NAMES.get(int(h[4]), int(h[4]))}")
+        if h[5] != _NO:
+            parts.append(f"root={int(h[5])}")
+        return " ".join(parts)
+
+    def _compare(self, opname: str, seq: int, rows: List[List[int]]) -> None:
+        """Raise the same CommError on every rank when the headers disagree."""
+        fields = [
+            (1, "sequence number (a rank skipped or added a collective)"),
+            (2, "operation"),
+            (3, "dtype"),
+            (4, "reduce op"),
+            (5, "root"),
+            (6, "number of elements"),
+        ]
+        mine = rows[0]
+        for idx, what in fields:
+            for r, row in enumerate(rows):
+                if row[0] != _MAGIC:
+                    raise CommError(
+                        f"{opname} #{seq}: rank {r} sent a malformed header; its last call was not a "
+                        "trainloom collective on this communicator"
+                    )
+                if row[idx] != mine[idx]:
+                    raise CommError(
+                        f"{opname} #{seq}: ranks disagree on the {what}: rank 0: {self._describe(mine)}; "
+                        f"rank {r}: {self._describe(row)}. Every rank must call the same collective "
+                        "with the same dtype, size, op and root"
+                    )
+
+    def _exchange(
+        self, opname: str, seq: int, hdr: torch.Tensor, timeout: Optional[float]
+    ) -> List[List[int]]:
+        out = torch.empty(self.world_size * _HDR, dtype=torch.int64)
+        try:
+            work = self._pg._allgather_base(out, hdr)
+        except RuntimeError as exc:
+            self._fail(exc, opname, seq, self.timeout if timeout is None else timeout)
+        self._wait(work, opname, seq, timeout)
+        return out.view(self.world_size, _HDR).tolist()
+
+    def _agree(
+        self, opname: str, seq: int, hdr: torch.Tensor, timeout: Optional[float], force: bool = False
+    ) -> Optional[List[List[int]]]:
+        if not (self._check or force):
+            return None
+        rows = self._exchange(opname, seq, hdr, timeout)
+        self._compare(opname, seq, rows)
+        return rows
+
+    def _run(self, opname: str, seq: int, timeout: Optional[float], fn) -> None:  # noqa: ANN001
+        try:
+            work = fn()
+        except RuntimeError as exc:
+            self._fail(exc, opname, seq, self.timeout if timeout is None else timeout)
+        if work is not None:
+            self._wait(work, opname, seq, timeout)
+
+    # ------------------------------------------------------------- reductions
+    def _reduce_buffer(
+        self,
+        buf: torch.Tensor,
+        op: int,
+        opname: str,
+        seq: int,
+        timeout: Optional[float],
+        root: Optional[int] = None,
+    ) -> None:
+        """In-place allreduce (root None) or reduce of ``buf`` with Bagua op semantics."""
+        work_t = buf
+        if buf.dtype == torch.int16:  # gloo has no int16: reduce in int32, wrap back (same modulo 2**16)
+            work_t = buf.to(torch.int32)
+        elif buf.dtype.is_complex:
+            work_t = torch.view_as_real(buf)
+        if root is None:
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = _TORCH_OPS[op]
+            self._run(opname, seq, timeout, lambda: self._pg.allreduce([work_t], opts))
+        else:
+            opts = dist.ReduceOptions()
+            opts.reduceOp = _TORCH_OPS[op]
+            opts.rootRank = root
+            opts.rootTensor = 0
+            self._run(opname, seq, timeout, lambda: self._pg.reduce([work_t], opts))
+        if work_t is not buf and buf.dtype == torch.int16:
+            buf.copy_(work_t)
+        if op == AVG and (root is None or root == self.rank):
+            buf.div_(self.world_size)
+
+    def allreduce(
+        self, send: torch.Tensor, recv: torch.Tensor, op: int, timeout: Optional[float] = None
+    ) -> None:
+        seq = self._begin("allreduce")
+        self._agree("allreduce", seq, self._header("allreduce", seq, send, op=op), timeout)
+        if recv.data_ptr() != send.data_ptr():
+            recv.copy_(send)
+        if recv.numel():
+            self._reduce_buffer(recv, op, "allreduce", seq, timeout)
+
+    def reduce(
+        self, send: torch.Tensor, recv: torch.Tensor, dst: int, op: int, timeout: Optional[float] = None
+    ) -> None:
+        seq = self._begin("reduce")
+        self._agree("reduce", seq, self._header("reduce", seq, send, op=op, root=dst), timeout)
+        if not send.numel():
+            return
+        if self.rank == dst:
+            if recv.data_ptr() != send.data_ptr():
+                recv.copy_(send)
+            buf = recv
+        else:
+            buf = send.clone()  # gloo uses non-root buffers as scratch; never touch the caller's input
+        self._reduce_buffer(buf, op, "reduce", seq, timeout, root=dst)
+
+    def reduce_scatter(
+        self, send: torch.Tensor, recv: torch.Tensor, op: int, timeout: Optional[float] = None
+    ) -> None:
+        seq = self._begin("reduce_scatter")
+        self._agree("reduce_scatter", seq, self._header("reduce_scatter", seq, recv, op=op), timeout)
+        if not recv.numel():
+            return
+        # gloo's own reduce_scatter is an allreduce plus a copy (FINDINGS.md); do that explicitly.
+        tmp = send.reshape(-1).clone()
+        self._reduce_buffer(tmp, op, "reduce_scatter", seq, timeout)
+        n = recv.numel()
+        recv.reshape(-1).copy_(tmp[self.rank * n : (self.rank + 1) * n])
+
+    # ---------------------------------------------------------- data movement
+    def broadcast(self, tensor: torch.Tensor, src: int, timeout: Optional[float] = None) -> None:
+        seq = self._begin("broadcast")
+        self._agree("broadcast", seq, self._header("broadcast", seq, tensor, root=src), timeout)
+        if not tensor.numel():
+            return
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        b = _bytes(tensor)
+        self._run("broadcast", seq, timeout, lambda: self._pg.broadcast([b], opts))
+
+    def allgather(self, send: torch.Tensor, recv: torch.Tensor, timeout: Optional[float] = None) -> None:
+        seq = self._begin("allgather")
+        self._agree("allgather", seq, self._header("allgather", seq, send), timeout)
+        if not send.numel():
+            return
+        sb, rb = _bytes(send), _bytes(recv)
+        self._run("allgather", seq, timeout, lambda: self._pg._allgather_base(rb, sb))
+
+    def gather(
+        self, send: torch.Tensor, recv: torch.Tensor, dst: int, timeout: Optional[float] = None
+    ) -> None:
+        seq = self._begin("gather")
+        self._agree("gather", seq, self._header("gather", seq, send, root=dst), timeout)
+        if not send.numel():
+            return
+        sb = _bytes(send)
+        outs = [list(_bytes(recv).chunk(self.world_size))] if self.rank == dst else []
+        opts = dist.GatherOptions()
+        opts.rootRank = dst
+        self._run("gather", seq, timeout, lambda: self._pg.gather(outs, [sb], opts))
+
+    def scatter(
+        self, send: torch.Tensor, recv: torch.Tensor, src: int, timeout: Optional[float] = None
+    ) -> None:
+        seq = self._begin("scatter")
+        self._agree("scatter", seq, self._header("scatter", seq, recv, root=src), timeout)
+        if not recv.numel():
+            return
+        rb = _bytes(recv)
+        ins = [list(_bytes(send).chunk(self.world_size))] if self.rank == src else []
+        opts = dist.ScatterOptions()
+        opts.rootRank = src
+        self._run("scatter", seq, timeout, lambda: self._pg.scatter([rb], ins, opts))
+
+    def alltoall(self, send: torch.Tensor, recv: torch.Tensor, timeout: Optional[float] = None) -> None:
+        seq = self._begin("alltoall")
+        self._agree("alltoall", seq, self._header("alltoall", seq, send), timeout)
+        if not send.numel():
+            return
+        sb, rb = _bytes(send), _bytes(recv)
+        opts = dist.AllToAllOptions()
+        self._run("alltoall", seq, timeout, lambda: self._pg.alltoall_base(rb, sb, [], [], opts))
+
+    def alltoall_v(
+        self,
+        send: torch.Tensor,
+        send_counts: Sequence[int],
+        send_displs: Sequence[int],
+        recv: torch.Tensor,
+        recv_counts: Sequence[int],
+        recv_displs: Sequence[int],
+        timeout: Optional[float] = None,
+    ) -> None:
+        seq = self._begin("alltoall_v")
+        n = self.world_size
+        self._agree("alltoall_v", seq, self._header("alltoall_v", seq, send, numel=0), timeout)
+        if self._check:
+            # What rank i sends to j must be what j expects from i: exchange the count vectors.
+            mine = torch.tensor(list(send_counts) + list(recv_counts), dtype=torch.int64)
+            out = torch.empty(n * 2 * n, dtype=torch.int64)
+            self._run("alltoall_v", seq, timeout, lambda: self._pg._allgather_base(out, mine))
+            counts = out.view(n, 2, n).tolist()
+            for i in range(n):
+                for j in range(n):
+                    if counts[i][0][j] != counts[j][1][i]:
+                        raise CommError(
+                            f"alltoall_v #{seq}: rank {i} sends {counts[i][0][j]} elements to rank {j} "
+                            f"(its send_counts[{j}]), but rank {j} expects {counts[j][1][i]} from rank {i} "
+                            f"(its recv_counts[{i}])"
+                        )
+        es = send.element_size()
+        sflat, rflat = _bytes(send), _bytes(recv)
+        # gloo's alltoall_base takes split sizes of packed buffers, not displacements: pack/unpack.
+        spack = (
+            torch.cat([sflat[d * es : (d + c) * es] for c, d in zip(send_counts, send_displs)])
+            if n
+            else sflat
+        )
+        rpack = torch.empty(sum(recv_counts) * es, dtype=torch.uint8)
+        opts = dist.AllToAllOptions()
+        self._run(
+            "alltoall_v",
+            seq,
+            timeout,
+            lambda: self._pg.alltoall_base(
+                rpack, spack, [c * es for c in recv_counts], [c * es for c in send_counts], opts
+            ),
+        )
+        off = 0
+        for c, d in zip(recv_counts, recv_displs):
+            rflat[d * es : (d + c) * es].copy_(rpack[off : off + c * es])
+            off += c * es
+
+    def send(self, tensor: torch.Tensor, dst: int, timeout: Optional[float] = None) -> None:
+        seq = self._begin("send")
+        if self._check:
+            hdr = self._header("send", 0, tensor)
+            self._run("send", seq, timeout, lambda: self._pg.send([hdr], dst, 1))
+            peer = torch.empty(_HDR, dtype=torch.int64)
+            self._run("send", seq, timeout, lambda: self._pg.recv([peer], dst, 1))
+            self._compare_p2p("send", hdr.tolist(), peer.tolist(), self.rank, dst)
+        if tensor.numel():
+            b = _bytes(tensor)
+            self._run("send", seq, timeout, lambda: self._pg.send([b], dst, 0))
+
+    def recv(self, tensor: torch.Tensor, src: int, timeout: Optional[float] = None) -> None:
+        seq = self._begin("recv")
+        if self._check:
+            hdr = self._header("recv", 0, tensor)
+            peer = torch.empty(_HDR, dtype=torch.int64)
+            self._run("recv", seq, timeout, lambda: self._pg.recv([peer], src, 1))
+            self._run("recv", seq, timeout, lambda: self._pg.send([hdr], src, 1))
+            self._compare_p2p("recv", peer.tolist(), hdr.tolist(), src, self.rank)
+        if tensor.numel():
+            b = _bytes(tensor)
+            self._run("recv", seq, timeout, lambda: self._pg.recv([b], src, 0))
+
+    @staticmethod
+    def _compare_p2p(opname: str, s: List[int], r: List[int], src: int, dst: int) -> None:
+        if s[0] != _MAGIC or r[0] != _MAGIC or s[2] != OPCODES["send"] or r[2] != OPCODES["recv"]:
+            raise CommError(
+                f"{opname}: rank {src} -> rank {dst}: the peer did not call the matching send/recv"
+            )
+        if s[3] != r[3] or s[6] != r[6]:
+            raise CommError(
+                f"{opname}: send on rank {src} ({GlooEngine._describe(s)}) does not match recv on rank "
+                f"{dst} ({GlooEngine._describe(r)}): dtype and number of elements must be equal"
+            )
+
+    def barrier(self, timeout: Optional[float] = None) -> None:
+        seq = self._begin("barrier")
+        # The header allgather is itself a barrier; it also catches a rank that called another op.
+        self._agree("barrier", seq, self._header("barrier", seq, None), timeout, force=True)
+
+    def abort(self) -> None:
+        self._broken = self._broken or "aborted"
+        try:
+            self._pg.abort()
+        except RuntimeError as exc:  # some torch builds do not implement abort for gloo
+            logger.debug("ProcessGroupGloo.abort: %s", exc)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        pg, self._pg = self._pg, None
+        del pg

@@ -1,0 +1,872 @@
+"""Bagua's collective API (``bagua.torch_api.communication``), routed per tensor device.
+
+Every function validates its arguments on the calling rank before any engine sees a tensor (type,
+device, dtype, sizes, ranks, reduce op) and raises ``TypeError``/``ValueError`` naming the argument.
+Differences *between* ranks (sizes, dtypes, ops, roots) are caught by the engines and raise
+:class:`~trainloom.errors.CommError` on every rank with each rank's values. Non-contiguous tensors
+are staged through a contiguous copy and the result is copied back into the caller's view.
+
+Every collective takes ``async_op``: with ``True`` it returns a :class:`~trainloom.comm.work.Work`
+(``wait(timeout=None)``, ``is_completed()``, ``result()``); otherwise it returns ``None`` once the
+result is in place (CPU) or ordered before the current stream (CUDA).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from trainloom.comm.group import _STATE, Communicator
+from trainloom.comm.work import CompletedWork, Work
+from trainloom.errors import CommError
+
+__all__ = [
+    "ReduceOp",
+    "allreduce",
+    "allreduce_inplace",
+    "broadcast",
+    "reduce",
+    "reduce_inplace",
+    "allgather",
+    "allgather_inplace",
+    "gather",
+    "gather_inplace",
+    "scatter",
+    "scatter_inplace",
+    "reduce_scatter",
+    "reduce_scatter_inplace",
+    "alltoall",
+    "alltoall_inplace",
+    "alltoall_v",
+    "alltoall_v_inplace",
+    "send",
+    "recv",
+    "barrier",
+    "SUPPORTED_DTYPES",
+]
+
+
+class ReduceOp(enum.IntEnum):
+    """Reduction operations, with Bagua's values."""
+
+    SUM = 0
+    PRODUCT = 1
+    MIN = 2
+    MAX = 3
+    BOR = 7
+    BAND = 8
+    BXOR = 9
+    AVG = 10
+
+
+_TORCH_TO_OURS = {
+    dist.ReduceOp.SUM: ReduceOp.SUM,
+    dist.ReduceOp.PRODUCT: ReduceOp.PRODUCT,
+    dist.ReduceOp.MIN: ReduceOp.MIN,
+    dist.ReduceOp.MAX: ReduceOp.MAX,
+    dist.ReduceOp.BOR: ReduceOp.BOR,
+    dist.ReduceOp.BAND: ReduceOp.BAND,
+    dist.ReduceOp.BXOR: ReduceOp.BXOR,
+    dist.ReduceOp.AVG: ReduceOp.AVG,
+}
+
+#: dtypes every engine handles.
+SUPPORTED_DTYPES = (
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+)
+_BITWISE = (ReduceOp.BOR, ReduceOp.BAND, ReduceOp.BXOR)
+
+
+# --------------------------------------------------------------------------- validation
+def _comm(comm: Optional[Communicator], opname: str) -> Communicator:
+    if comm is None:
+        pg = _STATE.default
+        if pg is None:
+            raise CommError(
+                f"{opname}: the default process group is not initialized; call "
+                "trainloom.comm.init_process_group() first (or pass comm=)"
+            )
+        comm = pg.get_global_communicator()
+    if not isinstance(comm, Communicator):
+        raise TypeError(
+            f"{opname}: comm must be a trainloom Communicator (group.get_global_communicator()), "
+            f"got {type(comm).__name__}"
+        )
+    comm.check_alive(opname)
+    return comm
+
+
+def _tensor(t: Any, arg: str, opname: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{opname}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise TypeError(f"{opname}: {arg} must be a dense (strided) tensor, got layout {t.layout}")
+    if t.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{opname}: {arg} is on {t.device}; collectives take CPU or CUDA tensors")
+    if t.dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
+        raise TypeError(f"{opname}: {arg} has dtype {t.dtype}, which is not supported (supported: {names})")
+    return t
+
+
+def _same(a: torch.Tensor, b: torch.Tensor, an: str, bn: str, opname: str) -> None:
+    if a.dtype != b.dtype:
+        raise TypeError(f"{opname}: {an} has dtype {a.dtype} but {bn} has {b.dtype}; they must match")
+    if a.device != b.device:
+        raise ValueError(f"{opname}: {an} is on {a.device} but {bn} is on {b.device}; they must match")
+
+
+def _numel(t: torch.Tensor, want: int, arg: str, opname: str, why: str) -> None:
+    if t.numel() != want:
+        raise ValueError(f"{opname}: {arg} has {t.numel()} elements, expected {want} ({why})")
+
+
+def _rank_arg(value: Any, arg: str, comm: Communicator, opname: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{opname}: {arg} must be an int rank, got {value!r}")
+    if not 0 <= value < comm.nranks():
+        raise ValueError(
+            f"{opname}: {arg}={value} is outside the communicator's ranks 0..{comm.nranks() - 1} "
+            f"(rank {comm.rank()} of {comm.name})"
+        )
+    return value
+
+
+def _count_arg(value: Any, arg: str, opname: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{opname}: {arg} must be an int, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{opname}: {arg}={value} must be >= 0")
+    return value
+
+
+def _op(op: Any, dtype: torch.dtype, opname: str) -> ReduceOp:
+    if isinstance(op, ReduceOp):
+        value = op
+    elif isinstance(op, int) and not isinstance(op, bool):
+        try:
+            value = ReduceOp(op)
+        except ValueError:
+            raise ValueError(
+                f"{opname}: op={op} is not a ReduceOp ("
+                + ", ".join(f"{o.name}={o.value}" for o in ReduceOp)
+                + ")"
+            ) from None
+    else:
+        mapped = None
+        try:
+            mapped = _TORCH_TO_OURS.get(op)
+        except TypeError:  # unhashable
+            mapped = None
+        if mapped is None:
+            raise TypeError(f"{opname}: op must be a trainloom.comm.ReduceOp, got {op!r}")
+        value = mapped
+    is_int = not dtype.is_floating_point and not dtype.is_complex
+    if value in _BITWISE and not is_int:
+        raise TypeError(f"{opname}: op={value.name} needs an integer or bool dtype, got {dtype}")
+    if dtype.is_complex and value not in (ReduceOp.SUM, ReduceOp.AVG):
+        raise TypeError(f"{opname}: op={value.name} is not defined for complex dtype {dtype}; use SUM or AVG")
+    if value == ReduceOp.AVG and is_int:
+        raise TypeError(
+            f"{opname}: op=AVG needs a floating or complex dtype, got {dtype} (use SUM and divide)"
+        )
+    return value
+
+
+def _counts(v: Any, arg: str, n: int, opname: str) -> List[int]:
+    try:
+        out = [int(x) for x in v]
+    except (TypeError, ValueError):
+        raise TypeError(f"{opname}: {arg} must be a sequence of {n} ints, got {v!r}") from None
+    if len(out) != n:
+        raise ValueError(f"{opname}: {arg} has {len(out)} entries, expected {n} (one per rank)")
+    if any(x < 0 for x in out):
+        raise ValueError(f"{opname}: {arg} must be non-negative, got {out}")
+    return out
+
+
+def _check_v(
+    counts: List[int], displs: List[int], size: int, carg: str, darg: str, targ: str, opname: str
+) -> None:
+    for i, (c, d) in enumerate(zip(counts, displs)):
+        if d + c > size:
+            raise ValueError(f"{opname}: {darg}[{i}]={d} + {carg}[{i}]={c} exceeds {targ}'s {size} elements")
+
+
+class _Staged:
+    """Contiguous stand-ins for the caller's tensors; copies results back into non-contiguous outputs."""
+
+    def __init__(self) -> None:
+        self._back: List[Tuple[torch.Tensor, torch.Tensor]] = []
+
+    def input(self, t: torch.Tensor) -> torch.Tensor:
+        return t if t.is_contiguous() else t.contiguous()
+
+    def output(self, t: torch.Tensor, load: bool = True) -> torch.Tensor:
+        if t.is_contiguous():
+            return t
+        s = t.contiguous() if load else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        self._back.append((t, s))
+        return s
+
+    def finish(self) -> Optional[Callable[[], None]]:
+        if not self._back:
+            return None
+        back = self._back
+
+        def _copy_back() -> None:
+            with torch.no_grad():
+                for dst, src in back:
+                    dst.copy_(src)
+
+        return _copy_back
+
+
+def _go(
+    comm: Communicator,
+    opname: str,
+    device: torch.device,
+    fn: Callable[[Any], Any],
+    async_op: bool,
+    result: Optional[torch.Tensor],
+    staged: _Staged,
+    keep: Sequence[torch.Tensor] = (),
+) -> Optional[Work]:
+    return comm.execute(opname, device, fn, async_op, result, staged.finish(), keep)
+
+
+def _local(async_op: bool, result: Optional[torch.Tensor], body: Callable[[], None]) -> Optional[Work]:
+    """World size 1: every collective is a copy or a no-op."""
+    with torch.no_grad():
+        body()
+    return CompletedWork("local", result) if async_op else None
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if _same_view(dst, src):
+        return
+    src = src.reshape(dst.shape)
+    dst.copy_(src.clone() if _overlaps(src, dst) else src)
+
+
+# --------------------------------------------------------------------------- reductions
+def allreduce(
+    send_tensor: torch.Tensor,
+    recv_tensor: torch.Tensor,
+    op: ReduceOp = ReduceOp.SUM,
+    comm: Optional[Communicator] = None,
+    async_op: bool = False,
+    hierarchical: bool = False,
+) -> Optional[Work]:
+    """Reduce ``send_tensor`` over all ranks into ``recv_tensor`` (bitwise identical on every rank).
+
+    Args:
+        send_tensor: input.
+        recv_tensor: output, same number of elements, dtype and device as ``send_tensor`` (may be
+            ``send_tensor`` itself).
+        op: a :class:`ReduceOp`.
+        comm: the communicator; None means the default group's global communicator.
+        async_op: return a Work instead of blocking.
+        hierarchical: reduce inside each node, allreduce between node leaders, then broadcast inside
+            the node (``comm`` must be a global communicator).
+
+    Returns:
+        None, or a Work when ``async_op``.
+
+    Raises:
+        TypeError, ValueError: bad arguments on this rank (named in the message).
+        CommError: the ranks disagree (every rank raises, with both ranks' values) or a peer failed.
+        CommTimeoutError: a peer did not arrive in time.
+
+    Example::
+
+        send = torch.arange(2, dtype=torch.int64) + 1 + 2 * rank
+        recv = torch.zeros(2, dtype=torch.int64)
+        allreduce(send, recv)            # recv == [4, 6] on both of 2 ranks
+    """
+    name = "allreduce"
+    c = _comm(comm, name)
+    s = _tensor(send_tensor, "send_tensor", name)
+    r = _tensor(recv_tensor, "recv_tensor", name)
+    _same(s, r, "send_tensor", "recv_tensor", name)
+    _numel(r, s.numel(), "recv_tensor", name, "same as send_tensor")
+    o = _op(op, s.dtype, name)
+    if c.nranks() == 1:
+        return _local(async_op, r, lambda: _copy(r, s))
+    if hierarchical:
+        return _hierarchical(c, s, r, o, async_op)
+    st = _Staged()
+    if _same_view(s, r):
+        rc = st.output(r, load=True)
+        sc = rc
+    else:
+        sc = st.input(s)
+        if _overlaps(sc, r):
+            sc = sc.clone()
+        rc = st.output(r, load=False)
+    return _go(c, name, s.device, lambda e: e.allreduce(sc, rc, int(o)), async_op, r, st, (sc, rc))
+
+
+def allreduce_inplace(
+    tensor: torch.Tensor,
+    op: ReduceOp = ReduceOp.SUM,
+    comm: Optional[Communicator] = None,
+    async_op: bool = False,
+    hierarchical: bool = False,
+) -> Optional[Work]:
+    """The in-place version of :func:`allreduce`.
+
+    Example::
+
+        t = torch.ones(4) * (get_rank() + 1)
+        allreduce_inplace(t, ReduceOp.MAX)
+    """
+    return allreduce(tensor, tensor, op, comm, async_op, hierarchical)
+
+
+def _hierarchical(
+    c: Communicator, s: torch.Tensor, r: torch.Tensor, o: ReduceOp, async_op: bool
+) -> Optional[Work]:
+    if c.intra is None:
+        raise ValueError(
+            "allreduce(hierarchical=True): comm must be a process group's global communicator "
+            f"(got {c.name}), which knows its intra- and inter-node communicators"
+        )
+    intra, inter, leader = c.intra, c.inter, c.is_inter_leader
+    sub = ReduceOp.SUM if o == ReduceOp.AVG else o
+
+    def body() -> None:
+        # Reduce to the node leader (intra rank 0), combine leaders, then fan out inside the node.
+        reduce(s, r, 0, sub, comm=intra)
+        if leader and inter is not None and inter.nranks() > 1:
+            allreduce(r, r, sub, comm=inter)
+        broadcast(r, 0, comm=intra)
+        if o == ReduceOp.AVG:
+            with torch.no_grad():
+                r.div_(c.nranks())
+
+    if not async_op:
+        body()
+        return None
+    if s.device.type == "cuda":
+        body()  # every step is enqueued on CUDA streams and ordered before the current stream
+        return CompletedWork("allreduce(hierarchical)", r)
+    # CPU: run the three steps on the global communicator's worker thread, in issue order.
+    return c.execute("allreduce(hierarchical)", s.device, lambda _e: body(), True, r, needs_engine=False)
+
+
+def reduce(
+    send_tensor: torch.Tensor,
+    recv_tensor: torch.Tensor,
+    dst: int,
+    op: ReduceOp = ReduceOp.SUM,
+    comm: Optional[Communicator] = None,
+    async_op: bool = False,
+) -> Optional[Work]:
+    """Reduce over all ranks; only rank ``dst`` receives the result, in ``recv_tensor``.
+
+    Args:
+        send_tensor: input.
+        recv_tensor: output on ``dst`` (same size as ``send_tensor``); not written on other ranks.
+        dst: destination rank in the communicator.
+        op: a :class:`ReduceOp`.
+        comm: the communicator (None: default group).
+        async_op: return a Work.
+    """
+    name = "reduce"
+    c = _comm(comm, name)
+    s = _tensor(send_tensor, "send_tensor", name)
+    r = _tensor(recv_tensor, "recv_tensor", name)
+    _same(s, r, "send_tensor", "recv_tensor", name)
+    _numel(r, s.numel(), "recv_tensor", name, "same as send_tensor")
+    d = _rank_arg(dst, "dst", c, name)
+    o = _op(op, s.dtype, name)
+    if c.nranks() == 1:
+        return _local(async_op, r, lambda: _copy(r, s))
+    st = _Staged()
+    sc = st.input(s)
+    if c.rank() == d:
+        same = _same_view(s, r)
+        rc = st.output(r, load=same)
+        if same:
+            sc = rc
+        elif _overlaps(sc, r):
+            sc = sc.clone()
+    else:
+        rc = r if r.is_contiguous() else torch.empty(r.shape, dtype=r.dtype, device=r.device)
+    return _go(c, name, s.device, lambda e: e.reduce(sc, rc, d, int(o)), async_op, r, st, (sc, rc))
+
+
+def reduce_inplace(
+    tensor: torch.Tensor,
+    dst: int,
+    op: ReduceOp = ReduceOp.SUM,
+    comm: Optional[Communicator] = None,
+    async_op: bool = False,
+) -> Optional[Work]:
+    """The in-place version of :func:`reduce` (the input of non-``dst`` ranks is left unchanged)."""
+    return reduce(tensor, tensor, dst, op, comm, async_op)
+
+
+def reduce_scatter(
+    send_tensor: torch.Tensor,
+    recv_tensor: torch.Tensor,
+    op: ReduceOp = ReduceOp.SUM,
+    comm: Optional[Communicator] = None,
+    async_op: bool = False,
+) -> Optional[Work]:
+    """Reduce ``send_tensor`` over all ranks and give rank ``i`` the ``i``-th chunk, in ``recv_tensor``.
+
+    Args:
+        send_tensor: input, ``nranks * recv_tensor.numel()`` elements.
+        recv_tensor: output chunk.
+        op: a :class:`ReduceOp`.
+    """
+    name = "reduce_scatter"
+    c = _comm(comm, name)
+    s = _tensor(send_tensor, "send_tensor", name)
+    r = _tensor(recv_tensor, "recv_tensor", name)
+    _same(s, r, "send_tensor", "recv_tensor", name)
+    n = c.nranks()
+    _numel(s, n * r.numel(), "send_tensor", name, f"nranks={n} * recv_tensor's {r.numel()}")
+    o = _op(op, s.dtype, name)
+    if n == 1:
+        return _local(async_op, r, lambda: _copy(r, s))
+    st = _Staged()
+    sc = st.input(s)
+    rc = st.output(r, load=False)
+    return _go(c, name, s.device, lambda e: e.reduce_scatter(sc, rc, int(o)), async_op, r, st, (sc, rc))
+
+
+def reduce_scatter_inplace(
+    tensor: torch.Tensor,
+    op: ReduceOp = ReduceOp.SUM,
+    comm: Optional[Communicator] = None,
+    async_op: bool = False,
+) -> Optional[Work]:
+    """In-place :func:`reduce_scatter`: rank ``i``'s result lands in chunk ``i`` of ``tensor``.
+
+    Raises:
+        ValueError: ``tensor.numel()`` is not divisible by ``nranks``.
+    """
+    name = "reduce_scatter_inplace"
+    c = _comm(comm, name)
+    t = _tensor(tensor, "tensor", name)
+    n = c.nranks()
+    if t.numel() % n:
+        raise ValueError(f"{name}: tensor has {t.numel()} elements, not divisible by nranks={n}")
+    _op(op, t.dtype, name)
+    k = t.numel() // n
+    me = c.rank()
+    owner = t if t.is_contiguous() else t.contiguous()
+    flat = owner.view(-1)
+    work = reduce_scatter(flat.clone(), flat[me * k : (me + 1) * k], op, c, async_op)
+    if owner is t:
+        return work
+
+    def _write_back() -> None:
+        with torch.no_grad():
+            t.copy_(owner)
+
+    return _then(work, _write_back, async_op, t)
+
+
+def _then(
+    work: Optional[Work], after: Callable[[], None], async_op: bool, result: torch.Tensor
+) -> Optional[Work]:
+    """Run ``after`` once ``work`` completed (inside ``wait()`` when asynchronous)."""
+    if work is None:
+        after()
+        return CompletedWork("local", result) if async_op else None
+    if not async_op:
+        work.wait()
+        after()
+        return None
+    return _ChainedWork(work, after, result)
+
+
+class _ChainedWork(Work):
+    def __init__(self, inner: Work, after: Callable[[], None], result: torch.Tensor) -> None:
+        super().__init__(inner.op_name, result)
+        self._inner = inner
+        self._after: Optional[Callable[[], None]] = after
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        self._inner.wait(timeout)
+        if self._after is not None:
+            self._after()
+            self._after = None
+        return True
+
+    def is_completed(self) -> bool:
+        return self._inner.is_completed()
+
+
+# --------------------------------------------------------------------------- data movement
+def broadcast(
+    tensor: torch.Tensor, src: int = 0, comm: Optional[Communicator] = None, async_op: bool = False
+) -> Optional[Work]:
+    """Copy ``tensor`` of rank ``src`` into ``tensor`` on every rank.
+
+    Args:
+        tensor: data on ``src``, output elsewhere; same number of elements on every rank.
+        src: source rank. Default 0.
+    """
+    name = "broadcast"
+    c = _comm(comm, name)
+    t = _tensor(tensor, "tensor", name)
+    s = _rank_arg(src, "src", c, name)
+    if c.nranks() == 1:
+        return _local(async_op, t, lambda: None)
+    st = _Staged()
+    tc = st.output(t, load=c.rank() == s)
+    return _go(c, name, t.device, lambda e: e.broadcast(tc, s), async_op, t, st, (tc,))
+
+
+def allgather(
+    send_tensor: torch.Tensor,
+    recv_tensor: torch.Tensor,
+    comm: Optional[Communicator] = None,
+    async_op: bool = False,
+) -> Optional[Work]:
+    """Gather every rank's ``send_tensor`` into ``recv_tensor`` (rank order) on every rank.
+
+    Args:
+        send_tensor: input.
+        recv_tensor: output with ``nranks * send_tensor.numel()`` elements.
+    """
+    name = "allgather"
+    c = _comm(comm, name)
+    s = _tensor(send_tensor, "send_tensor", name)
+    r = _tensor(recv_tensor, "recv_tensor", name)
+    _same(s, r, "send_tensor", "recv_tensor", name)
+    n = c.nranks()
+    _numel(r, n * s.numel(), "recv_tensor", name, f"nranks={n} * send_tensor's {s.numel()}")
+    if n == 1:
+        return _local(async_op, r, lambda: _copy(r, s))
+    st = _Staged()
+    sc = st.input(s)
+    if _overlaps(sc, r):
+        sc = sc.clone()
+    rc = st.output(r, load=False)
+    return _go(c, name, s.device, lambda e: e.allgather(sc, rc), async_op, r, st, (sc, rc))
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    a1 = a0 + a.numel() * a.element_size()
+    b1 = b0 + (b.numel() * b.element_size() if b.is_contiguous() else b.untyped_storage().nbytes())
+    return a0 < b1 and b0 < a1
+
+
+def allgather_inplace(
+    tensor: torch.Tensor, comm: Optional[Communicator] = None, async_op: bool = False
+) -> Optional[Work]:
+    """In-place :func:`allgather`: rank ``i``'s input is chunk ``i`` of ``tensor``.
+
+    Raises:
+        ValueError: ``tensor.numel()`` is not divisible by ``nranks``.
+    """
+    name = "allgather_inplace"
+    c = _comm(comm, name)
+    t = _tensor(tensor, "tensor", name)
+    n = c.nranks()
+    if t.numel() % n:
+        raise ValueError(f"{name}: tensor has {t.numel()} elements, not divisible by nranks={n}")
+    k = t.numel() // n
+    chunk = t.reshape(-1)[c.rank() * k : (c.rank() + 1) * k].clone()
+    return allgather(chunk, t, c, async_op)
+
+
+def gather(
+    send_tensor: torch.Tensor,
+    recv_tensor: torch.Tensor,
+    dst: int,
+    comm: Optional[Communicator] = None,
+    async_op: bool = False,
+) -> Optional[Work]:
+    """Gather every rank's ``send_tensor`` into ``recv_tensor`` on rank ``dst``.
+
+    Args:
+        send_tensor: input.
+        recv_tensor: output on ``dst`` with ``nranks * send_tensor.numel()`` elements (ignored elsewhere).
+        dst: destination rank.
+    """
+    name = "gather"
+    c = _comm(comm, name)
+    s = _tensor(send_tensor, "send_tensor", name)
+    d = _rank_arg(dst, "dst", c, name)
+    n = c.nranks()
+    st = _Staged()
+    sc = st.input(s)
+    if c.rank() == d:
+        r = _tensor(recv_tensor, "recv_tensor", name)
+        _same(s, r, "send_tensor", "recv_tensor", name)
+        _numel(r, n * s.numel(), "recv_tensor", name, f"nranks={n} * send_tensor's {s.numel()}")
+        if n == 1:
+            return _local(async_op, r, lambda: _copy(r, s))
+        if _overlaps(sc, r):
+            sc = sc.clone()
+        rc = st.output(r, load=False)
+    else:
+        r = recv_tensor if isinstance(recv_tensor, torch.Tensor) else None
+        rc = torch.empty(0, dtype=s.dtype, device=s.device)
+    return _go(c, name, s.device, lambda e: e.gather(sc, rc, d), async_op, r, st, (sc, rc))
+
+
+def gather_inplace(
+    tensor: torch.Tensor, count: int, dst: int, comm: Optional[Communicator] = None, async_op: bool = False
+) -> Optional[Work]:
+    """In-place :func:`gather`.
+
+    Args:
+        tensor: on ``dst``: ``nranks * count`` elements, its own input at chunk ``dst``; elsewhere
+            ``count`` elements.
+        count: elements per rank.
+        dst: destination rank.
+    """
+    name = "gather_inplace"
+    c = _comm(comm, name)
+    t = _tensor(tensor, "tensor", name)
+    k = _count_arg(count, "count", name)
+    d = _rank_arg(dst, "dst", c, name)
+    n = c.nranks()
+    if c.rank() == d:
+        _numel(t, n * k, "tensor", name, f"on dst: nranks={n} * count={k}")
+        own = t.reshape(-1)[d * k : (d + 1) * k].clone()
+        return gather(own, t, d, c, async_op)
+    _numel(t, k, "tensor", name, "count, on ranks other than dst")
+    return gather(t, t, d, c, async_op)
+
+
+def scatter(
+    send_tensor: torch.Tensor,
+    recv_tensor: torch.Tensor,
+    src: int,
+    comm: Optional[Communicator] = None,
+    async_op: bool = False,
+) -> Optional[Work]:
+    """Give rank ``i`` chunk ``i`` of ``send_tensor`` on rank ``src``.
+
+    Args:
+        send_tensor: on ``src``, ``nranks * recv_tensor.numel()`` elements (ignored elsewhere).
+        recv_tensor: output.
+        src: source rank.
+    """
+    name = "scatter"
+    c = _comm(comm, name)
+    r = _tensor(recv_tensor, "recv_tensor", name)
+    sr = _rank_arg(src, "src", c, name)
+    n = c.nranks()
+    st = _Staged()
+    if c.rank() == sr:
+        s = _tensor(send_tensor, "send_tensor", name)
+        _same(s, r, "send_tensor", "recv_tensor", name)
+        _numel(s, n * r.numel(), "send_tensor", name, f"nranks={n} * recv_tensor's {r.numel()}")
+        if n == 1:
+            return _local(async_op, r, lambda: _copy(r, s))
+        sc = st.input(s)
+        if _overlaps(sc, r):
+            sc = sc.clone()
+    else:
+        sc = torch.empty(0, dtype=r.dtype, device=r.device)
+    rc = st.output(r, load=False)
+    return _go(c, name, r.device, lambda e: e.scatter(sc, rc, sr), async_op, r, st, (sc, rc))
+
+
+def scatter_inplace(
+    tensor: torch.Tensor, count: int, src: int, comm: Optional[Communicator] = None, async_op: bool = False
+) -> Optional[Work]:
+    """In-place :func:`scatter`.
+
+    Args:
+        tensor: on ``src``: ``nranks * count`` elements (its own chunk stays at chunk ``src``);
+            elsewhere ``count`` elements, the output.
+        count: elements per rank.
+        src: source rank.
+    """
+    name = "scatter_inplace"
+    c = _comm(comm, name)
+    t = _tensor(tensor, "tensor", name)
+    k = _count_arg(count, "count", name)
+    s = _rank_arg(src, "src", c, name)
+    n = c.nranks()
+    if c.rank() == s:
+        _numel(t, n * k, "tensor", name, f"on src: nranks={n} * count={k}")
+        own = torch.empty(k, dtype=t.dtype, device=t.device)
+        return scatter(t, own, s, c, async_op)  # rank src's chunk is already in place
+    _numel(t, k, "tensor", name, "count, on ranks other than src")
+    return scatter(t, t, s, c, async_op)
+
+
+def alltoall(
+    send_tensor: torch.Tensor,
+    recv_tensor: torch.Tensor,
+    comm: Optional[Communicator] = None,
+    async_op: bool = False,
+) -> Optional[Work]:
+    """Send chunk ``j`` of ``send_tensor`` to rank ``j``; receive from rank ``i`` into chunk ``i``.
+
+    Args:
+        send_tensor: input, size divisible by ``nranks``.
+        recv_tensor: output, same size.
+    """
+    name = "alltoall"
+    c = _comm(comm, name)
+    s = _tensor(send_tensor, "send_tensor", name)
+    r = _tensor(recv_tensor, "recv_tensor", name)
+    _same(s, r, "send_tensor", "recv_tensor", name)
+    n = c.nranks()
+    if s.numel() % n:
+        raise ValueError(f"{name}: send_tensor has {s.numel()} elements, not divisible by nranks={n}")
+    _numel(r, s.numel(), "recv_tensor", name, "same as send_tensor")
+    if n == 1:
+        return _local(async_op, r, lambda: _copy(r, s))
+    st = _Staged()
+    sc = st.input(s)
+    if _overlaps(sc, r):
+        sc = sc.clone()
+    rc = st.output(r, load=False)
+    return _go(c, name, s.device, lambda e: e.alltoall(sc, rc), async_op, r, st, (sc, rc))
+
+
+def alltoall_inplace(
+    tensor: torch.Tensor, comm: Optional[Communicator] = None, async_op: bool = False
+) -> Optional[Work]:
+    """The in-place version of :func:`alltoall`."""
+    _tensor(tensor, "tensor", "alltoall_inplace")
+    return alltoall(tensor.detach().clone(), tensor, comm, async_op)
+
+
+def alltoall_v(
+    send_tensor: torch.Tensor,
+    send_counts: Sequence[int],
+    send_displs: Sequence[int],
+    recv_tensor: torch.Tensor,
+    recv_counts: Sequence[int],
+    recv_displs: Sequence[int],
+    comm: Optional[Communicator] = None,
+    async_op: bool = False,
+) -> Optional[Work]:
+    """All-to-all with per-rank counts and displacements (in elements).
+
+    Args:
+        send_tensor: input.
+        send_counts: elements sent to each rank (``nranks`` entries).
+        send_displs: where each rank's data starts in ``send_tensor``.
+        recv_tensor: output.
+        recv_counts: elements received from each rank; must equal what that rank sends here.
+        recv_displs: where each rank's data lands in ``recv_tensor``.
+    """
+    name = "alltoall_v"
+    c = _comm(comm, name)
+    s = _tensor(send_tensor, "send_tensor", name)
+    r = _tensor(recv_tensor, "recv_tensor", name)
+    _same(s, r, "send_tensor", "recv_tensor", name)
+    n = c.nranks()
+    sc_ = _counts(send_counts, "send_counts", n, name)
+    sd_ = _counts(send_displs, "send_displs", n, name)
+    rc_ = _counts(recv_counts, "recv_counts", n, name)
+    rd_ = _counts(recv_displs, "recv_displs", n, name)
+    _check_v(sc_, sd_, s.numel(), "send_counts", "send_displs", "send_tensor", name)
+    _check_v(rc_, rd_, r.numel(), "recv_counts", "recv_displs", "recv_tensor", name)
+    if n == 1:
+        if sc_[0] != rc_[0]:
+            raise ValueError(f"{name}: send_counts[0]={sc_[0]} != recv_counts[0]={rc_[0]} with one rank")
+
+        def body() -> None:
+            vals = s.reshape(-1)[sd_[0] : sd_[0] + sc_[0]].clone()
+            full = r if r.is_contiguous() else r.contiguous()
+            full.view(-1)[rd_[0] : rd_[0] + rc_[0]] = vals
+            if full is not r:
+                r.copy_(full)
+
+        return _local(async_op, r, body)
+    st = _Staged()
+    sc = st.input(s)
+    if _overlaps(sc, r):
+        sc = sc.clone()
+    rc = st.output(r, load=True)  # untouched regions keep their values
+    return _go(
+        c, name, s.device, lambda e: e.alltoall_v(sc, sc_, sd_, rc, rc_, rd_), async_op, r, st, (sc, rc)
+    )
+
+
+def alltoall_v_inplace(
+    tensor: torch.Tensor,
+    counts: Sequence[int],
+    displs: Sequence[int],
+    comm: Optional[Communicator] = None,
+    async_op: bool = False,
+) -> Optional[Work]:
+    """The in-place version of :func:`alltoall_v` (the same counts and displacements both ways)."""
+    _tensor(tensor, "tensor", "alltoall_v_inplace")
+    return alltoall_v(tensor.detach().clone(), counts, displs, tensor, counts, displs, comm, async_op)
+
+
+# --------------------------------------------------------------------------- point to point, barrier
+def send(
+    tensor: torch.Tensor, dst: int, comm: Optional[Communicator] = None, async_op: bool = False
+) -> Optional[Work]:
+    """Send ``tensor`` to rank ``dst``, which must call :func:`recv` with the same dtype and size.
+
+    Raises:
+        ValueError: ``dst`` is this rank or outside the communicator.
+    """
+    name = "send"
+    c = _comm(comm, name)
+    t = _tensor(tensor, "tensor", name)
+    d = _rank_arg(dst, "dst", c, name)
+    if d == c.rank():
+        raise ValueError(f"{name}: dst={d} is this rank; send to another rank")
+    st = _Staged()
+    tc = st.input(t)
+    return _go(c, name, t.device, lambda e: e.send(tc, d), async_op, None, st, (tc,))
+
+
+def recv(
+    tensor: torch.Tensor, src: int, comm: Optional[Communicator] = None, async_op: bool = False
+) -> Optional[Work]:
+    """Receive into ``tensor`` from rank ``src``.
+
+    Raises:
+        ValueError: ``src`` is this rank or outside the communicator.
+    """
+    name = "recv"
+    c = _comm(comm, name)
+    t = _tensor(tensor, "tensor", name)
+    s = _rank_arg(src, "src", c, name)
+    if s == c.rank():
+        raise ValueError(f"{name}: src={s} is this rank; receive from another rank")
+    st = _Staged()
+    tc = st.output(t, load=False)
+    return _go(c, name, t.device, lambda e: e.recv(tc, s), async_op, t, st, (tc,))
+
+
+def barrier(comm: Optional[Communicator] = None, async_op: bool = False) -> Optional[Work]:
+    """Block until every rank of the communicator reached the barrier (CPU engine)."""
+    name = "barrier"
+    c = _comm(comm, name)
+    if c.nranks() == 1:
+        return _local(async_op, None, lambda: None)
+    return _go(c, name, torch.device("cpu"), lambda e: e.barrier(), async_op, None, _Staged())

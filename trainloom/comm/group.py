@@ -1,0 +1,650 @@
+"""Process groups and communicators (Bagua's ``BaguaProcessGroup`` / ``BaguaSingleCommunicatorPy``).
+
+A :class:`ProcessGroup` holds three :class:`Communicator` objects: global (every member), intra-node
+(the members on this rank's node) and inter-node (one leader per node; ``None`` on other ranks). A
+communicator chooses its engine per tensor device, at the first operation on that device:
+
+* CUDA tensors -> :class:`trainloom.comm.nccl.NcclEngine` (one per CUDA device);
+* CPU tensors, every member on one node -> ``trainloom.comm.shm.ShmCommunicator`` when that module
+  imports and the OS supports it, else gloo;
+* CPU tensors across nodes -> :class:`trainloom.comm._gloo.GlooEngine`.
+
+``TRAINLOOM_CPU_ENGINE=gloo|shm|auto`` (default ``auto``) forces the CPU engine. Nodes are told apart
+by ``hostname:boot_id`` (never by LOCAL_WORLD_SIZE, which cannot tell whether a sub-group is
+intra-node); ``TRAINLOOM_NODE_ID`` appends a label, to split one machine into logical nodes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import dataclasses
+import datetime
+import hashlib
+import logging
+import os
+import socket
+import threading
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from trainloom.comm.env import LaunchEnv, read_launch_env
+from trainloom.comm.work import CudaWork, FutureWork, Work
+from trainloom.errors import CommError, ConfigError
+
+logger = logging.getLogger("trainloom.comm")
+
+__all__ = [
+    "Communicator",
+    "ProcessGroup",
+    "BaguaProcessGroup",
+    "RepeatedInitializationError",
+    "init_process_group",
+    "is_initialized",
+    "new_group",
+    "from_torch_group",
+    "destroy_process_group",
+    "get_default_group",
+    "node_identity",
+    "cpu_engine_name",
+]
+
+DEFAULT_TIMEOUT = 300.0
+
+
+class RepeatedInitializationError(CommError):
+    """init_process_group() was called while a default group exists (Bagua's error name)."""
+
+
+@dataclasses.dataclass
+class _State:
+    default: Optional[ProcessGroup] = None
+    launch: Optional[LaunchEnv] = None
+    store: Optional[Any] = None
+    timeout: float = DEFAULT_TIMEOUT
+    node_ids: List[str] = dataclasses.field(default_factory=list)
+    groups: List[ProcessGroup] = dataclasses.field(default_factory=list)
+    names: Dict[str, int] = dataclasses.field(default_factory=dict)
+    owns_torch_pg: bool = False
+    generation: int = 0
+
+
+_STATE = _State()
+_ATEXIT = False
+
+
+def node_identity() -> str:
+    """``hostname:boot_id`` of this machine (plus ``/$TRAINLOOM_NODE_ID`` when set)."""
+    try:
+        from trainloom.comm.shm import node_identity as shm_node_identity
+
+        ident = shm_node_identity()
+    except ImportError:
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                boot = f.read().strip()
+        except OSError:
+            boot = "no-boot-id"
+        ident = f"{socket.gethostname()}:{boot}"
+    label = os.environ.get("TRAINLOOM_NODE_ID", "")
+    return f"{ident}/{label}" if label else ident
+
+
+_SHM_STATE: Dict[str, Any] = {}
+
+
+def _shm_status() -> Optional[str]:
+    """None when the shared-memory engine can be used, else why not."""
+    if "why" not in _SHM_STATE:
+        try:
+            from trainloom.comm.shm import shm_supported
+
+            _SHM_STATE["why"] = None if shm_supported() else "shm_supported() is False on this OS"
+        except ImportError as exc:
+            _SHM_STATE["why"] = f"trainloom.comm.shm does not import ({exc})"
+    return _SHM_STATE["why"]
+
+
+def cpu_engine_name(same_node: bool) -> str:
+    """The CPU engine a communicator uses: ``"shm"`` or ``"gloo"``.
+
+    Raises:
+        ConfigError: TRAINLOOM_CPU_ENGINE is invalid, or asks for shm where it cannot run.
+    """
+    choice = os.environ.get("TRAINLOOM_CPU_ENGINE", "auto").strip().lower() or "auto"
+    if choice not in ("auto", "gloo", "shm"):
+        raise ConfigError(f"TRAINLOOM_CPU_ENGINE={choice!r}: use auto, gloo or shm")
+    if choice == "gloo":
+        return "gloo"
+    why = _shm_status()
+    if choice == "shm":
+        if why is not None:
+            raise ConfigError(f"TRAINLOOM_CPU_ENGINE=shm but the shared-memory engine is unavailable: {why}")
+        if not same_node:
+            raise ConfigError("TRAINLOOM_CPU_ENGINE=shm but this communicator spans several nodes")
+        return "shm"
+    return "shm" if same_node and why is None else "gloo"
+
+
+class Communicator:
+    """A set of ranks that run collectives together (Bagua's ``BaguaSingleCommunicatorPy``).
+
+    Obtained from :meth:`ProcessGroup.get_global_communicator` and friends; pass it as ``comm=`` to
+    the collectives. Its ranks are numbered ``0..nranks()-1`` in the order of the group's ranks.
+
+    Calls on one communicator are serialised: asynchronous CPU operations run in order on one worker
+    thread, and a synchronous call first waits for the asynchronous ones issued before it.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        global_ranks: Sequence[int],
+        global_rank: int,
+        store: Any,
+        timeout: float,
+        same_node: bool,
+        stream: Optional[Any] = None,
+    ) -> None:
+        self.name = name
+        self.global_ranks = list(global_ranks)
+        self._rank = self.global_ranks.index(global_rank)
+        self._store = store
+        self.timeout = float(timeout)
+        self.same_node = same_node
+        self.stream = stream
+        self._cpu: Optional[Any] = None
+        self._cuda: Dict[int, Any] = {}
+        self._cuda_device: Optional[int] = None
+        self._lock = threading.RLock()
+        self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._last: Optional[concurrent.futures.Future] = None
+        self._destroyed = False
+        # Set by ProcessGroup on global communicators: what hierarchical allreduce uses.
+        self.intra: Optional[Communicator] = None
+        self.inter: Optional[Communicator] = None
+        self.is_inter_leader = False
+
+    def rank(self) -> int:
+        """This process's rank in the communicator."""
+        return self._rank
+
+    def nranks(self) -> int:
+        """The number of ranks in the communicator."""
+        return len(self.global_ranks)
+
+    def __repr__(self) -> str:
+        return f"<Communicator {self.name} rank {self._rank}/{self.nranks()} ranks={self.global_ranks}>"
+
+    # ------------------------------------------------------------ engines
+    def check_alive(self, opname: str) -> None:
+        if self._destroyed:
+            raise CommError(
+                f"{opname}: communicator {self.name} was used after destroy_process_group(); "
+                "call init_process_group()/new_group() again and use the new communicators"
+            )
+
+    def cpu_engine_kind(self) -> str:
+        """``"shm"`` or ``"gloo"``: the engine CPU tensors use on this communicator."""
+        return cpu_engine_name(self.same_node)
+
+    def _prefix(self, kind: str) -> str:
+        return f"tl/{_STATE.generation}/{self.name}/{kind}"
+
+    def engine(self, device: torch.device) -> Any:
+        """The engine for ``device``, created (collectively) at first use."""
+        if device.type == "cpu":
+            if self._cpu is None:
+                kind = self.cpu_engine_kind()
+                if kind == "shm":
+                    from trainloom.comm.shm import ShmCommunicator
+
+                    self._cpu = ShmCommunicator(
+                        self._store,
+                        self._rank,
+                        self.nranks(),
+                        prefix=self._prefix("shm"),
+                        timeout=self.timeout,
+                    )
+                else:
+                    from trainloom.comm._gloo import GlooEngine
+
+                    self._cpu = GlooEngine(
+                        self._store,
+                        self._rank,
+                        self.nranks(),
+                        prefix=self._prefix("gloo"),
+                        timeout=self.timeout,
+                    )
+                logger.debug("%s: CPU engine %s", self.name, kind)
+            return self._cpu
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if self._cuda_device is None:
+            self._cuda_device = index
+        if index != self._cuda_device:
+            raise ValueError(
+                f"tensor is on cuda:{index} but communicator {self.name} uses cuda:{self._cuda_device} on "
+                f"rank {self._rank}; call torch.cuda.set_device(local_rank) before the first collective and "
+                "keep each rank's tensors on its own device"
+            )
+        if index not in self._cuda:
+            from trainloom.comm.nccl import NcclEngine
+
+            self._check_distinct_gpus(index)
+            self._cuda[index] = NcclEngine(
+                self._store,
+                self._rank,
+                self.nranks(),
+                prefix=self._prefix("nccl"),
+                device=torch.device("cuda", index),
+                stream=self.stream,
+                timeout=self.timeout,
+            )
+        return self._cuda[index]
+
+    def _check_distinct_gpus(self, index: int) -> None:
+        """Two ranks on one GPU make NCCL hang or fail obscurely: refuse it first, on every rank."""
+        me = f"{node_identity()}#{torch.cuda.get_device_properties(index).uuid}"
+        key = self._prefix("gpu")
+        self._store.set(f"{key}/{self._rank}", me)
+        seen: Dict[str, int] = {}
+        for r in range(self.nranks()):
+            ident = bytes(self._store.get(f"{key}/{r}")).decode()
+            if ident in seen:
+                raise CommError(
+                    f"ranks {seen[ident]} and {r} of {self.name} use the same GPU ({ident}); give each rank "
+                    "its own device with torch.cuda.set_device(get_local_rank())"
+                )
+            seen[ident] = r
+
+    # ------------------------------------------------------------ execution
+    def execute(
+        self,
+        opname: str,
+        device: torch.device,
+        fn: Callable[[Any], Any],
+        async_op: bool,
+        result: Optional[torch.Tensor],
+        finish: Optional[Callable[[], None]] = None,
+        keep_alive: Sequence[torch.Tensor] = (),
+        needs_engine: bool = True,
+    ) -> Optional[Work]:
+        """Run ``fn(engine)`` with the engine for ``device``; a Work when ``async_op``.
+
+        ``needs_engine=False`` runs ``fn(None)`` (composite operations over other communicators).
+        """
+        self.check_alive(opname)
+        if device.type == "cuda":
+            with self._lock:
+                engine = self.engine(device)
+                event = fn(engine)
+            if async_op:
+                return CudaWork(opname, event, result, keep_alive, engine._check_deadline, finish)
+            if finish is not None:
+                finish()
+            return None
+
+        def run() -> None:
+            with self._lock:
+                fn(self.engine(device) if needs_engine else None)
+
+        if async_op:
+            with self._lock:
+                if self._executor is None:
+                    self._executor = concurrent.futures.ThreadPoolExecutor(
+                        max_workers=1, thread_name_prefix=f"trainloom-{self.name}"
+                    )
+                fut = self._executor.submit(run)
+                self._last = fut
+            return FutureWork(opname, fut, result, finish)
+        last = self._last
+        if last is not None and not last.done():
+            concurrent.futures.wait([last])  # keep the issue order identical on every rank
+        run()
+        if finish is not None:
+            finish()
+        return None
+
+    def destroy(self) -> None:
+        """Close every engine (idempotent); later calls raise CommError."""
+        if self._destroyed:
+            return
+        self._destroyed = True
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        engines = ([self._cpu] if self._cpu is not None else []) + list(self._cuda.values())
+        self._cpu = None
+        self._cuda = {}
+        for e in engines:
+            try:
+                e.close()
+            except CommError as exc:  # closing must not stop the others from closing
+                logger.warning("closing %s engine of %s: %s", getattr(e, "name", "?"), self.name, exc)
+
+
+class ProcessGroup:
+    """A set of ranks with global, intra-node and inter-node communicators (Bagua's BaguaProcessGroup).
+
+    Create with :func:`new_group` or :func:`from_torch_group`; the default group comes from
+    :func:`init_process_group`.
+
+    Attributes:
+        ranks: the members' global ranks, sorted.
+        stream: the CUDA stream NCCL operations run on (None: the current stream).
+        group_name: a name unique within the job.
+        rank: this process's rank in the group (-1 for non-members).
+        world_size: the number of members.
+    """
+
+    def __init__(self, ranks: Sequence[int], stream: Optional[Any], group_name: str) -> None:
+        st = _STATE
+        if st.launch is None or st.store is None:
+            raise CommError("the default process group is not initialized; call init_process_group() first")
+        self.ranks = list(ranks)
+        self.stream = stream
+        self.group_name = group_name
+        me = st.launch.rank
+        self.world_size = len(self.ranks)
+        self.is_member = me in self.ranks
+        self.rank = self.ranks.index(me) if self.is_member else -1
+        self._global: Optional[Communicator] = None
+        self._intra: Optional[Communicator] = None
+        self._inter: Optional[Communicator] = None
+        if not self.is_member:
+            return
+        nodes = [st.node_ids[r] for r in self.ranks]
+        order = list(dict.fromkeys(nodes))  # nodes in order of first appearance
+        my_node = st.node_ids[me]
+        intra = [r for r in self.ranks if st.node_ids[r] == my_node]
+        leaders = [self.ranks[nodes.index(n)] for n in order]
+        t = st.timeout
+        self._global = Communicator(
+            f"{group_name}/global", self.ranks, me, st.store, t, len(order) == 1, stream
+        )
+        self._intra = Communicator(
+            f"{group_name}/intra{order.index(my_node)}", intra, me, st.store, t, True, stream
+        )
+        if me in leaders:
+            self._inter = Communicator(
+                f"{group_name}/inter", leaders, me, st.store, t, len(order) == 1, stream
+            )
+        self._global.intra = self._intra
+        self._global.inter = self._inter
+        self._global.is_inter_leader = me in leaders
+
+    def _member(self, what: str) -> None:
+        if not self.is_member:
+            raise CommError(
+                f"{what}: rank {_STATE.launch.rank if _STATE.launch else '?'} is not a member of process "
+                f"group {self.group_name} (ranks {self.ranks})"
+            )
+
+    def get_global_communicator(self) -> Communicator:
+        """The communicator over every member."""
+        self._member("get_global_communicator")
+        return self._global  # type: ignore[return-value]
+
+    def get_intra_node_communicator(self) -> Communicator:
+        """The communicator over the members on this rank's node."""
+        self._member("get_intra_node_communicator")
+        return self._intra  # type: ignore[return-value]
+
+    def get_inter_node_communicator(self) -> Optional[Communicator]:
+        """The communicator over one leader per node (the first member on each node).
+
+        Returns:
+            The communicator on leaders, ``None`` on the other ranks (as in Bagua).
+        """
+        self._member("get_inter_node_communicator")
+        return self._inter
+
+    def destroy(self) -> None:
+        for c in (self._global, self._intra, self._inter):
+            if c is not None:
+                c.destroy()
+
+    def __repr__(self) -> str:
+        return f"<ProcessGroup {self.group_name} ranks={self.ranks} rank={self.rank}>"
+
+
+#: Bagua's name for the class.
+BaguaProcessGroup = ProcessGroup
+
+
+def _seconds(timeout: Union[None, float, int, datetime.timedelta]) -> float:
+    if timeout is None:
+        env = os.environ.get("TRAINLOOM_COMM_TIMEOUT")
+        if env:
+            try:
+                value = float(env)
+            except ValueError:
+                raise ConfigError(f"TRAINLOOM_COMM_TIMEOUT={env!r} is not a number of seconds") from None
+        else:
+            value = DEFAULT_TIMEOUT
+    elif isinstance(timeout, datetime.timedelta):
+        value = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        value = float(timeout)
+    else:
+        raise ConfigError(f"timeout must be seconds or a datetime.timedelta, got {timeout!r}")
+    if not value > 0:
+        raise ConfigError(f"timeout must be > 0 seconds, got {value}")
+    return value
+
+
+def init_process_group(
+    store: Optional[Any] = None,
+    timeout: Union[None, float, datetime.timedelta] = None,
+    *,
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    local_world_size: Optional[int] = None,
+) -> ProcessGroup:
+    """Initialize the default process group (and torch.distributed's, with gloo, if not yet done).
+
+    Reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT (set by
+    torchrun); with none of them set the process is rank 0 of 1.
+
+    Args:
+        store: a ``torch.distributed.Store`` shared by all ranks; None creates a TCPStore on
+            MASTER_ADDR:MASTER_PORT (hosted by rank 0).
+        timeout: seconds (or a timedelta) after which a collective raises CommTimeoutError; default
+            ``$TRAINLOOM_COMM_TIMEOUT`` or 300.
+        rank: overrides RANK.
+        world_size: overrides WORLD_SIZE.
+        local_world_size: overrides LOCAL_WORLD_SIZE.
+
+    Returns:
+        The default process group.
+
+    Raises:
+        RepeatedInitializationError: already initialized.
+        ConfigError: the environment is incomplete or inconsistent (names the missing variable).
+
+    Example::
+
+        import trainloom.comm as bagua          # was: import bagua.torch_api as bagua
+        bagua.init_process_group()
+        t = torch.ones(4) * (bagua.get_rank() + 1)
+        bagua.allreduce_inplace(t)
+    """
+    global _ATEXIT
+    if _STATE.default is not None:
+        raise RepeatedInitializationError(
+            "init_process_group() was already called; call destroy_process_group() first to re-initialize"
+        )
+    t = _seconds(timeout)
+    launch = read_launch_env(rank, world_size, local_world_size, need_master=store is None)
+    td = datetime.timedelta(seconds=t)
+    owns_torch = False
+    if dist.is_initialized():
+        if dist.get_rank() != launch.rank or dist.get_world_size() != launch.world_size:
+            raise ConfigError(
+                f"torch.distributed is already initialized as rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, but the environment says rank {launch.rank} of {launch.world_size}"
+            )
+        base = store if store is not None else dist.distributed_c10d._get_default_store()
+    else:
+        if store is not None:
+            base = store
+        elif launch.world_size == 1:
+            base = dist.HashStore()
+        else:
+            base = dist.TCPStore(
+                launch.master_addr, launch.master_port, launch.world_size, launch.rank == 0, timeout=td
+            )
+        dist.init_process_group(
+            "gloo",
+            store=dist.PrefixStore("tl/torch", base),
+            rank=launch.rank,
+            world_size=launch.world_size,
+            timeout=td,
+        )
+        owns_torch = True
+    _STATE.generation += 1
+    tl_store = dist.PrefixStore(f"tl/{_STATE.generation}", base)
+    tl_store.set_timeout(td)
+    # Which node every rank is on: one store round, used for intra/inter-node communicators.
+    tl_store.set(f"node/{launch.rank}", node_identity())
+    node_ids = [bytes(tl_store.get(f"node/{r}")).decode() for r in range(launch.world_size)]
+    _STATE.launch = launch
+    _STATE.store = tl_store
+    _STATE.timeout = t
+    _STATE.node_ids = node_ids
+    _STATE.owns_torch_pg = owns_torch
+    _STATE.names = {}
+    _STATE.groups = []
+    pg = ProcessGroup(list(range(launch.world_size)), None, "default")
+    _STATE.default = pg
+    _STATE.groups.append(pg)
+    if not _ATEXIT:
+        atexit.register(_destroy_at_exit)
+        _ATEXIT = True
+    return pg
+
+
+def _destroy_at_exit() -> None:
+    if _STATE.default is not None:
+        destroy_process_group()
+
+
+def is_initialized() -> bool:
+    """Whether :func:`init_process_group` ran (and :func:`destroy_process_group` did not since)."""
+    return _STATE.default is not None
+
+
+def get_default_group() -> ProcessGroup:
+    """The default process group.
+
+    Raises:
+        CommError: not initialized.
+    """
+    if _STATE.default is None:
+        raise CommError(
+            "the default process group is not initialized; call trainloom.comm.init_process_group()"
+        )
+    return _STATE.default
+
+
+def _group_name(ranks: List[int]) -> str:
+    digest = hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:10]
+    n = _STATE.names.get(digest, 0)
+    _STATE.names[digest] = n + 1
+    return f"g{digest}.{n}"
+
+
+def new_group(ranks: Optional[Sequence[int]] = None, stream: Optional[Any] = None) -> ProcessGroup:
+    """Create a process group over ``ranks`` (default: every rank).
+
+    .. warning::
+        Every member must call ``new_group`` for the same rank lists in the same order (Bagua asks
+        every rank of the job to call it; non-members may, and get a group they cannot use).
+        Communicators connect lazily, at their first collective.
+
+    Args:
+        ranks: global ranks of the members (duplicates are an error; the order is normalised).
+        stream: CUDA stream for NCCL operations (None: the current stream at each call).
+
+    Returns:
+        The new group.
+
+    Raises:
+        CommError: not initialized.
+        ValueError: a rank is outside the world or repeated, or the list is empty.
+
+    Example::
+
+        pg = new_group([0, 1])
+        if get_rank() in (0, 1):
+            allreduce_inplace(t, comm=pg.get_global_communicator())
+    """
+    st = _STATE
+    if st.default is None or st.launch is None:
+        raise CommError(
+            "new_group: the default process group is not initialized; call init_process_group() first"
+        )
+    w = st.launch.world_size
+    if ranks is None:
+        members = list(range(w))
+    else:
+        members = []
+        for r in ranks:
+            if isinstance(r, bool) or not isinstance(r, int):
+                raise ValueError(f"new_group: ranks must be ints, got {r!r}")
+            if not 0 <= r < w:
+                raise ValueError(f"new_group: rank {r} is outside the world 0..{w - 1}")
+            members.append(r)
+        if not members:
+            raise ValueError("new_group: ranks is empty")
+        if len(set(members)) != len(members):
+            raise ValueError(f"new_group: ranks {list(ranks)} contain duplicates")
+        members.sort()
+    pg = ProcessGroup(members, stream, _group_name(members))
+    st.groups.append(pg)
+    return pg
+
+
+def from_torch_group(group: Any, stream: Optional[Any] = None) -> ProcessGroup:
+    """The trainloom group with the same members as a torch.distributed process group.
+
+    Args:
+        group: a ``torch.distributed.ProcessGroup`` (``None`` or ``group.WORLD``: the default group).
+        stream: CUDA stream for NCCL operations.
+
+    Returns:
+        A new :class:`ProcessGroup` with the torch group's ranks.
+
+    Raises:
+        CommError: not initialized.
+        ValueError: this rank is not a member of ``group``.
+    """
+    if _STATE.default is None:
+        raise CommError("from_torch_group: call init_process_group() first")
+    if group is None or group is dist.GroupMember.WORLD:
+        ranks = list(range(dist.get_world_size()))
+    elif group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError("from_torch_group: this rank is not a member of the torch process group")
+    else:
+        ranks = dist.get_process_group_ranks(group)
+    return new_group(ranks, stream)
+
+
+def destroy_process_group() -> None:
+    """Close every group's engines and forget the default group (and torch's, if we created it).
+
+    Communicators of the destroyed groups raise CommError when used. Safe to call twice.
+    """
+    st = _STATE
+    for pg in st.groups:
+        pg.destroy()
+    st.groups = []
+    st.default = None
+    st.launch = None
+    st.store = None
+    st.node_ids = []
+    if st.owns_torch_pg and dist.is_initialized():
+        dist.destroy_process_group()
+    st.owns_torch_pg = False
