@@ -1,0 +1,1253 @@
+# cython: language_level=3
+"""Shared-memory collective engine for CPU tensors of ranks on one node (compiled core).
+
+Only ints reach this module (``data_ptr()`` values, element counts, dtype/op codes, byte sizes);
+trainloom/comm/shm.py validates tensors and arguments first and formats the errors. Every method
+that waits releases the GIL and returns a status code (0 = done); on failure the details are read
+back with :meth:`Engine.error_info`.
+
+Protocol in one paragraph. Each rank owns a control block (an ``arrive`` step counter and a
+``sleepers`` count, each on its own cache line, plus two op descriptors) and two slots of
+``slot_bytes``. A *step* is: write my data into my slot, publish ``arrive = s``, wait until every
+peer's ``arrive >= s``, then read the peers' slots. Every op's first step also carries the op
+descriptor, which every rank compares with every other rank's, so a size/dtype/op mismatch is seen
+(and raised) by all ranks at the same step. Slots alternate per use ("double buffering"): a slot is
+written again only two uses later, by which time the full barrier of the step in between guarantees
+that every reader is done with it. Send/recv use separate per-pair channels with their own counters.
+"""
+
+cimport cython
+from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t, uintptr_t
+from libc.stdlib cimport calloc, free
+from libc.string cimport memcpy, memset
+from libc.errno cimport errno
+from libc.limits cimport INT_MAX
+from posix.mman cimport mmap, munmap, shm_open, shm_unlink, PROT_READ, PROT_WRITE, MAP_SHARED, MAP_FAILED
+from posix.fcntl cimport O_CREAT, O_EXCL, O_RDWR
+from posix.unistd cimport ftruncate, close as c_close, getpid
+from posix.stat cimport struct_stat, fstat
+
+import time as _time
+
+
+cdef extern from "<fcntl.h>" nogil:
+    int posix_fallocate(int fd, long offset, long length)
+
+cdef extern from "<string.h>" nogil:
+    char* strerror(int errnum)
+
+
+cdef extern from "_shm_kernels.h" nogil:
+    enum: TL_MAGIC
+    enum: TL_VERSION
+    enum: TL_MAXDIM
+    ctypedef struct tl_line_t:
+        uint32_t v
+    ctypedef struct tl_desc_t:
+        int64_t opkind
+        int64_t seq
+        int64_t dtype
+        int64_t redop
+        int64_t root
+        int64_t numel
+        int64_t extra
+        int64_t ndim
+        int64_t shape[8]
+    ctypedef struct tl_hdr_t:
+        uint64_t magic
+        uint32_t version
+        uint32_t world
+        uint64_t generation
+        uint64_t slot_bytes
+        uint64_t pair_bytes
+        uint64_t heap_bytes
+        uint64_t total_bytes
+        tl_line_t attached
+        tl_line_t abort_word
+    ctypedef struct tl_rank_t:
+        tl_line_t arrive
+        tl_line_t sleepers
+        int32_t pid
+        int32_t closed
+        tl_desc_t desc[2]
+    ctypedef struct tl_pair_t:
+        tl_line_t sent
+        tl_line_t sent_sleepers
+        tl_line_t ack
+        tl_line_t ack_sleepers
+        tl_desc_t hdr[2]
+        tl_desc_t poison
+    ctypedef void (*tl_reduce_fn)(void*, const void* const*, int, size_t, int)
+    uint32_t tl_load(const uint32_t* p)
+    void tl_store(uint32_t* p, uint32_t v)
+    uint32_t tl_add(uint32_t* p, uint32_t v)
+    uint32_t tl_sub(uint32_t* p, uint32_t v)
+    uint32_t tl_cas(uint32_t* p, uint32_t expected, uint32_t desired)
+    void tl_fence()
+    int tl_reached(uint32_t a, uint32_t b)
+    void tl_pause()
+    double tl_now()
+    int tl_futex_wait(uint32_t* addr, uint32_t val, double timeout_s)
+    int tl_futex_wake(uint32_t* addr, int n)
+    int tl_pid_dead(int pid)
+    tl_reduce_fn tl_pick_reduce(int dt, int op)
+
+
+# Status codes returned by the nogil cores (0 = success). shm.py maps them to exceptions.
+ERR_TIMEOUT = 1
+ERR_ABORT = 2
+ERR_DEAD = 3
+ERR_CLOSED = 4
+ERR_MISMATCH = 5
+ERR_POISON = 6
+ERR_LOCAL_CLOSE = 7
+ERR_COUNTS = 8
+
+cdef enum:
+    E_TIMEOUT = 1
+    E_ABORT = 2
+    E_DEAD = 3
+    E_CLOSED = 4
+    E_MISMATCH = 5
+    E_POISON = 6
+    E_LOCAL_CLOSE = 7
+    E_COUNTS = 8
+
+# Abort reasons stored in the high half of the abort word.
+cdef enum:
+    A_USER = 1
+    A_TIMEOUT = 2
+    A_DEAD = 3
+    K_SEND = 11
+ABORT_USER = A_USER
+ABORT_TIMEOUT = A_TIMEOUT
+ABORT_DEAD = A_DEAD
+
+# Op kinds carried in descriptors (also used in messages by shm.py).
+OP_ALLREDUCE = 1
+OP_REDUCE = 2
+OP_BROADCAST = 3
+OP_ALLGATHER = 4
+OP_GATHER = 5
+OP_SCATTER = 6
+OP_REDUCE_SCATTER = 7
+OP_ALLTOALL = 8
+OP_ALLTOALL_V = 9
+OP_BARRIER = 10
+OP_SEND = 11
+
+# How often a waiter that already sleeps checks that the ranks it waits for are still alive, and
+# the longest single futex sleep (also bounds how late an abort without a wake-up is noticed).
+# 0.2 s keeps the /proc reads negligible while a dead peer is still reported well within 2 s.
+cdef double PID_CHECK_FIRST = 0.05
+cdef double PID_CHECK_EVERY = 0.2
+cdef double MAX_SLEEP = 0.05
+
+
+cdef inline size_t _round_up(size_t x, size_t a) noexcept nogil:
+    return (x + a - 1) // a * a
+
+
+cdef struct State:
+    char* base
+    size_t total
+    int rank
+    int world
+    tl_hdr_t* hdr
+    tl_rank_t* ranks
+    tl_pair_t* pairs
+    char* slots
+    char* pslots
+    char* heap
+    size_t S          # bytes per slot (each rank has two)
+    size_t P          # bytes per p2p pair buffer (each ordered pair has two)
+    size_t H          # bytes of zero-copy heap per rank
+    uint32_t step     # last step this rank published
+    uint64_t nbuf     # slot uses so far (the slot of a use is nbuf & 1); identical on all ranks
+    uint32_t* p2p_sent   # per destination: chunks sent so far
+    uint32_t* p2p_recv   # per source: chunks received so far
+    char* check_pid      # per rank: 1 if its pid is visible from here (same pid namespace)
+    char* missing        # per rank: filled on timeout
+    double spin_s     # how long to spin before sleeping in futex
+    int local_closing # set by close() from another thread: waiters give up
+    # error details
+    int err_peer
+    uint32_t err_target
+    int err_rank      # mismatching rank (E_MISMATCH) / first inconsistent pair (E_COUNTS)
+    int err_rank2
+    int err_parity
+    int64_t err_v1
+    int64_t err_v2
+
+
+cdef inline char* _slot(State* st, int r, uint64_t use) noexcept nogil:
+    return st.slots + (<size_t>r * 2 + <size_t>(use & 1)) * st.S
+
+
+cdef inline char* _pslot(State* st, int src, int dst, uint32_t chunk) noexcept nogil:
+    return st.pslots + ((<size_t>src * st.world + <size_t>dst) * 2 + <size_t>(chunk & 1)) * st.P
+
+
+cdef inline tl_pair_t* _pair(State* st, int src, int dst) noexcept nogil:
+    return &st.pairs[<size_t>src * st.world + <size_t>dst]
+
+
+cdef int _wait_word(State* st, uint32_t* word, uint32_t* sleepers, uint32_t target, int peer,
+                    double deadline, int64_t* poison) noexcept nogil:
+    """Wait until *word >= target (wrap-safe): spin briefly, then sleep in futex.
+
+    Spinning only pays while the peer is running on another core; when ranks outnumber cores a
+    spinning waiter steals the very core the peer needs (FINDINGS: spin+sched_yield fell to gloo
+    speed with 4 ranks on 2 cores), so the spin is bounded by time (spin_s) and then we sleep.
+    """
+    cdef double t0, t, next_check, nap
+    cdef uint32_t v
+    cdef int i = 0
+    if tl_reached(tl_load(word), target):
+        return 0
+    if st.spin_s > 0:
+        t0 = tl_now()
+        while True:
+            for i in range(16):
+                if tl_reached(tl_load(word), target):
+                    return 0
+                tl_pause()
+            if tl_now() - t0 > st.spin_s:
+                break
+    t = tl_now()
+    next_check = t + PID_CHECK_FIRST
+    while True:
+        v = tl_load(word)
+        if tl_reached(v, target):
+            return 0
+        if tl_load(&st.hdr.abort_word.v) != 0:
+            st.err_peer = peer
+            return E_ABORT
+        if poison != NULL and poison[0] != 0:
+            st.err_peer = peer
+            return E_POISON
+        if st.local_closing:
+            return E_LOCAL_CLOSE
+        t = tl_now()
+        if t >= deadline:
+            st.err_peer = peer
+            return E_TIMEOUT
+        if t >= next_check:
+            if st.ranks[peer].closed:
+                st.err_peer = peer
+                return E_CLOSED
+            if st.check_pid[peer] and tl_pid_dead(st.ranks[peer].pid):
+                # one more look: the peer may have published just before exiting
+                if tl_reached(tl_load(word), target):
+                    return 0
+                st.err_peer = peer
+                return E_DEAD
+            next_check = t + PID_CHECK_EVERY
+        nap = deadline - t
+        if next_check - t < nap:
+            nap = next_check - t
+        if nap > MAX_SLEEP:
+            nap = MAX_SLEEP
+        # Announce the sleep before the final check: the publisher stores the counter and then
+        # reads `sleepers` (both seq_cst), so either it sees us and wakes us, or we see its value
+        # here / the kernel sees it changed and FUTEX_WAIT returns EAGAIN at once.
+        tl_add(sleepers, 1)
+        v = tl_load(word)
+        if not tl_reached(v, target):
+            tl_futex_wait(word, v, nap)
+        tl_sub(sleepers, 1)
+
+
+cdef inline void _publish(uint32_t* word, uint32_t* sleepers, uint32_t value) noexcept nogil:
+    tl_store(word, value)
+    # Wake only when someone sleeps: the syscall costs ~1 us, as much as a whole small allreduce.
+    if tl_load(sleepers) != 0:
+        tl_futex_wake(word, INT_MAX)
+
+
+cdef int _step(State* st, double deadline) noexcept nogil:
+    """Publish the next step and wait for every peer to publish it too (a full barrier)."""
+    cdef uint32_t s = st.step + 1
+    cdef int p, rc
+    cdef tl_rank_t* me = &st.ranks[st.rank]
+    if tl_load(&st.hdr.abort_word.v) != 0:
+        # aborted communicators fail every op at once, also when peers would still answer
+        return E_ABORT
+    st.step = s
+    _publish(&me.arrive.v, &me.sleepers.v, s)
+    for p in range(st.world):
+        if p == st.rank:
+            continue
+        rc = _wait_word(st, &st.ranks[p].arrive.v, &st.ranks[p].sleepers.v, s, p, deadline, NULL)
+        if rc != 0:
+            st.err_target = s
+            for p in range(st.world):
+                st.missing[p] = 0 if tl_reached(tl_load(&st.ranks[p].arrive.v), s) else 1
+            return rc
+    return 0
+
+
+cdef inline void _put_desc(State* st, const tl_desc_t* d) noexcept nogil:
+    # the descriptor travels with the step about to be published (st.step + 1)
+    memcpy(&st.ranks[st.rank].desc[(st.step + 1) & 1], d, sizeof(tl_desc_t))
+
+
+cdef int _check_desc(State* st) noexcept nogil:
+    """After the first step of an op: E_MISMATCH if any rank's descriptor differs from ours.
+
+    Every rank compares the same set of descriptors, so either all ranks fail here or none.
+    """
+    cdef int par = st.step & 1
+    cdef const tl_desc_t* mine = &st.ranks[st.rank].desc[par]
+    cdef const tl_desc_t* o
+    cdef int p
+    for p in range(st.world):
+        o = &st.ranks[p].desc[par]
+        if (o.opkind != mine.opkind or o.dtype != mine.dtype or o.redop != mine.redop
+                or o.root != mine.root or o.numel != mine.numel or o.extra != mine.extra):
+            st.err_rank = p
+            st.err_parity = par
+            return E_MISMATCH
+    return 0
+
+
+cdef int _first_step(State* st, const tl_desc_t* d, double deadline) noexcept nogil:
+    cdef int rc
+    _put_desc(st, d)
+    rc = _step(st, deadline)
+    if rc != 0:
+        return rc
+    return _check_desc(st)
+
+
+# ----------------------------------------------------------------------------------------------
+# Collective algorithms. All run without the GIL on raw pointers validated by shm.py.
+# ----------------------------------------------------------------------------------------------
+
+cdef int _allreduce(State* st, const tl_desc_t* d, const char* send, char* recv, size_t n, size_t esz,
+                    tl_reduce_fn fn, int div, int dst, size_t small_bytes, double deadline) noexcept nogil:
+    """Allreduce (dst < 0) or reduce to dst.
+
+    Small (n * esz <= small_bytes): one-shot, one barrier: every rank copies its vector into its
+    slot and every (receiving) rank reduces all slots in rank order. Large: per chunk of one slot,
+    two-shot: after the first barrier rank r reduces part r of the chunk over all slots (rank
+    order) into its own slot, after the second barrier everyone copies every part out. The part a
+    rank reduces is read by no one else during the reduce phase, so reducing in place is safe.
+    """
+    cdef int W = st.world, me = st.rank, p, rc, first = 1
+    cdef size_t nbytes = n * esz, off = 0, c, pl, lo, hi, chunk_elems, align
+    cdef const void* srcs[256]
+    cdef const void** sp = srcs
+    cdef uint64_t use
+    cdef char* mys
+    if W > 256:
+        sp = <const void**>calloc(W, sizeof(void*))
+    if nbytes <= small_bytes:
+        use = st.nbuf
+        st.nbuf += 1
+        if nbytes:
+            memcpy(_slot(st, me, use), send, nbytes)
+        rc = _first_step(st, d, deadline)
+        if rc == 0 and nbytes and (dst < 0 or dst == me):
+            for p in range(W):
+                sp[p] = _slot(st, p, use)
+            fn(recv, sp, W, n, div)
+        if sp != srcs:
+            free(sp)
+        return rc
+    chunk_elems = st.S // esz
+    # parts start on cache-line boundaries so two reducers never write the same line
+    align = 64 // esz if esz < 64 else 1
+    rc = 0
+    while off < n:
+        c = n - off
+        if c > chunk_elems:
+            c = chunk_elems
+        pl = _round_up((c + W - 1) // W, align)
+        use = st.nbuf
+        st.nbuf += 1
+        mys = _slot(st, me, use)
+        memcpy(mys, send + off * esz, c * esz)
+        if first:
+            rc = _first_step(st, d, deadline)
+            first = 0
+        else:
+            rc = _step(st, deadline)
+        if rc != 0:
+            break
+        lo = <size_t>me * pl
+        if lo > c:
+            lo = c
+        hi = lo + pl
+        if hi > c:
+            hi = c
+        if hi > lo:
+            for p in range(W):
+                sp[p] = _slot(st, p, use) + lo * esz
+            fn(mys + lo * esz, sp, W, hi - lo, div)
+        rc = _step(st, deadline)
+        if rc != 0:
+            break
+        if dst < 0 or dst == me:
+            for p in range(W):
+                lo = <size_t>p * pl
+                if lo > c:
+                    lo = c
+                hi = lo + pl
+                if hi > c:
+                    hi = c
+                if hi > lo:
+                    memcpy(recv + (off + lo) * esz, _slot(st, p, use) + lo * esz, (hi - lo) * esz)
+        off += c
+    if sp != srcs:
+        free(sp)
+    return rc
+
+
+cdef int _broadcast(State* st, const tl_desc_t* d, char* buf, size_t nbytes, int root,
+                    double deadline) noexcept nogil:
+    cdef size_t off = 0, c
+    cdef int rc, first = 1
+    cdef uint64_t use
+    while first or off < nbytes:
+        c = nbytes - off
+        if c > st.S:
+            c = st.S
+        use = st.nbuf
+        st.nbuf += 1
+        if st.rank == root and c:
+            memcpy(_slot(st, root, use), buf + off, c)
+        if first:
+            rc = _first_step(st, d, deadline)
+            first = 0
+        else:
+            rc = _step(st, deadline)
+        if rc != 0:
+            return rc
+        if st.rank != root and c:
+            memcpy(buf + off, _slot(st, root, use), c)
+        off += c
+    return 0
+
+
+cdef int _allgather(State* st, const tl_desc_t* d, const char* send, char* recv, size_t nbytes, int dst,
+                    double deadline) noexcept nogil:
+    """Allgather (dst < 0) or gather to dst; each rank contributes nbytes."""
+    cdef size_t off = 0, c
+    cdef int rc, p, first = 1
+    cdef uint64_t use
+    while first or off < nbytes:
+        c = nbytes - off
+        if c > st.S:
+            c = st.S
+        use = st.nbuf
+        st.nbuf += 1
+        if c:
+            memcpy(_slot(st, st.rank, use), send + off, c)
+        if first:
+            rc = _first_step(st, d, deadline)
+            first = 0
+        else:
+            rc = _step(st, deadline)
+        if rc != 0:
+            return rc
+        if c and (dst < 0 or dst == st.rank):
+            for p in range(st.world):
+                memcpy(recv + <size_t>p * nbytes + off, _slot(st, p, use), c)
+        off += c
+    return 0
+
+
+cdef int _scatter(State* st, const tl_desc_t* d, const char* send, char* recv, size_t nbytes, int root,
+                  double deadline) noexcept nogil:
+    """Root's send holds world blocks of nbytes; rank r receives block r."""
+    cdef size_t off = 0, c, per = st.S // <size_t>st.world
+    cdef int rc, q, first = 1
+    cdef uint64_t use
+    cdef char* s
+    while first or off < nbytes:
+        c = nbytes - off
+        if c > per:
+            c = per
+        use = st.nbuf
+        st.nbuf += 1
+        if st.rank == root and c:
+            s = _slot(st, root, use)
+            for q in range(st.world):
+                memcpy(s + <size_t>q * c, send + <size_t>q * nbytes + off, c)
+        if first:
+            rc = _first_step(st, d, deadline)
+            first = 0
+        else:
+            rc = _step(st, deadline)
+        if rc != 0:
+            return rc
+        if c:
+            memcpy(recv + off, _slot(st, root, use) + <size_t>st.rank * c, c)
+        off += c
+    return 0
+
+
+cdef int _exchange(State* st, const tl_desc_t* d, const char* send, char* recv, size_t n, size_t esz,
+                   tl_reduce_fn fn, int div, double deadline) noexcept nogil:
+    """Alltoall (fn == NULL) or reduce_scatter (fn != NULL) of world blocks of n elements.
+
+    Per chunk every rank copies its c-element piece of each destination's block into its slot;
+    after the barrier rank r takes piece r from every slot: copies them into recv block p
+    (alltoall) or reduces them in rank order into recv (reduce_scatter).
+    """
+    cdef int W = st.world, me = st.rank, p, q, rc, first = 1
+    cdef size_t off = 0, c, per = st.S // <size_t>W // esz
+    cdef const void* srcs[256]
+    cdef const void** sp = srcs
+    cdef uint64_t use
+    cdef char* s
+    if W > 256:
+        sp = <const void**>calloc(W, sizeof(void*))
+    rc = 0
+    while first or off < n:
+        c = n - off
+        if c > per:
+            c = per
+        use = st.nbuf
+        st.nbuf += 1
+        if c:
+            s = _slot(st, me, use)
+            for q in range(W):
+                memcpy(s + <size_t>q * c * esz, send + (<size_t>q * n + off) * esz, c * esz)
+        if first:
+            rc = _first_step(st, d, deadline)
+            first = 0
+        else:
+            rc = _step(st, deadline)
+        if rc != 0:
+            break
+        if c:
+            if fn != NULL:
+                for p in range(W):
+                    sp[p] = _slot(st, p, use) + <size_t>me * c * esz
+                fn(recv + off * esz, sp, W, c, div)
+            else:
+                for p in range(W):
+                    memcpy(recv + (<size_t>p * n + off) * esz, _slot(st, p, use) + <size_t>me * c * esz,
+                           c * esz)
+        off += c
+    if sp != srcs:
+        free(sp)
+    return rc
+
+
+cdef int _alltoall_v(State* st, const tl_desc_t* d, const char* send, const int64_t* scount,
+                     const int64_t* sdispl, char* recv, const int64_t* rcount, const int64_t* rdispl,
+                     size_t esz, double deadline) noexcept nogil:
+    """Alltoall with per-pair counts (elements). First step: every rank publishes its send and
+    receive counts; every rank checks the whole matrix (send[p][q] == recv[q][p]), so a mismatch
+    raises everywhere. Then rounds of W pieces of up to S/W bytes per rank."""
+    cdef int W = st.world, me = st.rank, p, q, rc
+    cdef size_t per = st.S // <size_t>W // esz, k, rounds = 0, c, off, mx = 0
+    cdef int64_t* m
+    cdef uint64_t use
+    cdef char* s
+    use = st.nbuf
+    st.nbuf += 1
+    m = <int64_t*>_slot(st, me, use)
+    memcpy(m, scount, W * sizeof(int64_t))
+    memcpy(m + W, rcount, W * sizeof(int64_t))
+    rc = _first_step(st, d, deadline)
+    if rc != 0:
+        return rc
+    for p in range(W):
+        for q in range(W):
+            if (<int64_t*>_slot(st, p, use))[q] != (<int64_t*>_slot(st, q, use))[W + p]:
+                st.err_rank = p
+                st.err_rank2 = q
+                # keep a copy of the two numbers for the message (slots may be reused later)
+                st.err_v1 = (<int64_t*>_slot(st, p, use))[q]
+                st.err_v2 = (<int64_t*>_slot(st, q, use))[W + p]
+                return E_COUNTS
+            if <size_t>(<int64_t*>_slot(st, p, use))[q] > mx:
+                mx = <size_t>(<int64_t*>_slot(st, p, use))[q]
+    rounds = (mx + per - 1) // per
+    for k in range(rounds):
+        off = k * per
+        use = st.nbuf
+        st.nbuf += 1
+        s = _slot(st, me, use)
+        for q in range(W):
+            if <size_t>scount[q] > off:
+                c = <size_t>scount[q] - off
+                if c > per:
+                    c = per
+                memcpy(s + <size_t>q * per * esz, send + (<size_t>sdispl[q] + off) * esz, c * esz)
+        rc = _step(st, deadline)
+        if rc != 0:
+            return rc
+        for p in range(W):
+            if <size_t>rcount[p] > off:
+                c = <size_t>rcount[p] - off
+                if c > per:
+                    c = per
+                memcpy(recv + (<size_t>rdispl[p] + off) * esz, _slot(st, p, use) + <size_t>me * per * esz,
+                       c * esz)
+    return 0
+
+
+cdef int _send(State* st, const tl_desc_t* d, const char* buf, size_t nbytes, int dst,
+               double deadline) noexcept nogil:
+    """Eager up to two pair buffers: returns once the last chunk is published, not consumed."""
+    cdef tl_pair_t* pr = _pair(st, st.rank, dst)
+    cdef uint32_t base = st.p2p_sent[dst], cid
+    cdef size_t nch = (nbytes + st.P - 1) // st.P, k, c
+    cdef int rc
+    if nch == 0:
+        nch = 1
+    if tl_load(&st.hdr.abort_word.v) != 0:
+        return E_ABORT
+    if pr.poison.opkind != 0:
+        st.err_peer = dst
+        return E_POISON
+    for k in range(nch):
+        cid = base + <uint32_t>k
+        # buffer cid & 1 was last used by chunk cid - 2, consumed once ack >= cid - 1
+        rc = _wait_word(st, &pr.ack.v, &pr.ack_sleepers.v, cid - 1, dst, deadline, &pr.poison.opkind)
+        if rc != 0:
+            st.err_target = cid - 1
+            return rc
+        c = nbytes - k * st.P
+        if c > st.P:
+            c = st.P
+        if c:
+            memcpy(_pslot(st, st.rank, dst, cid), buf + k * st.P, c)
+        memcpy(&pr.hdr[cid & 1], d, sizeof(tl_desc_t))
+        pr.hdr[cid & 1].extra = <int64_t>k
+        pr.hdr[cid & 1].root = <int64_t>nch
+        _publish(&pr.sent.v, &pr.sent_sleepers.v, cid + 1)
+    st.p2p_sent[dst] = base + <uint32_t>nch
+    return 0
+
+
+cdef int _recv(State* st, const tl_desc_t* d, char* buf, size_t nbytes, int src, double deadline) noexcept nogil:
+    cdef tl_pair_t* pr = _pair(st, src, st.rank)
+    cdef uint32_t base = st.p2p_recv[src], cid
+    cdef size_t nch = (nbytes + st.P - 1) // st.P, k, c
+    cdef int rc
+    cdef const tl_desc_t* h
+    if nch == 0:
+        nch = 1
+    if tl_load(&st.hdr.abort_word.v) != 0:
+        return E_ABORT
+    if pr.poison.opkind != 0:
+        st.err_peer = src
+        return E_POISON
+    for k in range(nch):
+        cid = base + <uint32_t>k
+        rc = _wait_word(st, &pr.sent.v, &pr.sent_sleepers.v, cid + 1, src, deadline, NULL)
+        if rc != 0:
+            st.err_target = cid + 1
+            return rc
+        h = &pr.hdr[cid & 1]
+        if k == 0 and (h.dtype != d.dtype or h.numel != d.numel):
+            # Refuse the message: record what we expected so the sender can report both sides,
+            # and poison the channel (its counters no longer agree) so both ends fail from now on.
+            memcpy(&pr.poison, d, sizeof(tl_desc_t))
+            pr.poison.opkind = K_SEND
+            tl_fence()
+            tl_futex_wake(&pr.ack.v, INT_MAX)
+            st.err_peer = src
+            return E_POISON
+        c = nbytes - k * st.P
+        if c > st.P:
+            c = st.P
+        if c:
+            memcpy(buf + k * st.P, _pslot(st, src, st.rank, cid), c)
+        _publish(&pr.ack.v, &pr.ack_sleepers.v, cid + 1)
+    st.p2p_recv[src] = base + <uint32_t>nch
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# The engine object: owns the mapping and the per-rank bookkeeping.
+# ----------------------------------------------------------------------------------------------
+
+def layout(int world, size_t slot_bytes, size_t pair_bytes, size_t heap_bytes):
+    """Byte offsets of the segment parts: (ranks, pairs, slots, pair slots, heap, total)."""
+    cdef size_t ranks_off = _round_up(sizeof(tl_hdr_t), 4096)
+    cdef size_t pairs_off = ranks_off + <size_t>world * sizeof(tl_rank_t)
+    cdef size_t slots_off = _round_up(pairs_off + <size_t>world * world * sizeof(tl_pair_t), 4096)
+    cdef size_t pslots_off = slots_off + <size_t>world * 2 * slot_bytes
+    cdef size_t heap_off = pslots_off + <size_t>world * world * 2 * pair_bytes
+    cdef size_t total = heap_off + <size_t>world * heap_bytes
+    return ranks_off, pairs_off, slots_off, pslots_off, heap_off, total
+
+
+def pid_dead(int pid):
+    """True if ``pid`` no longer runs (gone or a zombie)."""
+    return bool(tl_pid_dead(pid))
+
+
+def reduce_supported(int kdt, int op):
+    """True if the compiled reduction kernel exists for (kernel dtype code, op code)."""
+    return tl_pick_reduce(kdt, op) != NULL
+
+
+def reduce_local(uintptr_t out, list srcs, int kdt, int op, size_t n, int div):
+    """Run the reduction kernel in this process (tests compare it with torch)."""
+    cdef tl_reduce_fn fn = tl_pick_reduce(kdt, op)
+    cdef int k = len(srcs), i
+    cdef const void** sp
+    if fn == NULL:
+        raise ValueError(f"no reduction kernel for dtype code {kdt} and op {op}")
+    sp = <const void**>calloc(k if k > 0 else 1, sizeof(void*))
+    for i in range(k):
+        sp[i] = <const void*><uintptr_t>srcs[i]
+    with nogil:
+        fn(<void*>out, sp, k, n, div)
+    free(sp)
+
+
+@cython.auto_pickle(False)
+cdef class Engine:
+    """One mapped segment, seen from one rank. Created by :meth:`create` or :meth:`attach`."""
+
+    cdef State st
+    cdef readonly int rank
+    cdef readonly int world
+    cdef readonly object name
+    cdef int busy
+    cdef int pid
+    cdef int exports   # live HeapBuffer objects: the mapping must outlive them
+    cdef int closed
+    cdef public size_t small_bytes
+
+    def __cinit__(self):
+        memset(&self.st, 0, sizeof(State))
+        self.st.base = NULL
+
+    def __dealloc__(self):
+        # safety net only (close() is the real release): unmap, no Python calls
+        if self.st.base != NULL:
+            self.st.ranks[self.st.rank].closed = 1
+            munmap(self.st.base, self.st.total)
+            self.st.base = NULL
+        free(self.st.p2p_sent)
+        free(self.st.p2p_recv)
+        free(self.st.check_pid)
+        free(self.st.missing)
+        self.st.p2p_sent = NULL
+        self.st.p2p_recv = NULL
+        self.st.check_pid = NULL
+        self.st.missing = NULL
+
+    cdef int _map(self, bytes name, int create, int rank, int world, size_t slot_bytes, size_t pair_bytes,
+                  size_t heap_bytes, uint64_t generation) except -1:
+        cdef int fd, err
+        cdef struct_stat sb
+        cdef void* p
+        cdef size_t total
+        cdef tl_hdr_t* h
+        cdef const char* cname = name
+        offs = None
+        if create:
+            offs = layout(world, slot_bytes, pair_bytes, heap_bytes)
+            total = offs[5]
+            # 0600: only this user's processes may map the job's tensors
+            fd = shm_open(cname, O_CREAT | O_EXCL | O_RDWR, 0o600)
+            if fd < 0:
+                err = errno
+                raise OSError(err, f"shm_open({name.decode()}, O_CREAT|O_EXCL): {strerror(err).decode()}")
+            if ftruncate(fd, total) != 0:
+                err = errno
+                c_close(fd)
+                shm_unlink(cname)
+                raise OSError(err, f"ftruncate({name.decode()}, {total}): {strerror(err).decode()}")
+            # Reserve the pages now: on a too-small /dev/shm (docker's 64 MiB default) a sparse
+            # segment would kill the process with SIGBUS on first touch instead of raising here.
+            err = posix_fallocate(fd, 0, total)
+            if err != 0:
+                c_close(fd)
+                shm_unlink(cname)
+                raise OSError(err, f"posix_fallocate({name.decode()}, {total} bytes): {strerror(err).decode()}")
+        else:
+            fd = shm_open(cname, O_RDWR, 0)
+            if fd < 0:
+                err = errno
+                raise OSError(err, f"shm_open({name.decode()}): {strerror(err).decode()}")
+            if fstat(fd, &sb) != 0:
+                err = errno
+                c_close(fd)
+                raise OSError(err, f"fstat({name.decode()}): {strerror(err).decode()}")
+            total = <size_t>sb.st_size
+            if total < sizeof(tl_hdr_t):
+                c_close(fd)
+                raise OSError(0, f"segment {name.decode()} is only {total} bytes")
+        p = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+        err = errno
+        c_close(fd)  # the mapping keeps the segment alive; the descriptor is not needed
+        if p == MAP_FAILED:
+            if create:
+                shm_unlink(cname)
+            raise OSError(err, f"mmap({name.decode()}, {total}): {strerror(err).decode()}")
+        h = <tl_hdr_t*>p
+        if create:
+            h.version = TL_VERSION
+            h.world = world
+            h.generation = generation
+            h.slot_bytes = slot_bytes
+            h.pair_bytes = pair_bytes
+            h.heap_bytes = heap_bytes
+            h.total_bytes = total
+            tl_fence()
+            h.magic = TL_MAGIC  # last: a reader never sees a half-initialised header
+        else:
+            problem = None
+            if h.magic != TL_MAGIC:
+                problem = f"bad magic {h.magic:#x} (not a trainloom shm segment)"
+            elif h.version != TL_VERSION:
+                problem = f"version {h.version}, this build speaks {TL_VERSION}"
+            elif h.world != <uint32_t>world:
+                problem = f"world size {h.world}, expected {world}"
+            elif h.generation != generation:
+                problem = f"generation {h.generation:#x}, expected {generation:#x} (a stale segment)"
+            elif h.total_bytes != total:
+                problem = f"size {total}, header says {h.total_bytes}"
+            if problem is not None:
+                munmap(p, total)
+                raise ValueError(f"shared-memory segment {name.decode()} rejected: {problem}")
+            slot_bytes = h.slot_bytes
+            pair_bytes = h.pair_bytes
+            heap_bytes = h.heap_bytes
+            offs = layout(world, slot_bytes, pair_bytes, heap_bytes)
+            if offs[5] != total:
+                munmap(p, total)
+                raise ValueError(f"shared-memory segment {name.decode()} rejected: layout size mismatch")
+        self.st.base = <char*>p
+        self.st.total = total
+        self.st.rank = rank
+        self.st.world = world
+        self.st.hdr = h
+        self.st.ranks = <tl_rank_t*>(self.st.base + <size_t>offs[0])
+        self.st.pairs = <tl_pair_t*>(self.st.base + <size_t>offs[1])
+        self.st.slots = self.st.base + <size_t>offs[2]
+        self.st.pslots = self.st.base + <size_t>offs[3]
+        self.st.heap = self.st.base + <size_t>offs[4]
+        self.st.S = slot_bytes
+        self.st.P = pair_bytes
+        self.st.H = heap_bytes
+        self.st.p2p_sent = <uint32_t*>calloc(world, sizeof(uint32_t))
+        self.st.p2p_recv = <uint32_t*>calloc(world, sizeof(uint32_t))
+        self.st.check_pid = <char*>calloc(world, 1)
+        self.st.missing = <char*>calloc(world, 1)
+        if not self.st.p2p_sent or not self.st.p2p_recv or not self.st.check_pid or not self.st.missing:
+            raise MemoryError()
+        self.st.ranks[rank].pid = getpid()
+        self.pid = getpid()
+        self.rank = rank
+        self.world = world
+        self.name = name.decode()
+        tl_add(&h.attached.v, 1)
+        return 0
+
+    @staticmethod
+    def create(bytes name, int rank, int world, size_t slot_bytes, size_t pair_bytes, size_t heap_bytes,
+               uint64_t generation):
+        """Create, size and map a new segment (fails if the name exists)."""
+        cdef Engine e = Engine.__new__(Engine)
+        e._map(name, 1, rank, world, slot_bytes, pair_bytes, heap_bytes, generation)
+        return e
+
+    @staticmethod
+    def attach(bytes name, int rank, int world, uint64_t generation):
+        """Map an existing segment and verify its header (magic, version, world, generation)."""
+        cdef Engine e = Engine.__new__(Engine)
+        e._map(name, 0, rank, world, 0, 0, 0, generation)
+        return e
+
+    @staticmethod
+    def unlink(bytes name):
+        """shm_unlink(name); returns 0 or the errno."""
+        if shm_unlink(name) != 0:
+            return errno
+        return 0
+
+    # --- configuration and introspection -------------------------------------------------------
+    @property
+    def slot_bytes(self):
+        return self.st.S
+
+    @property
+    def pair_bytes(self):
+        return self.st.P
+
+    @property
+    def heap_bytes(self):
+        return self.st.H
+
+    @property
+    def total_bytes(self):
+        return self.st.total
+
+    @property
+    def attached(self):
+        self._check_open()
+        return tl_load(&self.st.hdr.attached.v)
+
+    @property
+    def spin_s(self):
+        return self.st.spin_s
+
+    @spin_s.setter
+    def spin_s(self, double v):
+        self.st.spin_s = v
+
+    @property
+    def step(self):
+        return self.st.step
+
+    @property
+    def is_open(self):
+        return self.st.base != NULL and not self.closed
+
+    def heap_buffer(self, size_t offset, size_t nbytes):
+        """A writable buffer over [offset, offset + nbytes) of this rank's heap.
+
+        The buffer holds a reference to the engine and the mapping stays until the last buffer is
+        gone, so tensors made from it (torch.frombuffer) never point into unmapped memory, even
+        after close()."""
+        self._check_open()
+        if offset + nbytes > self.st.H:
+            raise ValueError(f"heap range [{offset}, {offset + nbytes}) exceeds heap_bytes={self.st.H}")
+        cdef HeapBuffer b = HeapBuffer.__new__(HeapBuffer)
+        b.eng = self
+        b.ptr = self.st.heap + <size_t>self.st.rank * self.st.H + offset
+        b.shape[0] = <Py_ssize_t>nbytes
+        self.exports += 1
+        return b
+
+    def peer_pid(self, int r):
+        self._check_open()
+        return self.st.ranks[r].pid
+
+    def set_check_pid(self, int r, bint on):
+        self.st.check_pid[r] = 1 if on else 0
+
+    def abort_word(self):
+        """(reason, rank) of the first abort, or (0, -1)."""
+        self._check_open()
+        cdef uint32_t w = tl_load(&self.st.hdr.abort_word.v)
+        if w == 0:
+            return 0, -1
+        return <int>(w >> 16), <int>(w & 0xFFFF) - 1
+
+    def heap_address(self, int r):
+        """Address of rank r's zero-copy heap in this process's mapping."""
+        self._check_open()
+        return <uintptr_t>(self.st.heap + <size_t>r * self.st.H)
+
+    def error_info(self):
+        """Details of the last failure: dict with peer, target, missing ranks, descriptors."""
+        cdef int W = self.st.world
+        info = {
+            "peer": self.st.err_peer,
+            "target": self.st.err_target,
+            "missing": [p for p in range(W) if self.st.missing[p]],
+            "rank": self.st.err_rank,
+            "rank2": self.st.err_rank2,
+            "send_count": self.st.err_v1,
+            "recv_count": self.st.err_v2,
+        }
+        return info
+
+    def desc(self, int r, int parity):
+        """Rank r's descriptor in parity slot `parity`, as a dict."""
+        self._check_open()
+        return _desc_dict(&self.st.ranks[r].desc[parity & 1])
+
+    def last_desc(self, int r):
+        """Rank r's descriptor of the op whose first step was this rank's last step."""
+        self._check_open()
+        return _desc_dict(&self.st.ranks[r].desc[self.st.err_parity & 1])
+
+    def p2p_info(self, int src, int dst):
+        """(sender's header of the pending chunk, receiver's poison descriptor) of a channel."""
+        self._check_open()
+        cdef tl_pair_t* pr = _pair(&self.st, src, dst)
+        cdef uint32_t cid = self.st.p2p_recv[src] if dst == self.st.rank else self.st.p2p_sent[dst]
+        return _desc_dict(&pr.hdr[cid & 1]), _desc_dict(&pr.poison)
+
+    cdef int _check_open(self) except -1:
+        if self.st.base == NULL or self.closed:
+            raise RuntimeError("engine is closed")
+        return 0
+
+    cdef int _enter(self) except -1:
+        if self.st.base == NULL or self.closed:
+            raise RuntimeError("engine is closed")
+        if self.busy:
+            raise RuntimeError("a communicator is used by one thread at a time; another call is running")
+        if getpid() != self.pid:
+            raise RuntimeError(
+                f"this communicator was created in process {self.pid} and cannot be used in forked "
+                f"child {getpid()}; create a new one in the child")
+        self.busy = 1
+        return 0
+
+    cdef int _fail(self, int rc) noexcept nogil:
+        # Timeouts and dead peers leave the step counters out of step between ranks: the
+        # communicator cannot be used again, and peers should fail fast instead of waiting too.
+        cdef uint32_t reason = 0
+        if rc == E_TIMEOUT:
+            reason = A_TIMEOUT
+        elif rc == E_DEAD or rc == E_CLOSED:
+            reason = A_DEAD
+        if reason != 0:
+            self._set_abort(reason)
+        return rc
+
+    cdef void _set_abort(self, uint32_t reason) noexcept nogil:
+        cdef int p
+        tl_cas(&self.st.hdr.abort_word.v, 0, (reason << 16) | <uint32_t>(self.st.rank + 1))
+        for p in range(self.st.world):
+            tl_futex_wake(&self.st.ranks[p].arrive.v, INT_MAX)
+        for p in range(self.st.world * self.st.world):
+            tl_futex_wake(&self.st.pairs[p].sent.v, INT_MAX)
+            tl_futex_wake(&self.st.pairs[p].ack.v, INT_MAX)
+
+    def abort(self):
+        """Set the shared abort word (if not set yet) and wake every sleeper."""
+        if self.st.base == NULL:
+            return
+        with nogil:
+            self._set_abort(A_USER)
+
+    def close(self):
+        """Mark this rank closed for its peers and unmap. Idempotent."""
+        cdef double t0
+        if self.st.base == NULL or self.closed:
+            return
+        if self.busy:
+            # another thread is inside an op: make its waits give up, then wait for it to leave
+            self.st.local_closing = 1
+            t0 = tl_now()
+            while self.busy and tl_now() - t0 < 5.0:
+                _time.sleep(0.001)
+            if self.busy:
+                raise RuntimeError("close(): an operation running on another thread did not stop within 5 s")
+        self.st.ranks[self.st.rank].closed = 1
+        tl_fence()
+        for p in range(self.st.world):
+            tl_futex_wake(&self.st.ranks[p].arrive.v, INT_MAX)
+        self.closed = 1
+        if self.exports == 0:
+            munmap(self.st.base, self.st.total)
+            self.st.base = NULL
+        # else: shared_empty tensors still point into the heap; __dealloc__ unmaps after them
+
+    # --- operations ------------------------------------------------------------------------------
+    # Each takes the descriptor fields (opkind, seq, dtype code, redop, root, numel, extra, shape)
+    # followed by pointers and sizes, and returns 0 or an error code.
+
+    def allreduce(self, tuple desc, uintptr_t send, uintptr_t recv, size_t n, size_t esz, int kdt, int op,
+                  int div, int dst, double timeout):
+        cdef tl_desc_t d
+        cdef tl_reduce_fn fn = tl_pick_reduce(kdt, op)
+        cdef double deadline = tl_now() + timeout
+        cdef int rc
+        cdef size_t small = self.small_bytes
+        if fn == NULL:
+            raise ValueError(f"no reduction kernel for dtype code {kdt} and op {op}")
+        if small > self.st.S:
+            small = self.st.S
+        _fill_desc(&d, desc)
+        self._enter()
+        with nogil:
+            rc = _allreduce(&self.st, &d, <const char*>send, <char*>recv, n, esz, fn, div, dst, small, deadline)
+            if rc != 0:
+                self._fail(rc)
+        self.busy = 0
+        return rc
+
+    def broadcast(self, tuple desc, uintptr_t buf, size_t nbytes, int root, double timeout):
+        cdef tl_desc_t d
+        cdef double deadline = tl_now() + timeout
+        cdef int rc
+        _fill_desc(&d, desc)
+        self._enter()
+        with nogil:
+            rc = _broadcast(&self.st, &d, <char*>buf, nbytes, root, deadline)
+            if rc != 0:
+                self._fail(rc)
+        self.busy = 0
+        return rc
+
+    def allgather(self, tuple desc, uintptr_t send, uintptr_t recv, size_t nbytes, int dst, double timeout):
+        cdef tl_desc_t d
+        cdef double deadline = tl_now() + timeout
+        cdef int rc
+        _fill_desc(&d, desc)
+        self._enter()
+        with nogil:
+            rc = _allgather(&self.st, &d, <const char*>send, <char*>recv, nbytes, dst, deadline)
+            if rc != 0:
+                self._fail(rc)
+        self.busy = 0
+        return rc
+
+    def scatter(self, tuple desc, uintptr_t send, uintptr_t recv, size_t nbytes, int root, double timeout):
+        cdef tl_desc_t d
+        cdef double deadline = tl_now() + timeout
+        cdef int rc
+        _fill_desc(&d, desc)
+        self._enter()
+        with nogil:
+            rc = _scatter(&self.st, &d, <const char*>send, <char*>recv, nbytes, root, deadline)
+            if rc != 0:
+                self._fail(rc)
+        self.busy = 0
+        return rc
+
+    def exchange(self, tuple desc, uintptr_t send, uintptr_t recv, size_t n, size_t esz, int kdt, int op,
+                 int div, double timeout):
+        """reduce_scatter (op >= 0) or alltoall (op < 0)."""
+        cdef tl_desc_t d
+        cdef tl_reduce_fn fn = NULL
+        cdef double deadline = tl_now() + timeout
+        cdef int rc
+        if op >= 0:
+            fn = tl_pick_reduce(kdt, op)
+            if fn == NULL:
+                raise ValueError(f"no reduction kernel for dtype code {kdt} and op {op}")
+        _fill_desc(&d, desc)
+        self._enter()
+        with nogil:
+            rc = _exchange(&self.st, &d, <const char*>send, <char*>recv, n, esz, fn, div, deadline)
+            if rc != 0:
+                self._fail(rc)
+        self.busy = 0
+        return rc
+
+    def alltoall_v(self, tuple desc, uintptr_t send, const int64_t[::1] scount, const int64_t[::1] sdispl,
+                   uintptr_t recv, const int64_t[::1] rcount, const int64_t[::1] rdispl, size_t esz,
+                   double timeout):
+        cdef tl_desc_t d
+        cdef double deadline = tl_now() + timeout
+        cdef int rc
+        cdef int W = self.st.world
+        if (scount.shape[0] != W or sdispl.shape[0] != W or rcount.shape[0] != W or rdispl.shape[0] != W):
+            raise ValueError("counts and displacements need one entry per rank")
+        if <size_t>(2 * W) * sizeof(int64_t) > self.st.S:
+            raise ValueError("slot too small for the counts of this world size")
+        _fill_desc(&d, desc)
+        self._enter()
+        with nogil:
+            rc = _alltoall_v(&self.st, &d, <const char*>send, &scount[0], &sdispl[0], <char*>recv,
+                             &rcount[0], &rdispl[0], esz, deadline)
+            if rc != 0:
+                self._fail(rc)
+        self.busy = 0
+        return rc
+
+    def barrier(self, tuple desc, double timeout):
+        cdef tl_desc_t d
+        cdef double deadline = tl_now() + timeout
+        cdef int rc
+        _fill_desc(&d, desc)
+        self._enter()
+        with nogil:
+            self.st.nbuf += 1  # every op's first step consumes one slot use (see module doc)
+            rc = _first_step(&self.st, &d, deadline)
+            if rc != 0:
+                self._fail(rc)
+        self.busy = 0
+        return rc
+
+    def send(self, tuple desc, uintptr_t buf, size_t nbytes, int dst, double timeout):
+        cdef tl_desc_t d
+        cdef double deadline = tl_now() + timeout
+        cdef int rc
+        _fill_desc(&d, desc)
+        self._enter()
+        with nogil:
+            rc = _send(&self.st, &d, <const char*>buf, nbytes, dst, deadline)
+            if rc != 0 and rc != E_POISON:
+                self._fail(rc)
+        self.busy = 0
+        return rc
+
+    def recv(self, tuple desc, uintptr_t buf, size_t nbytes, int src, double timeout):
+        cdef tl_desc_t d
+        cdef double deadline = tl_now() + timeout
+        cdef int rc
+        _fill_desc(&d, desc)
+        self._enter()
+        with nogil:
+            rc = _recv(&self.st, &d, <char*>buf, nbytes, src, deadline)
+            if rc != 0 and rc != E_POISON:
+                self._fail(rc)
+        self.busy = 0
+        return rc
+
+
+@cython.auto_pickle(False)
+cdef class HeapBuffer:
+    """Buffer-protocol view of part of a rank's heap (see Engine.heap_buffer)."""
+
+    cdef Engine eng
+    cdef char* ptr
+    cdef Py_ssize_t shape[1]
+
+    def __getbuffer__(self, Py_buffer* buf, int flags):
+        buf.buf = self.ptr
+        buf.len = self.shape[0]
+        buf.readonly = 0
+        buf.itemsize = 1
+        buf.format = "B"
+        buf.ndim = 1
+        buf.shape = self.shape
+        buf.strides = NULL
+        buf.suboffsets = NULL
+        buf.internal = NULL
+        buf.obj = self
+
+    def __releasebuffer__(self, Py_buffer* buf):
+        pass
+
+    def __dealloc__(self):
+        if self.eng is not None:
+            self.eng.exports -= 1
+
+
+cdef int _fill_desc(tl_desc_t* d, tuple t) except -1:
+    # t = (opkind, seq, dtype, redop, root, numel, extra, shape)
+    cdef int i
+    memset(d, 0, sizeof(tl_desc_t))
+    d.opkind = t[0]
+    d.seq = t[1]
+    d.dtype = t[2]
+    d.redop = t[3]
+    d.root = t[4]
+    d.numel = t[5]
+    d.extra = t[6]
+    shape = t[7]
+    d.ndim = len(shape)
+    for i in range(min(len(shape), TL_MAXDIM)):
+        d.shape[i] = shape[i]
+    return 0
+
+
+cdef object _desc_dict(const tl_desc_t* d):
+    cdef int nd = <int>d.ndim
+    if nd > TL_MAXDIM:
+        nd = TL_MAXDIM
+    if nd < 0:
+        nd = 0
+    return {
+        "opkind": d.opkind,
+        "seq": d.seq,
+        "dtype": d.dtype,
+        "redop": d.redop,
+        "root": d.root,
+        "numel": d.numel,
+        "extra": d.extra,
+        "ndim": d.ndim,
+        "shape": tuple(d.shape[i] for i in range(nd)),
+    }

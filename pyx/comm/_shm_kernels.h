@@ -1,0 +1,318 @@
+/* C helpers for trainloom.comm._shm: segment layout, atomics, futex, clocks and the reduction
+ * kernels. Everything here is static inline and header-only so that the Cython module compiles
+ * to one translation unit and gcc can inline and vectorize the kernels.
+ *
+ * Why C here and not Cython fused types: the reductions are 10 dtypes x 8 ops with fp16/bf16
+ * conversions; macros keep one loop body per op that gcc vectorizes at -O3 (no -march=native:
+ * baseline SSE2 on x86-64), and the atomics need __atomic builtins that Cython cannot spell.
+ */
+#ifndef TL_SHM_KERNELS_H
+#define TL_SHM_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#include <errno.h>
+#include <time.h>
+#include <stdio.h>
+#include <signal.h>
+#include <unistd.h>
+#include <fcntl.h>
+#include <sys/syscall.h>
+#include <linux/futex.h>
+
+#define TL_LINE 64
+#define TL_MAGIC 0x544c53484d454e47ULL /* "TLSHMENG" */
+#define TL_VERSION 1u
+#define TL_MAXDIM 8
+
+/* ------------------------------------------------------------------------------------------ */
+/* Segment layout. Every counter that one rank writes and others poll sits alone on a cache    */
+/* line: false sharing between two ranks' counters costs more than the copies at small sizes. */
+/* ------------------------------------------------------------------------------------------ */
+typedef struct {
+    uint32_t v;
+    char pad[TL_LINE - 4];
+} __attribute__((aligned(TL_LINE))) tl_line_t;
+
+/* One op descriptor (128 bytes): what a rank is about to do. Compared across ranks at the
+ * first step of every op, so that a size/dtype/op mismatch is seen by every rank. */
+typedef struct {
+    int64_t opkind;
+    int64_t seq;
+    int64_t dtype;
+    int64_t redop;
+    int64_t root;
+    int64_t numel;
+    int64_t extra;   /* recv numel, or chunk index for p2p */
+    int64_t ndim;
+    int64_t shape[TL_MAXDIM];
+} tl_desc_t;
+
+typedef struct {
+    uint64_t magic;
+    uint32_t version;
+    uint32_t world;
+    uint64_t generation;
+    uint64_t slot_bytes;
+    uint64_t pair_bytes;
+    uint64_t heap_bytes;
+    uint64_t total_bytes;
+    char pad0[TL_LINE * 2 - 48];
+    tl_line_t attached;    /* ranks that mapped the segment */
+    tl_line_t abort_word;  /* 0, or (reason << 16) | (rank + 1) of the rank that aborted */
+} __attribute__((aligned(TL_LINE))) tl_hdr_t;
+
+typedef struct {
+    tl_line_t arrive;      /* step counter: "my data for step s is in my slot s % 2" */
+    tl_line_t sleepers;    /* peers sleeping in futex on `arrive` (publisher wakes only if > 0) */
+    int32_t pid;
+    int32_t closed;
+    char pad1[TL_LINE - 8];
+    tl_desc_t desc[2];     /* descriptor of the op whose first step has parity s % 2 */
+} __attribute__((aligned(TL_LINE))) tl_rank_t;
+
+typedef struct {
+    tl_line_t sent;        /* chunks the sender published on this (src, dst) channel */
+    tl_line_t sent_sleepers;
+    tl_line_t ack;         /* chunks the receiver consumed */
+    tl_line_t ack_sleepers;
+    tl_desc_t hdr[2];      /* descriptor of the message a chunk in buffer b belongs to */
+    tl_desc_t poison;      /* receiver's view when it rejected a message (opkind != 0) */
+} __attribute__((aligned(TL_LINE))) tl_pair_t;
+
+/* ------------------------------------------------------------------------------------------ */
+/* Atomics, futex, time.                                                                       */
+/* ------------------------------------------------------------------------------------------ */
+static inline uint32_t tl_load(const uint32_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+static inline void tl_store(uint32_t *p, uint32_t v) { __atomic_store_n(p, v, __ATOMIC_SEQ_CST); }
+static inline uint32_t tl_add(uint32_t *p, uint32_t v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+static inline uint32_t tl_sub(uint32_t *p, uint32_t v) { return __atomic_fetch_sub(p, v, __ATOMIC_SEQ_CST); }
+static inline uint32_t tl_cas(uint32_t *p, uint32_t expected, uint32_t desired) {
+    __atomic_compare_exchange_n(p, &expected, desired, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+    return expected;
+}
+static inline void tl_fence(void) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+/* wrap-safe "a >= b" for monotonically increasing 32-bit counters */
+static inline int tl_reached(uint32_t a, uint32_t b) { return (int32_t)(a - b) >= 0; }
+
+static inline void tl_pause(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static inline double tl_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Shared (not FUTEX_PRIVATE) futex: the word lives in a MAP_SHARED mapping used by several
+ * processes, so the kernel must key the wait queue on the physical page. */
+static inline int tl_futex_wait(uint32_t *addr, uint32_t val, double timeout_s) {
+    struct timespec ts;
+    if (timeout_s < 0) timeout_s = 0;
+    ts.tv_sec = (time_t)timeout_s;
+    ts.tv_nsec = (long)((timeout_s - (double)ts.tv_sec) * 1e9);
+    return (int)syscall(SYS_futex, addr, FUTEX_WAIT, val, &ts, NULL, 0);
+}
+static inline int tl_futex_wake(uint32_t *addr, int n) {
+    return (int)syscall(SYS_futex, addr, FUTEX_WAKE, n, NULL, NULL, 0);
+}
+
+/* 1 if `pid` is gone (no such process, or a zombie waiting to be reaped), else 0. A zombie still
+ * answers kill(pid, 0), so /proc/<pid>/stat is read as well. */
+static inline int tl_pid_dead(int pid) {
+    char path[64], buf[256];
+    if (pid <= 0) return 0;
+    if (kill(pid, 0) != 0 && errno == ESRCH) return 1;
+    snprintf(path, sizeof path, "/proc/%d/stat", pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return 0;
+    buf[n] = 0;
+    char *rp = strrchr(buf, ')');
+    if (rp && rp[1] == ' ' && (rp[2] == 'Z' || rp[2] == 'X')) return 1;
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* fp16 / bf16 conversions, bit-exact with c10 (IEEE round to nearest even), branch-free so    */
+/* the loops vectorize without F16C.                                                           */
+/* ------------------------------------------------------------------------------------------ */
+static inline float tl_f32_from_bits(uint32_t w) { float f; memcpy(&f, &w, 4); return f; }
+static inline uint32_t tl_f32_to_bits(float f) { uint32_t w; memcpy(&w, &f, 4); return w; }
+
+static inline float tl_h2f(uint16_t h) {
+    const uint32_t w = (uint32_t)h << 16;
+    const uint32_t sign = w & 0x80000000u;
+    const uint32_t two_w = w + w;
+    const uint32_t exp_offset = 0xE0u << 23;
+    const float exp_scale = 0x1.0p-112f;
+    const float normalized = tl_f32_from_bits((two_w >> 4) + exp_offset) * exp_scale;
+    const uint32_t magic_mask = 126u << 23;
+    const float denormalized = tl_f32_from_bits((two_w >> 17) | magic_mask) - 0.5f;
+    const uint32_t cutoff = 1u << 27;
+    const uint32_t r = sign | (two_w < cutoff ? tl_f32_to_bits(denormalized) : tl_f32_to_bits(normalized));
+    return tl_f32_from_bits(r);
+}
+static inline uint16_t tl_f2h(float f) {
+    const float scale_to_inf = 0x1.0p+112f;
+    const float scale_to_zero = 0x1.0p-110f;
+    const uint32_t w = tl_f32_to_bits(f);
+    float base = (tl_f32_from_bits(w & 0x7FFFFFFFu) * scale_to_inf) * scale_to_zero;
+    const uint32_t shl1_w = w + w;
+    const uint32_t sign = w & 0x80000000u;
+    uint32_t bias = shl1_w & 0xFF000000u;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    base = tl_f32_from_bits((bias >> 1) + 0x07800000u) + base;
+    const uint32_t bits = tl_f32_to_bits(base);
+    const uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
+    const uint32_t mantissa_bits = bits & 0x00000FFFu;
+    const uint32_t nonsign = exp_bits + mantissa_bits;
+    return (uint16_t)((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
+static inline float tl_b2f(uint16_t b) { return tl_f32_from_bits((uint32_t)b << 16); }
+static inline uint16_t tl_f2b(float f) {
+    uint32_t u = tl_f32_to_bits(f);
+    if (f != f) return 0x7FC0;
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Reductions: out[i] = src[0][i] op src[1][i] op ... op src[nsrc-1][i], always in that order  */
+/* (rank order), so every rank that reduces the same slice gets the same bits. `out` may alias */
+/* any src: each block is accumulated in a stack buffer and stored at the end.                 */
+/* ------------------------------------------------------------------------------------------ */
+enum { TL_F16 = 0, TL_BF16 = 1, TL_F32 = 2, TL_F64 = 3, TL_I8 = 4, TL_U8 = 5, TL_I16 = 6,
+       TL_I32 = 7, TL_I64 = 8, TL_BOOL = 9 };
+enum { TL_SUM = 0, TL_PROD = 1, TL_MIN = 2, TL_MAX = 3, TL_BOR = 7, TL_BAND = 8, TL_BXOR = 9,
+       TL_AVG = 10 };
+
+/* 1024 elements: 8 KiB of doubles on the stack, well inside L1 together with the sources. */
+#define TL_BLK 1024
+
+#define TL_ID(x) (x)
+#define TL_ADD(a, b) ((a) + (b))
+#define TL_MUL(a, b) ((a) * (b))
+#define TL_AND(a, b) ((a) & (b))
+#define TL_OR(a, b) ((a) | (b))
+#define TL_XOR(a, b) ((a) ^ (b))
+#define TL_IMIN(a, b) ((b) < (a) ? (b) : (a))
+#define TL_IMAX(a, b) ((b) > (a) ? (b) : (a))
+/* NaN-propagating like torch.minimum/maximum: a NaN on either side wins. */
+#define TL_FMIN(a, b) ((b) != (b) ? (b) : ((b) < (a) ? (b) : (a)))
+#define TL_FMAX(a, b) ((b) != (b) ? (b) : ((b) > (a) ? (b) : (a)))
+
+/* T: element type; A: accumulator type; LD: T -> A; ST: A -> T; OP: combine; DIV: 1 to divide
+ * the result by `div` (AVG). */
+#define TL_DEFINE_REDUCE(NAME, T, A, LD, ST, OP, DIV)                                        \
+    static void NAME(void *out_, const void *const *src, int nsrc, size_t n, int div) {         \
+        A acc[TL_BLK];                                                                         \
+        T *out = (T *)out_;                                                                    \
+        for (size_t b = 0; b < n; b += TL_BLK) {                                               \
+            size_t m = n - b < TL_BLK ? n - b : TL_BLK;                                        \
+            const T *s0 = (const T *)src[0] + b;                                               \
+            for (size_t i = 0; i < m; i++) acc[i] = LD(s0[i]);                                 \
+            for (int r = 1; r < nsrc; r++) {                                                   \
+                const T *s = (const T *)src[r] + b;                                            \
+                for (size_t i = 0; i < m; i++) acc[i] = OP(acc[i], LD(s[i]));                  \
+            }                                                                                  \
+            if (DIV) {                                                                         \
+                const A d = (A)div;                                                            \
+                for (size_t i = 0; i < m; i++) acc[i] = acc[i] / d;                            \
+            }                                                                                  \
+            for (size_t i = 0; i < m; i++) out[b + i] = ST(acc[i]);                            \
+        }                                                                                      \
+    }
+
+/* floats: f32 / f64 native, f16 / bf16 accumulate in f32 and round once at the end */
+#define TL_FLOAT_FAMILY(SUF, T, A, LD, ST)                                                     \
+    TL_DEFINE_REDUCE(tl_sum_##SUF, T, A, LD, ST, TL_ADD, 0)                                    \
+    TL_DEFINE_REDUCE(tl_avg_##SUF, T, A, LD, ST, TL_ADD, 1)                                    \
+    TL_DEFINE_REDUCE(tl_prod_##SUF, T, A, LD, ST, TL_MUL, 0)                                   \
+    TL_DEFINE_REDUCE(tl_min_##SUF, T, A, LD, ST, TL_FMIN, 0)                                   \
+    TL_DEFINE_REDUCE(tl_max_##SUF, T, A, LD, ST, TL_FMAX, 0)
+
+TL_FLOAT_FAMILY(f32, float, float, TL_ID, TL_ID)
+TL_FLOAT_FAMILY(f64, double, double, TL_ID, TL_ID)
+TL_FLOAT_FAMILY(f16, uint16_t, float, tl_h2f, tl_f2h)
+TL_FLOAT_FAMILY(bf16, uint16_t, float, tl_b2f, tl_f2b)
+
+/* integers: SUM and PRODUCT in the unsigned type (defined wrap-around, same bits as two's
+ * complement), MIN/MAX/AVG in the signed type; AVG truncates toward zero like NCCL's ncclAvg. */
+#define TL_INT_FAMILY(SUF, T, U)                                                               \
+    TL_DEFINE_REDUCE(tl_sum_##SUF, U, U, TL_ID, TL_ID, TL_ADD, 0)                              \
+    TL_DEFINE_REDUCE(tl_prod_##SUF, U, U, TL_ID, TL_ID, TL_MUL, 0)                             \
+    TL_DEFINE_REDUCE(tl_avg_##SUF, T, int64_t, TL_ID, TL_ID, TL_ADD, 1)                        \
+    TL_DEFINE_REDUCE(tl_min_##SUF, T, T, TL_ID, TL_ID, TL_IMIN, 0)                             \
+    TL_DEFINE_REDUCE(tl_max_##SUF, T, T, TL_ID, TL_ID, TL_IMAX, 0)                             \
+    TL_DEFINE_REDUCE(tl_band_##SUF, U, U, TL_ID, TL_ID, TL_AND, 0)                             \
+    TL_DEFINE_REDUCE(tl_bor_##SUF, U, U, TL_ID, TL_ID, TL_OR, 0)                               \
+    TL_DEFINE_REDUCE(tl_bxor_##SUF, U, U, TL_ID, TL_ID, TL_XOR, 0)
+
+TL_INT_FAMILY(i8, int8_t, uint8_t)
+TL_INT_FAMILY(u8, uint8_t, uint8_t)
+TL_INT_FAMILY(i16, int16_t, uint16_t)
+TL_INT_FAMILY(i32, int32_t, uint32_t)
+TL_INT_FAMILY(i64, int64_t, uint64_t)
+
+typedef void (*tl_reduce_fn)(void *, const void *const *, int, size_t, int);
+
+/* The kernel for (dtype, op), or NULL when the combination is not supported. bool is reduced as
+ * bytes: SUM/MAX/BOR = or, PRODUCT/MIN/BAND = and, BXOR = xor (values are 0/1). */
+static inline tl_reduce_fn tl_pick_reduce(int dt, int op) {
+#define TL_FLOAT_CASE(D, SUF)                                                                  \
+    case D:                                                                                    \
+        switch (op) {                                                                          \
+        case TL_SUM: return tl_sum_##SUF;                                                      \
+        case TL_AVG: return tl_avg_##SUF;                                                      \
+        case TL_PROD: return tl_prod_##SUF;                                                    \
+        case TL_MIN: return tl_min_##SUF;                                                      \
+        case TL_MAX: return tl_max_##SUF;                                                      \
+        default: return NULL;                                                                  \
+        }
+#define TL_INT_CASE(D, SUF)                                                                    \
+    case D:                                                                                    \
+        switch (op) {                                                                          \
+        case TL_SUM: return tl_sum_##SUF;                                                      \
+        case TL_AVG: return tl_avg_##SUF;                                                      \
+        case TL_PROD: return tl_prod_##SUF;                                                    \
+        case TL_MIN: return tl_min_##SUF;                                                      \
+        case TL_MAX: return tl_max_##SUF;                                                      \
+        case TL_BAND: return tl_band_##SUF;                                                    \
+        case TL_BOR: return tl_bor_##SUF;                                                      \
+        case TL_BXOR: return tl_bxor_##SUF;                                                    \
+        default: return NULL;                                                                  \
+        }
+    switch (dt) {
+        TL_FLOAT_CASE(TL_F32, f32)
+        TL_FLOAT_CASE(TL_F64, f64)
+        TL_FLOAT_CASE(TL_F16, f16)
+        TL_FLOAT_CASE(TL_BF16, bf16)
+        TL_INT_CASE(TL_I8, i8)
+        TL_INT_CASE(TL_U8, u8)
+        TL_INT_CASE(TL_I16, i16)
+        TL_INT_CASE(TL_I32, i32)
+        TL_INT_CASE(TL_I64, i64)
+    case TL_BOOL:
+        switch (op) {
+        case TL_SUM: case TL_MAX: case TL_BOR: return tl_bor_u8;
+        case TL_PROD: case TL_MIN: case TL_BAND: return tl_band_u8;
+        case TL_BXOR: return tl_bxor_u8;
+        default: return NULL;
+        }
+    default:
+        return NULL;
+    }
+#undef TL_FLOAT_CASE
+#undef TL_INT_CASE
+}
+
+#endif /* TL_SHM_KERNELS_H */
