@@ -1,0 +1,516 @@
+# Fused optimizer kernels over flat CPU buffers (SGD, Adam, AdamW; float32 and float64).
+#
+# Exactness contract: every element is updated with the same rounding sequence as torch 2.13's
+# own CPU kernels for the configured path, so a fused run is bitwise equal to an unfused one.
+# torch's ATen kernels are compiled with FMA contraction (gcc's default -ffp-contract=fast in the
+# AVX2 translation unit), so "a * b + c" in ATen often is one fma; this file is compiled with
+# -ffp-contract=off and spells every fma out (fmaf/fma, or _mm256_fmadd_*) exactly where torch has
+# one. Do not "simplify" an expression here: the order of operations *is* the specification.
+#
+# torch's fused=True Adam uses one formula in its vector body and a slightly different one in the
+# scalar tail of each tensor (the last numel % vector_width elements, see tests/optim), so the
+# Python layer passes segments (one per parameter) with a "body" length, and this file applies the
+# body formula to [0, body) and the tail formula to [body, length) of each segment.
+#
+# Threading: the Python layer hands over a plan of work items (segment pieces of at most a few
+# hundred KiB); prange distributes items over OpenMP threads with the GIL released. Items never
+# overlap, so no two threads ever write the same element. Indices are int64 throughout: flat
+# buffers larger than 2**31 elements are addressed correctly.
+
+from cython.parallel cimport prange
+from libc.stdint cimport int64_t, intptr_t, uint8_t
+
+cimport cython
+
+from _tl_omp cimport TL_OPENMP_ENABLED
+
+cdef extern from *:
+    """
+    #include <math.h>
+    #include <stdint.h>
+    #include <string.h>
+
+    /* Hyper-parameters of one Adam/AdamW call, already rounded to the parameter dtype by the
+       caller exactly where torch rounds them (float(...) casts of double scalars). */
+    typedef struct {
+        double w;          /* lerp weight, 1 - beta1 (as the kernel's dtype) */
+        double lerp_small; /* 1.0 when |w| < 0.5 (torch's lerp branch), else 0.0 */
+        double b2, c2;     /* beta2, 1 - beta2 */
+        double bc2s;       /* sqrt(bias_correction2) */
+        double eps;
+        double nss;        /* -lr / bias_correction1 */
+        double wd;         /* L2 weight decay (Adam), 0 when unused */
+        double decay;      /* 1 - lr * weight_decay (AdamW), 1 when unused */
+        int amsgrad, maximize, l2, decoupled;
+        int tail_v_alt;    /* tail formula for exp_avg_sq: 0 fma(c*g, g, v*b2), 1 fma(v, b2, (c*g)*g) */
+        int body_v_alt;
+    } tl_adam_args;
+
+    typedef struct {
+        double lr_neg;     /* -lr */
+        double wd, momentum, damp1; /* damp1 = 1 - dampening */
+        int has_momentum, first, nesterov, maximize;
+    } tl_sgd_args;
+
+    /* NaN-propagating maximum, as torch.maximum. */
+    #define TL_MAX(a, b) (((a) != (a)) ? (a) : (((b) != (b)) ? (b) : ((a) < (b) ? (b) : (a))))
+
+    #define TL_ADAM_SCALAR(T, FMA, SQRT, VALT)                                               \\
+        {                                                                                  \\
+            T gv = g[i];                                                                   \\
+            T pv = p[i];                                                                   \\
+            if (a->maximize) gv = -gv;                                                     \\
+            if (a->l2) gv = FMA(pv, wd, gv);                                               \\
+            if (a->decoupled) pv = pv * decay;                                             \\
+            T mv = m[i];                                                                   \\
+            mv = small ? FMA(w, gv - mv, mv) : FMA(wm1, gv - mv, gv);                      \\
+            T vv = v[i];                                                                   \\
+            vv = (VALT) ? FMA(vv, b2, (c2 * gv) * gv) : FMA(c2 * gv, gv, vv * b2);         \\
+            m[i] = mv;                                                                     \\
+            v[i] = vv;                                                                     \\
+            if (a->amsgrad) { T mx = vmax[i]; mx = TL_MAX(mx, vv); vmax[i] = mx; vv = mx; } \\
+            T den = SQRT(vv) / bc2s + eps;                                                 \\
+            p[i] = pv + (nss * mv) / den;                                                  \\
+        }
+
+    #define TL_ADAM_LOCALS(T)                                                              \\
+        const T w = (T)a->w, wm1 = (T)a->w - (T)1, b2 = (T)a->b2, c2 = (T)a->c2;           \\
+        const T bc2s = (T)a->bc2s, eps = (T)a->eps, nss = (T)a->nss;                       \\
+        const T wd = (T)a->wd, decay = (T)a->decay;                                        \\
+        const int small = a->lerp_small != 0.0;
+
+    /* Portable scalar versions: fmaf/fma are exact by definition (libm uses the hardware
+       instruction when there is one), sqrt and division are correctly rounded, so these give the
+       same bits as the vector versions on every CPU, only slower. */
+    static void tl_adam_f32_scalar(float *p, const float *g, float *m, float *v, float *vmax,
+                                   int64_t body, int64_t n, const tl_adam_args *a) {
+        TL_ADAM_LOCALS(float)
+        int64_t i;
+        for (i = 0; i < body; i++) TL_ADAM_SCALAR(float, fmaf, sqrtf, a->body_v_alt)
+        for (; i < n; i++) TL_ADAM_SCALAR(float, fmaf, sqrtf, a->tail_v_alt)
+    }
+    static void tl_adam_f64_scalar(double *p, const double *g, double *m, double *v, double *vmax,
+                                   int64_t body, int64_t n, const tl_adam_args *a) {
+        TL_ADAM_LOCALS(double)
+        int64_t i;
+        for (i = 0; i < body; i++) TL_ADAM_SCALAR(double, fma, sqrt, a->body_v_alt)
+        for (; i < n; i++) TL_ADAM_SCALAR(double, fma, sqrt, a->tail_v_alt)
+    }
+
+    #define TL_SGD_SCALAR(T, FMA)                                                          \\
+        {                                                                                  \\
+            T gv = g[i];                                                                   \\
+            if (a->maximize) gv = -gv;                                                     \\
+            if (has_wd) gv = FMA(p[i], wd, gv);                                            \\
+            if (a->has_momentum) {                                                         \\
+                T bv;                                                                      \\
+                if (a->first) bv = gv; else bv = FMA(gv, damp1, buf[i] * mom);             \\
+                buf[i] = bv;                                                               \\
+                gv = a->nesterov ? FMA(bv, mom, gv) : bv;                                  \\
+            }                                                                              \\
+            p[i] = FMA(gv, lrn, p[i]);                                                     \\
+        }
+
+    static void tl_sgd_f32_scalar(float *p, const float *g, float *buf, int64_t n,
+                                  const tl_sgd_args *a) {
+        const float lrn = (float)a->lr_neg, wd = (float)a->wd, mom = (float)a->momentum;
+        const float damp1 = (float)a->damp1;
+        const int has_wd = a->wd != 0.0;
+        for (int64_t i = 0; i < n; i++) TL_SGD_SCALAR(float, fmaf)
+    }
+    static void tl_sgd_f64_scalar(double *p, const double *g, double *buf, int64_t n,
+                                  const tl_sgd_args *a) {
+        const double lrn = a->lr_neg, wd = a->wd, mom = a->momentum, damp1 = a->damp1;
+        const int has_wd = a->wd != 0.0;
+        for (int64_t i = 0; i < n; i++) TL_SGD_SCALAR(double, fma)
+    }
+
+    #if defined(__x86_64__) && defined(__GNUC__)
+    #include <immintrin.h>
+    #define TL_HAVE_X86 1
+    /* AVX2+FMA versions, compiled for that target only (the rest of the module stays baseline
+       x86-64) and selected at run time with __builtin_cpu_supports. */
+    __attribute__((target("avx2,fma")))
+    static void tl_adam_f32_avx2(float *p, const float *g, float *m, float *v, float *vmax,
+                                 int64_t body, int64_t n, const tl_adam_args *a) {
+        TL_ADAM_LOCALS(float)
+        const __m256 W = _mm256_set1_ps(small ? w : wm1), B2 = _mm256_set1_ps(b2);
+        const __m256 C2 = _mm256_set1_ps(c2), BC = _mm256_set1_ps(bc2s);
+        const __m256 EPS = _mm256_set1_ps(eps), NSS = _mm256_set1_ps(nss);
+        const __m256 WD = _mm256_set1_ps(wd), DEC = _mm256_set1_ps(decay);
+        const __m256 NEG = _mm256_set1_ps(-0.0f);
+        int64_t i = 0;
+        const int64_t vend = body - body % 8;
+        for (; i < vend; i += 8) {
+            __m256 gv = _mm256_loadu_ps(g + i), pv = _mm256_loadu_ps(p + i);
+            if (a->maximize) gv = _mm256_xor_ps(gv, NEG);
+            if (a->l2) gv = _mm256_fmadd_ps(pv, WD, gv);
+            if (a->decoupled) pv = _mm256_mul_ps(pv, DEC);
+            __m256 mv = _mm256_loadu_ps(m + i);
+            mv = _mm256_fmadd_ps(W, _mm256_sub_ps(gv, mv), small ? mv : gv);
+            __m256 vv = _mm256_loadu_ps(v + i);
+            vv = a->body_v_alt ? _mm256_fmadd_ps(vv, B2, _mm256_mul_ps(_mm256_mul_ps(C2, gv), gv))
+                               : _mm256_fmadd_ps(_mm256_mul_ps(C2, gv), gv, _mm256_mul_ps(vv, B2));
+            _mm256_storeu_ps(m + i, mv);
+            _mm256_storeu_ps(v + i, vv);
+            if (a->amsgrad) {
+                __m256 mx = _mm256_loadu_ps(vmax + i);
+                /* torch.maximum: NaN wins; otherwise the larger value. */
+                __m256 r = _mm256_max_ps(vv, mx);
+                r = _mm256_blendv_ps(r, vv, _mm256_cmp_ps(vv, vv, _CMP_UNORD_Q));
+                r = _mm256_blendv_ps(r, mx, _mm256_cmp_ps(mx, mx, _CMP_UNORD_Q));
+                _mm256_storeu_ps(vmax + i, r);
+                vv = r;
+            }
+            __m256 den = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vv), BC), EPS);
+            _mm256_storeu_ps(p + i, _mm256_add_ps(pv, _mm256_div_ps(_mm256_mul_ps(NSS, mv), den)));
+        }
+        for (; i < body; i++) TL_ADAM_SCALAR(float, fmaf, sqrtf, a->body_v_alt)
+        for (; i < n; i++) TL_ADAM_SCALAR(float, fmaf, sqrtf, a->tail_v_alt)
+    }
+    __attribute__((target("avx2,fma")))
+    static void tl_adam_f64_avx2(double *p, const double *g, double *m, double *v, double *vmax,
+                                 int64_t body, int64_t n, const tl_adam_args *a) {
+        TL_ADAM_LOCALS(double)
+        const __m256d W = _mm256_set1_pd(small ? w : wm1), B2 = _mm256_set1_pd(b2);
+        const __m256d C2 = _mm256_set1_pd(c2), BC = _mm256_set1_pd(bc2s);
+        const __m256d EPS = _mm256_set1_pd(eps), NSS = _mm256_set1_pd(nss);
+        const __m256d WD = _mm256_set1_pd(wd), DEC = _mm256_set1_pd(decay);
+        const __m256d NEG = _mm256_set1_pd(-0.0);
+        int64_t i = 0;
+        const int64_t vend = body - body % 4;
+        for (; i < vend; i += 4) {
+            __m256d gv = _mm256_loadu_pd(g + i), pv = _mm256_loadu_pd(p + i);
+            if (a->maximize) gv = _mm256_xor_pd(gv, NEG);
+            if (a->l2) gv = _mm256_fmadd_pd(pv, WD, gv);
+            if (a->decoupled) pv = _mm256_mul_pd(pv, DEC);
+            __m256d mv = _mm256_loadu_pd(m + i);
+            mv = _mm256_fmadd_pd(W, _mm256_sub_pd(gv, mv), small ? mv : gv);
+            __m256d vv = _mm256_loadu_pd(v + i);
+            vv = a->body_v_alt ? _mm256_fmadd_pd(vv, B2, _mm256_mul_pd(_mm256_mul_pd(C2, gv), gv))
+                               : _mm256_fmadd_pd(_mm256_mul_pd(C2, gv), gv, _mm256_mul_pd(vv, B2));
+            _mm256_storeu_pd(m + i, mv);
+            _mm256_storeu_pd(v + i, vv);
+            if (a->amsgrad) {
+                __m256d mx = _mm256_loadu_pd(vmax + i);
+                __m256d r = _mm256_max_pd(vv, mx);
+                r = _mm256_blendv_pd(r, vv, _mm256_cmp_pd(vv, vv, _CMP_UNORD_Q));
+                r = _mm256_blendv_pd(r, mx, _mm256_cmp_pd(mx, mx, _CMP_UNORD_Q));
+                _mm256_storeu_pd(vmax + i, r);
+                vv = r;
+            }
+            __m256d den = _mm256_add_pd(_mm256_div_pd(_mm256_sqrt_pd(vv), BC), EPS);
+            _mm256_storeu_pd(p + i, _mm256_add_pd(pv, _mm256_div_pd(_mm256_mul_pd(NSS, mv), den)));
+        }
+        for (; i < body; i++) TL_ADAM_SCALAR(double, fma, sqrt, a->body_v_alt)
+        for (; i < n; i++) TL_ADAM_SCALAR(double, fma, sqrt, a->tail_v_alt)
+    }
+    __attribute__((target("avx2,fma")))
+    static void tl_sgd_f32_avx2(float *p, const float *g, float *buf, int64_t n,
+                                const tl_sgd_args *a) {
+        const float lrn = (float)a->lr_neg, wd = (float)a->wd, mom = (float)a->momentum;
+        const float damp1 = (float)a->damp1;
+        const int has_wd = a->wd != 0.0;
+        const __m256 LRN = _mm256_set1_ps(lrn), WD = _mm256_set1_ps(wd);
+        const __m256 MOM = _mm256_set1_ps(mom), D1 = _mm256_set1_ps(damp1);
+        const __m256 NEG = _mm256_set1_ps(-0.0f);
+        int64_t i = 0;
+        const int64_t vend = n - n % 8;
+        for (; i < vend; i += 8) {
+            __m256 gv = _mm256_loadu_ps(g + i), pv = _mm256_loadu_ps(p + i);
+            if (a->maximize) gv = _mm256_xor_ps(gv, NEG);
+            if (has_wd) gv = _mm256_fmadd_ps(pv, WD, gv);
+            if (a->has_momentum) {
+                __m256 bv = a->first ? gv
+                    : _mm256_fmadd_ps(gv, D1, _mm256_mul_ps(_mm256_loadu_ps(buf + i), MOM));
+                _mm256_storeu_ps(buf + i, bv);
+                gv = a->nesterov ? _mm256_fmadd_ps(bv, MOM, gv) : bv;
+            }
+            _mm256_storeu_ps(p + i, _mm256_fmadd_ps(gv, LRN, pv));
+        }
+        for (; i < n; i++) TL_SGD_SCALAR(float, fmaf)
+    }
+    __attribute__((target("avx2,fma")))
+    static void tl_sgd_f64_avx2(double *p, const double *g, double *buf, int64_t n,
+                                const tl_sgd_args *a) {
+        const double lrn = a->lr_neg, wd = a->wd, mom = a->momentum, damp1 = a->damp1;
+        const int has_wd = a->wd != 0.0;
+        const __m256d LRN = _mm256_set1_pd(lrn), WD = _mm256_set1_pd(wd);
+        const __m256d MOM = _mm256_set1_pd(mom), D1 = _mm256_set1_pd(damp1);
+        const __m256d NEG = _mm256_set1_pd(-0.0);
+        int64_t i = 0;
+        const int64_t vend = n - n % 4;
+        for (; i < vend; i += 4) {
+            __m256d gv = _mm256_loadu_pd(g + i), pv = _mm256_loadu_pd(p + i);
+            if (a->maximize) gv = _mm256_xor_pd(gv, NEG);
+            if (has_wd) gv = _mm256_fmadd_pd(pv, WD, gv);
+            if (a->has_momentum) {
+                __m256d bv = a->first ? gv
+                    : _mm256_fmadd_pd(gv, D1, _mm256_mul_pd(_mm256_loadu_pd(buf + i), MOM));
+                _mm256_storeu_pd(buf + i, bv);
+                gv = a->nesterov ? _mm256_fmadd_pd(bv, MOM, gv) : bv;
+            }
+            _mm256_storeu_pd(p + i, _mm256_fmadd_pd(gv, LRN, pv));
+        }
+        for (; i < n; i++) TL_SGD_SCALAR(double, fma)
+    }
+    static int tl_cpu_has_avx2_fma(void) {
+        __builtin_cpu_init();
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    }
+    #else
+    #define TL_HAVE_X86 0
+    static int tl_cpu_has_avx2_fma(void) { return 0; }
+    #define tl_adam_f32_avx2 tl_adam_f32_scalar
+    #define tl_adam_f64_avx2 tl_adam_f64_scalar
+    #define tl_sgd_f32_avx2 tl_sgd_f32_scalar
+    #define tl_sgd_f64_avx2 tl_sgd_f64_scalar
+    #endif
+    """
+    ctypedef struct tl_adam_args:
+        double w, lerp_small, b2, c2, bc2s, eps, nss, wd, decay
+        int amsgrad, maximize, l2, decoupled, tail_v_alt, body_v_alt
+    ctypedef struct tl_sgd_args:
+        double lr_neg, wd, momentum, damp1
+        int has_momentum, first, nesterov, maximize
+    int tl_cpu_has_avx2_fma() nogil
+    void tl_adam_f32_scalar(float*, const float*, float*, float*, float*, int64_t, int64_t,
+                            const tl_adam_args*) noexcept nogil
+    void tl_adam_f64_scalar(double*, const double*, double*, double*, double*, int64_t, int64_t,
+                            const tl_adam_args*) noexcept nogil
+    void tl_adam_f32_avx2(float*, const float*, float*, float*, float*, int64_t, int64_t,
+                          const tl_adam_args*) noexcept nogil
+    void tl_adam_f64_avx2(double*, const double*, double*, double*, double*, int64_t, int64_t,
+                          const tl_adam_args*) noexcept nogil
+    void tl_sgd_f32_scalar(float*, const float*, float*, int64_t, const tl_sgd_args*) noexcept nogil
+    void tl_sgd_f64_scalar(double*, const double*, double*, int64_t, const tl_sgd_args*) noexcept nogil
+    void tl_sgd_f32_avx2(float*, const float*, float*, int64_t, const tl_sgd_args*) noexcept nogil
+    void tl_sgd_f64_avx2(double*, const double*, double*, int64_t, const tl_sgd_args*) noexcept nogil
+
+import numpy as np
+
+# Dtype codes used by the Python layer (plain C constants so that the nogil blocks can test them).
+cdef enum:
+    DEF_F32 = 0
+    DEF_F64 = 1
+
+DTYPE_F32 = DEF_F32
+DTYPE_F64 = DEF_F64
+
+# Chosen once at import: the CPU does not change under us. Tests flip it with set_isa() to check
+# that the portable and the AVX2 versions produce the same bits.
+cdef bint _use_avx2 = tl_cpu_has_avx2_fma() != 0
+
+
+def isa() -> str:
+    """Name of the kernel flavour in use: ``"avx2"`` or ``"scalar"``."""
+    return "avx2" if _use_avx2 else "scalar"
+
+
+def cpu_has_avx2() -> bool:
+    """Whether this CPU can run the AVX2+FMA kernels."""
+    return tl_cpu_has_avx2_fma() != 0
+
+
+def set_isa(name: str) -> None:
+    """Select ``"avx2"`` (only when the CPU has it) or ``"scalar"`` kernels (tests, debugging)."""
+    global _use_avx2
+    if name == "scalar":
+        _use_avx2 = False
+    elif name == "avx2":
+        if not tl_cpu_has_avx2_fma():
+            raise ValueError("set_isa('avx2'): this CPU lacks AVX2/FMA; use 'scalar'")
+        _use_avx2 = True
+    else:
+        raise ValueError(f"set_isa: unknown kernel flavour {name!r}; use 'avx2' or 'scalar'")
+
+
+def openmp_enabled() -> bool:
+    """Whether this module was compiled with OpenMP (otherwise kernels run on one thread)."""
+    return TL_OPENMP_ENABLED != 0
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def make_plan(const int64_t[::1] starts, const int64_t[::1] lengths, const int64_t[::1] bodies,
+              int64_t chunk):
+    """Split segments into work items of at most ``chunk`` elements.
+
+    Args:
+        starts: element offset of each segment in the flat buffers.
+        lengths: element count of each segment.
+        bodies: per segment, how many leading elements use the body formula (the rest use the
+            tail formula).
+        chunk: maximum item size; a multiple of 64 keeps items cache-line aligned.
+
+    Returns:
+        ``(item_start, item_len, item_body)`` int64 numpy arrays.
+    """
+    cdef Py_ssize_t ns = starts.shape[0], s
+    cdef int64_t total = 0, k, n, off, piece, b
+    if lengths.shape[0] != ns or bodies.shape[0] != ns:
+        raise ValueError("make_plan: starts, lengths and bodies must have the same length")
+    if chunk <= 0:
+        raise ValueError(f"make_plan: chunk must be positive, got {chunk}")
+    for s in range(ns):
+        if lengths[s] < 0 or starts[s] < 0 or bodies[s] < 0 or bodies[s] > lengths[s]:
+            raise ValueError(f"make_plan: segment {s} is invalid (start={starts[s]}, "
+                             f"length={lengths[s]}, body={bodies[s]})")
+        total += (lengths[s] + chunk - 1) // chunk
+    out_start = np.empty(total, dtype=np.int64)
+    out_len = np.empty(total, dtype=np.int64)
+    out_body = np.empty(total, dtype=np.int64)
+    cdef int64_t[::1] i_start = out_start
+    cdef int64_t[::1] i_len = out_len
+    cdef int64_t[::1] i_body = out_body
+    k = 0
+    for s in range(ns):
+        n = lengths[s]
+        off = 0
+        while off < n:
+            piece = min(chunk, n - off)
+            b = bodies[s] - off
+            b = 0 if b < 0 else (piece if b > piece else b)
+            i_start[k] = starts[s] + off
+            i_len[k] = piece
+            i_body[k] = b
+            k += 1
+            off += piece
+    return out_start, out_len, out_body
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def adam_step(int dtype, intptr_t p, intptr_t g, intptr_t m, intptr_t v, intptr_t vmax,
+              const int64_t[::1] i_start, const int64_t[::1] i_len, const int64_t[::1] i_body,
+              double w, double b2, double c2, double bc2s, double eps, double nss, double wd,
+              double decay, bint amsgrad, bint maximize, bint l2, bint decoupled,
+              int body_v_alt, int tail_v_alt, int nthreads):
+    """One Adam/AdamW update over the work items of a plan (see :func:`make_plan`).
+
+    ``p, g, m, v, vmax`` are ``data_ptr()`` values of flat buffers of the same dtype (``vmax`` is
+    0 unless ``amsgrad``). The Python caller has checked device, dtype, sizes and that every
+    item lies inside every buffer: nothing is checked here but the arguments' own consistency.
+    """
+    cdef tl_adam_args a
+    cdef Py_ssize_t k, nitems = i_start.shape[0]
+    cdef int64_t s
+    cdef bint avx = _use_avx2
+    if i_len.shape[0] != nitems or i_body.shape[0] != nitems:
+        raise ValueError("adam_step: plan arrays differ in length")
+    if dtype not in (DEF_F32, DEF_F64):
+        raise ValueError(f"adam_step: unsupported dtype code {dtype}")
+    if p == 0 or g == 0 or m == 0 or v == 0 or (amsgrad and vmax == 0):
+        raise ValueError("adam_step: null buffer pointer")
+    a.w = w
+    a.lerp_small = 1.0 if abs(w) < 0.5 else 0.0
+    a.b2 = b2
+    a.c2 = c2
+    a.bc2s = bc2s
+    a.eps = eps
+    a.nss = nss
+    a.wd = wd
+    a.decay = decay
+    a.amsgrad = amsgrad
+    a.maximize = maximize
+    a.l2 = l2
+    a.decoupled = decoupled
+    a.body_v_alt = body_v_alt
+    a.tail_v_alt = tail_v_alt
+    if nthreads < 1:
+        nthreads = 1
+    # The GIL is released for the whole update: the buffers are owned by tensors the caller keeps
+    # alive for the duration of this call, and nothing below touches a Python object.
+    with nogil:
+        if dtype == DEF_F32:
+            for k in prange(nitems, schedule="dynamic", num_threads=nthreads):
+                s = i_start[k]
+                if avx:
+                    tl_adam_f32_avx2(<float*>p + s, <const float*>g + s, <float*>m + s,
+                                     <float*>v + s, (<float*>vmax + s) if amsgrad else NULL,
+                                     i_body[k], i_len[k], &a)
+                else:
+                    tl_adam_f32_scalar(<float*>p + s, <const float*>g + s, <float*>m + s,
+                                       <float*>v + s, (<float*>vmax + s) if amsgrad else NULL,
+                                       i_body[k], i_len[k], &a)
+        else:
+            for k in prange(nitems, schedule="dynamic", num_threads=nthreads):
+                s = i_start[k]
+                if avx:
+                    tl_adam_f64_avx2(<double*>p + s, <const double*>g + s, <double*>m + s,
+                                     <double*>v + s, (<double*>vmax + s) if amsgrad else NULL,
+                                     i_body[k], i_len[k], &a)
+                else:
+                    tl_adam_f64_scalar(<double*>p + s, <const double*>g + s, <double*>m + s,
+                                       <double*>v + s, (<double*>vmax + s) if amsgrad else NULL,
+                                       i_body[k], i_len[k], &a)
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def sgd_step(int dtype, intptr_t p, intptr_t g, intptr_t buf,
+             const int64_t[::1] i_start, const int64_t[::1] i_len,
+             double lr, double wd, double momentum, double dampening, bint nesterov,
+             bint maximize, bint first, int nthreads):
+    """One SGD update over the work items of a plan; ``buf`` is 0 when ``momentum == 0``.
+
+    With ``first`` the momentum buffer is initialised to the (decayed) gradient, as torch does on
+    a parameter's first step.
+    """
+    cdef tl_sgd_args a
+    cdef Py_ssize_t k, nitems = i_start.shape[0]
+    cdef int64_t s
+    cdef bint avx = _use_avx2
+    if i_len.shape[0] != nitems:
+        raise ValueError("sgd_step: plan arrays differ in length")
+    if dtype not in (DEF_F32, DEF_F64):
+        raise ValueError(f"sgd_step: unsupported dtype code {dtype}")
+    if p == 0 or g == 0 or (momentum != 0.0 and buf == 0):
+        raise ValueError("sgd_step: null buffer pointer")
+    a.lr_neg = -lr
+    a.wd = wd
+    a.momentum = momentum
+    a.damp1 = 1.0 - dampening
+    a.has_momentum = momentum != 0.0
+    a.first = first
+    a.nesterov = nesterov
+    a.maximize = maximize
+    if nthreads < 1:
+        nthreads = 1
+    # GIL released: see adam_step.
+    with nogil:
+        if dtype == DEF_F32:
+            for k in prange(nitems, schedule="dynamic", num_threads=nthreads):
+                s = i_start[k]
+                if avx:
+                    tl_sgd_f32_avx2(<float*>p + s, <const float*>g + s,
+                                    (<float*>buf + s) if a.has_momentum else NULL, i_len[k], &a)
+                else:
+                    tl_sgd_f32_scalar(<float*>p + s, <const float*>g + s,
+                                      (<float*>buf + s) if a.has_momentum else NULL, i_len[k], &a)
+        else:
+            for k in prange(nitems, schedule="dynamic", num_threads=nthreads):
+                s = i_start[k]
+                if avx:
+                    tl_sgd_f64_avx2(<double*>p + s, <const double*>g + s,
+                                    (<double*>buf + s) if a.has_momentum else NULL, i_len[k], &a)
+                else:
+                    tl_sgd_f64_scalar(<double*>p + s, <const double*>g + s,
+                                      (<double*>buf + s) if a.has_momentum else NULL, i_len[k], &a)
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def bump_steps(const int64_t[::1] ptrs, double inc):
+    """Add ``inc`` to each float32 0-d step tensor whose ``data_ptr()`` is in ``ptrs``.
+
+    torch keeps one 0-d ``step`` tensor per parameter; fuse_step advances them all in one call
+    instead of thousands of tiny tensor ops. The caller keeps the tensors alive.
+    """
+    cdef Py_ssize_t k, n = ptrs.shape[0]
+    for k in range(n):
+        if ptrs[k] == 0:
+            raise ValueError(f"bump_steps: null pointer at index {k}")
+    with nogil:
+        for k in range(n):
+            (<float*>ptrs[k])[0] = <float>((<float*>ptrs[k])[0] + <float>inc)

@@ -1,0 +1,987 @@
+"""``fuse_optimizer`` / ``fuse_step``: update all parameters of a param group in one pass.
+
+Bagua's API (``bagua.torch_api.contrib.fuse_optimizer``), made to work with every torch 2.x
+elementwise optimizer and bitwise equal to the unfused optimizer:
+
+* :func:`fuse_optimizer` moves the parameters, gradients and per-element optimizer state of each
+  param group (per device and dtype) into one contiguous buffer each: every tensor becomes a view
+  at a 64-byte aligned offset, with its shape, strides and values kept. 0-d state (torch's
+  ``step``) and non-tensor state are never flattened.
+* :func:`fuse_step` (also bound as ``optimizer.fuse_step``) updates each run of adjacent parameters
+  that have gradients in one go: with a compiled kernel for SGD, Adam and AdamW on CPU
+  float32/float64, otherwise with the optimizer's own math on flat views of the run. ``step()``
+  is untouched; the two can be interleaved.
+
+Exactness: every path reproduces the configured torch path bit for bit (tests/optim compare 100
+interleaved steps bitwise with an unfused twin). Where a kernel cannot (see ``docs/optim.md``),
+torch's own code runs instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import types
+import warnings
+import weakref
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from trainloom._build_check import import_compiled
+from trainloom.errors import ConfigError
+
+_K = import_compiled("trainloom.optim._fused")
+
+logger = logging.getLogger("trainloom.optim")
+
+__all__ = [
+    "FuseError",
+    "fuse_optimizer",
+    "fuse_step",
+    "is_fused_optimizer",
+    "calculate_mutual_groups",
+    "flat_buffers",
+]
+
+#: Every view starts at a multiple of this many bytes (one cache line; also full AVX-512 vectors).
+ALIGN_BYTES = 64
+#: Work items of the compiled kernels: big enough to amortise scheduling, small enough to balance.
+_CHUNK = 1 << 16
+#: Below this many elements per call the kernels run on one thread: waking OpenMP workers costs
+#: more than it saves (tools/bench_optim.py, 4-tensor MLP).
+_PARALLEL_MIN = 1 << 15
+
+_ATTR = "_trainloom_fused"
+
+
+class FuseError(ConfigError):
+    """An optimizer cannot be fused, or was used in a way fusing does not support."""
+
+
+# Elementwise torch optimizers: each element's update depends only on that element's parameter,
+# gradient and state plus per-tensor scalars that are equal for all tensors of a run (step
+# counts, learning rates). Their math on a flat view equals their math per tensor.
+_ELEMENTWISE = tuple(
+    getattr(torch.optim, name)
+    for name in (
+        "SGD",
+        "Adam",
+        "AdamW",
+        "RMSprop",
+        "Rprop",
+        "ASGD",
+        "Adamax",
+        "Adadelta",
+        "Adagrad",
+        "NAdam",
+        "RAdam",
+    )
+    if hasattr(torch.optim, name)
+)
+# Optimizers whose update uses whole-tensor quantities (norms, factored moments, line search,
+# orthogonalisation) or sparse state: flattening would change their results.
+_REFUSED_NAMES = ("LBFGS", "SparseAdam", "Adafactor", "Muon", "LAMB", "Lamb", "LARS", "Lars", "Shampoo")
+
+
+# --------------------------------------------------------------------------------------------
+# Public helpers
+# --------------------------------------------------------------------------------------------
+
+
+def is_fused_optimizer(optimizer: Any) -> bool:
+    """Whether ``optimizer`` has been converted by :func:`fuse_optimizer`.
+
+    Args:
+        optimizer: any object.
+
+    Returns:
+        True for an optimizer returned by :func:`fuse_optimizer`.
+
+    Example::
+
+        >>> opt = fuse_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> is_fused_optimizer(opt)
+        True
+    """
+    return isinstance(getattr(optimizer, _ATTR, None), _FusedInfo)
+
+
+def calculate_mutual_groups(tensor_lists: Sequence[Sequence[torch.Tensor]]) -> List[List[int]]:
+    """Groups of indices whose tensors are contiguous and adjacent in memory in every list.
+
+    Index ``j`` follows index ``i`` in a group when, in every list, tensor ``j`` starts exactly
+    where tensor ``i`` ends in the same storage (same device and dtype, both contiguous).
+
+    Args:
+        tensor_lists: lists of tensors, all of the same length (e.g. params, grads, exp_avgs).
+
+    Returns:
+        The groups with at least two indices, each in memory order, sorted by first index.
+
+    Raises:
+        FuseError: if the lists differ in length or hold something other than tensors.
+
+    Example::
+
+        >>> flat = torch.zeros(10)
+        >>> a, b, c = flat[0:4], flat[4:6], flat[7:10]
+        >>> calculate_mutual_groups([[a, b, c]])
+        [[0, 1]]
+    """
+    lists = [list(lst) for lst in tensor_lists]
+    if not lists:
+        return []
+    n = len(lists[0])
+    for li, lst in enumerate(lists):
+        if len(lst) != n:
+            raise FuseError(
+                f"calculate_mutual_groups: list {li} has {len(lst)} tensors, list 0 has {n}; "
+                "pass lists of equal length"
+            )
+        for ti, t in enumerate(lst):
+            if not isinstance(t, torch.Tensor):
+                raise FuseError(
+                    f"calculate_mutual_groups: list {li} item {ti} is {type(t).__name__}, not a tensor"
+                )
+    edges: Optional[Dict[int, int]] = None
+    for lst in lists:
+        nxt: Dict[int, int] = {}
+        by_end: Dict[Tuple[Any, int], int] = {}
+        for i, t in enumerate(lst):
+            if t.numel() == 0 or not t.is_contiguous() or t.is_sparse:
+                continue
+            key = (t.untyped_storage().data_ptr(), t.device, t.dtype)
+            by_end[(key, t.data_ptr() + t.numel() * t.element_size())] = i
+        for j, t in enumerate(lst):
+            if t.numel() == 0 or not t.is_contiguous() or t.is_sparse:
+                continue
+            key = (t.untyped_storage().data_ptr(), t.device, t.dtype)
+            i = by_end.get((key, t.data_ptr()))
+            if i is not None and i != j:
+                nxt[i] = j
+        edges = nxt if edges is None else {i: j for i, j in edges.items() if nxt.get(i) == j}
+    if edges is None:
+        return []
+    heads = set(edges) - set(edges.values())
+    groups = []
+    for h in heads:
+        chain = [h]
+        while chain[-1] in edges and len(chain) <= n:
+            chain.append(edges[chain[-1]])
+        groups.append(chain)
+    groups.sort(key=lambda g: g[0])
+    return groups
+
+
+def flat_buffers(optimizer: torch.optim.Optimizer, kind: str = "grad") -> List[torch.Tensor]:
+    """The flat buffers of a fused optimizer, one per (param group, device, dtype).
+
+    Use the ``"grad"`` buffers to reduce all gradients with one collective (DDP-style flows):
+    after ``backward()`` every gradient of a fused parameter is a view into them.
+
+    Args:
+        optimizer: an optimizer returned by :func:`fuse_optimizer` with ``do_flatten=True``.
+        kind: ``"grad"`` or ``"param"``.
+
+    Returns:
+        1-D tensors. Alignment padding between views is always zero in ``"grad"`` buffers.
+
+    Raises:
+        FuseError: if the optimizer is not fused with flattening, or ``kind`` is unknown.
+    """
+    info = _info(optimizer, "flat_buffers")
+    if not info.do_flatten:
+        raise FuseError("flat_buffers: the optimizer was fused with do_flatten=False; it has no flat buffers")
+    if kind not in ("grad", "param"):
+        raise FuseError(f"flat_buffers: kind must be 'grad' or 'param', got {kind!r}")
+    _sync(optimizer, info)
+    return [b.flat_grad if kind == "grad" else b.flat_param for b in info.buckets]
+
+
+# --------------------------------------------------------------------------------------------
+# Bookkeeping
+# --------------------------------------------------------------------------------------------
+
+
+class _Bucket:
+    """One flat buffer set: the parameters of one param group on one device with one dtype."""
+
+    def __init__(self, group_index: int, params: List[torch.Tensor]) -> None:
+        self.group_index = group_index
+        self.params = params
+        p0 = params[0]
+        self.device = p0.device
+        self.dtype = p0.dtype
+        align = max(1, ALIGN_BYTES // p0.element_size())
+        self.offsets: List[int] = []
+        self.numels: List[int] = []
+        self.strides: List[Tuple[int, ...]] = []
+        off = 0
+        for p in params:
+            self.offsets.append(off)
+            n = p.numel()
+            self.numels.append(n)
+            self.strides.append(_dense_strides(p))
+            off += -(-max(n, 1) // align) * align
+        self.length = off
+        self.flat_param = torch.zeros(off, dtype=self.dtype, device=self.device)
+        self.flat_grad = torch.zeros(off, dtype=self.dtype, device=self.device)
+        self.param_views: List[torch.Tensor] = []
+        self.grad_views: List[torch.Tensor] = []
+        for i, p in enumerate(params):
+            pv = self._view(self.flat_param, i)
+            with torch.no_grad():
+                pv.copy_(p.detach())
+            self.param_views.append(pv)
+            self.grad_views.append(self._view(self.flat_grad, i))
+        self.ptrs = [v.data_ptr() for v in self.param_views]
+        self.state_flat: Dict[Any, torch.Tensor] = {}
+        self.state_views: Dict[Any, List[Optional[torch.Tensor]]] = {}
+        self.index = {id(p): i for i, p in enumerate(params)}
+        self.hooks: List[Any] = []
+        self.plan_cache: Dict[Any, Any] = {}
+        self.steps_cache: Optional[Tuple[List[Any], np.ndarray]] = None
+
+    def _view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        p = self.params[i]
+        return flat.as_strided(p.shape, self.strides[i], self.offsets[i])
+
+    def state_view(self, key: Any, i: int, like: torch.Tensor) -> torch.Tensor:
+        flat = self.state_flat.get(key)
+        if flat is None:
+            flat = torch.zeros(self.length, dtype=like.dtype, device=self.device)
+            self.state_flat[key] = flat
+            self.state_views[key] = [None] * len(self.params)
+        views = self.state_views[key]
+        v = views[i]
+        if v is None:
+            v = self._view(flat, i)
+            views[i] = v
+        return v
+
+    def remove_hooks(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+
+
+class _FusedInfo:
+    def __init__(self, do_flatten: bool, check_flatten: bool) -> None:
+        self.do_flatten = do_flatten
+        self.check_flatten = check_flatten
+        self.buckets: List[_Bucket] = []
+        self.groups: List[Dict[str, Any]] = []
+        self.group_params: List[List[torch.Tensor]] = []
+        self.state_obj: Any = None
+        self.warned = False
+        self.kernel_warned = False
+
+
+def _dense_strides(p: torch.Tensor) -> Tuple[int, ...]:
+    """Strides of a dense tensor with ``p``'s memory layout (channels_last, transposes...)."""
+    # empty_like keeps the strides of a non-overlapping dense tensor and picks a dense layout
+    # (by memory format) for anything else, e.g. a slice with gaps. On "meta": no allocation.
+    return tuple(torch.empty_like(p, device="meta").stride())
+
+
+def _info(optimizer: Any, where: str) -> _FusedInfo:
+    info = getattr(optimizer, _ATTR, None)
+    if not isinstance(info, _FusedInfo):
+        raise FuseError(
+            f"{where}: {type(optimizer).__name__} is not fused; call fuse_optimizer(optimizer) first"
+        )
+    return info
+
+
+def _check_supported(optimizer: torch.optim.Optimizer) -> None:
+    cls = type(optimizer)
+    for base in cls.__mro__:
+        if base.__name__ in _REFUSED_NAMES:
+            raise FuseError(
+                f"fuse_optimizer: {cls.__name__} computes per-tensor quantities (norms, factored "
+                "moments or a line search); flattening would change its results. Keep it unfused."
+            )
+    if not isinstance(optimizer, _ELEMENTWISE):
+        raise FuseError(
+            f"fuse_optimizer: {cls.__name__} is not one of the elementwise torch optimizers fusing "
+            f"supports ({', '.join(c.__name__ for c in _ELEMENTWISE)}); keep it unfused"
+        )
+    base = next(c for c in cls.__mro__ if c in _ELEMENTWISE)
+    if _unwrap(cls.step) is not _unwrap(base.step):
+        raise FuseError(
+            f"fuse_optimizer: {cls.__name__} overrides step() of {base.__name__}; its math may not "
+            "be elementwise, so it cannot be fused"
+        )
+
+
+def _unwrap(fn: Any) -> Any:
+    while hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    return fn
+
+
+# --------------------------------------------------------------------------------------------
+# Fusing
+# --------------------------------------------------------------------------------------------
+
+
+def fuse_optimizer(
+    optimizer: torch.optim.Optimizer, do_flatten: bool = True, check_flatten: bool = True
+) -> torch.optim.Optimizer:
+    """Convert an optimizer into a fused optimizer (in place) and return it.
+
+    Args:
+        optimizer: a torch elementwise optimizer (SGD, Adam, AdamW, RMSprop, Rprop, ASGD,
+            Adamax, Adadelta, Adagrad, NAdam, RAdam).
+        do_flatten: move parameters, gradients and per-element state of each param group (per
+            device and dtype) into one contiguous buffer each. With False, nothing moves and
+            :func:`fuse_step` fuses only tensors that already happen to be adjacent in memory.
+        check_flatten: warn (once) when the flat layout had to be rebuilt because parameters,
+            param groups or state changed behind the optimizer's back.
+
+    Returns:
+        The same optimizer object; ``optimizer.fuse_step(closure=None)`` is bound on it.
+
+    Raises:
+        FuseError: if the optimizer is already fused, is not an elementwise optimizer (LBFGS,
+            SparseAdam, Adafactor and other per-tensor-norm optimizers are refused), or its
+            parameters are not floating point.
+
+    Example::
+
+        >>> opt = fuse_optimizer(torch.optim.Adam(model.parameters(), lr=1e-3))
+        >>> loss = model(x).sum(); loss.backward()
+        >>> opt.fuse_step()
+        >>> opt.zero_grad()
+
+    .. warning::
+        With ``do_flatten=True`` the parameters' storage is replaced (``p.data`` becomes a view
+        of the flat buffer); fuse before creating anything that caches parameter storage
+        (e.g. DDP's buckets) and do not call ``p.set_()`` on fused parameters.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise FuseError(f"fuse_optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if is_fused_optimizer(optimizer):
+        raise FuseError(
+            f"fuse_optimizer: this {type(optimizer).__name__} is already fused; fuse each optimizer once"
+        )
+    if not isinstance(do_flatten, bool) or not isinstance(check_flatten, bool):
+        raise FuseError("fuse_optimizer: do_flatten and check_flatten must be bool")
+    _check_supported(optimizer)
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(group["params"]):
+            if not (p.is_floating_point() or p.is_complex()):
+                raise FuseError(
+                    f"fuse_optimizer: param group {gi} parameter {pi} has dtype {p.dtype}; only "
+                    "floating point parameters can be optimized"
+                )
+    info = _FusedInfo(do_flatten, check_flatten)
+    setattr(optimizer, _ATTR, info)
+    if do_flatten:
+        _build(optimizer, info)
+    else:
+        info.groups = list(optimizer.param_groups)
+        info.group_params = [list(g["params"]) for g in optimizer.param_groups]
+        info.state_obj = optimizer.state
+    # Bound on this instance only: no class-wide patching.
+    optimizer.fuse_step = types.MethodType(fuse_step, optimizer)  # type: ignore[attr-defined]
+    return optimizer
+
+
+def _fusable_param(p: torch.Tensor) -> bool:
+    # 0-d parameters and complex ones stay as they are (0-d state is indistinguishable from a
+    # 0-d `step`; complex math runs on view_as_real); sparse and non-strided layouts cannot be
+    # viewed into a flat buffer.
+    return p.dim() > 0 and p.layout == torch.strided and p.is_floating_point() and not p.is_complex()
+
+
+def _build(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> None:
+    """(Re)build every bucket from the optimizer's current params and state."""
+    for b in info.buckets:
+        b.remove_hooks()
+    info.buckets = []
+    seen: set = set()
+    for gi, group in enumerate(optimizer.param_groups):
+        by_key: Dict[Tuple[Any, Any], List[torch.Tensor]] = {}
+        for p in group["params"]:
+            if id(p) in seen or not _fusable_param(p):
+                continue
+            seen.add(id(p))
+            by_key.setdefault((p.device, p.dtype), []).append(p)
+        for params in by_key.values():
+            bucket = _Bucket(gi, params)
+            for i, p in enumerate(params):
+                grad = p.grad
+                p.data = bucket.param_views[i]
+                if (
+                    grad is not None
+                    and not grad.is_sparse
+                    and grad.shape == p.shape
+                    and grad.dtype == p.dtype
+                ):
+                    with torch.no_grad():
+                        bucket.grad_views[i].copy_(grad)
+                    p.grad = bucket.grad_views[i]
+            info.buckets.append(bucket)
+            _flatten_state(optimizer, bucket, range(len(params)))
+            _install_hooks(bucket)
+    info.groups = list(optimizer.param_groups)
+    info.group_params = [list(g["params"]) for g in optimizer.param_groups]
+    info.state_obj = optimizer.state
+
+
+def _flatten_state(optimizer: torch.optim.Optimizer, bucket: _Bucket, indices: Iterable[int]) -> None:
+    """Move the per-element state tensors of the given params into the bucket's flat state."""
+    state = optimizer.state
+    for i in indices:
+        p = bucket.params[i]
+        st = state.get(p)
+        if not st:
+            continue
+        for key, val in list(st.items()):
+            if not _per_element(val, p):
+                continue
+            flat = bucket.state_flat.get(key)
+            if flat is not None and flat.dtype != val.dtype:
+                continue  # a param with an odd state dtype stays per tensor
+            view = bucket.state_view(key, i, val)
+            if val is view:
+                continue
+            with torch.no_grad():
+                view.copy_(val)
+            st[key] = view
+
+
+def _per_element(val: Any, p: torch.Tensor) -> bool:
+    return (
+        isinstance(val, torch.Tensor)
+        and val.dim() > 0
+        and val.layout == torch.strided
+        and val.shape == p.shape
+        and val.device == p.device
+        and val.is_floating_point()
+    )
+
+
+def _install_hooks(bucket: _Bucket) -> None:
+    """Keep gradients landing in the flat gradient buffer.
+
+    torch 2's ``zero_grad()`` sets ``p.grad = None``; the next backward then allocates a fresh
+    gradient. A post-accumulate-grad hook copies it into the parameter's flat view and re-points
+    ``p.grad`` there, so the flat buffer always holds the gradients (and a collective on it
+    reaches every parameter). While ``p.grad`` already is the view, autograd accumulates into it
+    in place and the hook does nothing.
+    """
+    ref = weakref.ref(bucket)
+    for i, p in enumerate(bucket.params):
+        if not p.requires_grad:
+            continue
+
+        def hook(param: torch.Tensor, i: int = i) -> None:
+            b = ref()
+            if b is None or i >= len(b.params) or b.params[i] is not param:
+                return
+            g = param.grad
+            view = b.grad_views[i]
+            if g is None or g is view:
+                return
+            if g.is_sparse or g.shape != view.shape or g.dtype != view.dtype or g.device != view.device:
+                return  # fuse_step falls back to torch's own handling for this parameter
+            with torch.no_grad():
+                view.copy_(g)
+            param.grad = view
+
+        bucket.hooks.append(p.register_post_accumulate_grad_hook(hook))
+
+
+def _sync(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> None:
+    """Detect changes made behind the fused layout's back and re-fuse."""
+    reason = None
+    groups = optimizer.param_groups
+    if len(groups) != len(info.groups):
+        reason = f"param groups changed ({len(info.groups)} -> {len(groups)})"
+    elif optimizer.state is not info.state_obj:
+        reason = "optimizer state was replaced (load_state_dict)"
+    else:
+        for gi, g in enumerate(groups):
+            if g is not info.groups[gi]:
+                reason = f"param group {gi} was replaced (load_state_dict)"
+                break
+            params = g["params"]
+            old = info.group_params[gi]
+            if len(params) != len(old) or any(a is not b for a, b in zip(params, old)):
+                reason = f"the parameters of param group {gi} changed"
+                break
+        if reason is None and info.do_flatten:
+            for b in info.buckets:
+                for i, p in enumerate(b.params):
+                    if p.data_ptr() != b.ptrs[i] or p.stride() != b.strides[i]:
+                        reason = (
+                            f"parameter {i} of param group {b.group_index} no longer lives in the flat "
+                            "buffer (p.data was replaced)"
+                        )
+                        break
+                if reason:
+                    break
+    if reason is None:
+        return
+    if info.check_flatten and not info.warned:
+        warnings.warn(f"fuse_step: {reason}; re-fusing the optimizer's flat buffers", stacklevel=3)
+        info.warned = True
+    logger.info("re-fusing %s: %s", type(optimizer).__name__, reason)
+    _check_supported(optimizer)
+    if info.do_flatten:
+        _build(optimizer, info)
+    else:
+        info.groups = list(groups)
+        info.group_params = [list(g["params"]) for g in groups]
+        info.state_obj = optimizer.state
+
+
+# --------------------------------------------------------------------------------------------
+# Stepping
+# --------------------------------------------------------------------------------------------
+
+
+def fuse_step(optimizer: torch.optim.Optimizer, closure: Optional[Callable[[], Any]] = None) -> Any:
+    """Perform a fused parameter update.
+
+    Gradients that are not in the flat gradient buffer (set by hand, or by code that replaced
+    ``p.grad``) are copied there first; parameters whose gradient is None are skipped exactly as
+    ``step()`` skips them; sparse gradients are handed to ``step()`` and get torch's own handling
+    (an error for Adam). Param groups added after fusing, replaced parameters and loaded state
+    are detected and re-fused first.
+
+    Args:
+        optimizer: an optimizer returned by :func:`fuse_optimizer`.
+        closure: reevaluates the model and returns the loss (optional, as for ``step``).
+
+    Returns:
+        The closure's loss, or None.
+
+    Raises:
+        FuseError: if ``optimizer`` is not fused.
+
+    Example::
+
+        >>> opt = fuse_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+        >>> for x in batches:
+        ...     model(x).sum().backward()
+        ...     opt.fuse_step()
+        ...     opt.zero_grad()
+    """
+    info = _info(optimizer, "fuse_step")
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    _sync(optimizer, info)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            g = p.grad
+            if g is not None and g.is_sparse:
+                # torch's own behaviour for sparse gradients: SGD/Adagrad update, others raise.
+                optimizer.step()
+                if info.do_flatten:
+                    for b in info.buckets:
+                        _flatten_state(optimizer, b, range(len(b.params)))
+                return loss
+    if info.do_flatten:
+        _step_flat(optimizer, info)
+    else:
+        _step_adjacent(optimizer, info)
+    return loss
+
+
+class _Run:
+    __slots__ = ("bucket", "idx", "sig")
+
+    def __init__(self, bucket: _Bucket, idx: List[int], sig: Any) -> None:
+        self.bucket = bucket
+        self.idx = idx
+        self.sig = sig
+
+
+def _scalar_sig(st: Dict[Any, Any], flat_keys: Iterable[Any]) -> Any:
+    items = []
+    for k, v in st.items():
+        if k in flat_keys:
+            continue
+        if isinstance(v, torch.Tensor):
+            if v.dim() != 0:
+                return None  # unexpected non-scalar state: keep this param per tensor
+            items.append((k, v.dtype, v.device, v.item()))
+        else:
+            items.append((k, v))
+    items.sort(key=lambda kv: repr(kv[0]))
+    return tuple(items)
+
+
+def _step_flat(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> None:
+    state = optimizer.state
+    groups = optimizer.param_groups
+    loose: Dict[int, List[torch.Tensor]] = {}
+    runs: List[_Run] = []
+    for b in info.buckets:
+        group = groups[b.group_index]
+        kern = _kernel_for(optimizer, group, b)
+        flat_keys = b.state_flat.keys()
+        stateless = isinstance(optimizer, torch.optim.SGD) and group["momentum"] == 0
+        # torch's fused=True CPU kernels round the last (numel % vector width) elements of each
+        # tensor differently from the rest, so their math on a flat view is not bitwise equal to
+        # their math per tensor. Without a compiled kernel that reproduces it, stay per tensor.
+        per_tensor = kern is None and bool(group.get("fused"))
+        run_idx: List[int] = []
+        run_sig: Any = None
+        for i, p in enumerate(b.params):
+            g = p.grad
+            eligible = False
+            sig = None
+            if g is not None:
+                view = b.grad_views[i]
+                if g is not view:
+                    if g.shape == view.shape and g.dtype == view.dtype and g.device == view.device:
+                        with torch.no_grad():
+                            view.copy_(g)
+                        p.grad = view
+                        eligible = True
+                else:
+                    eligible = True
+                if eligible:
+                    st = state.get(p)
+                    if st:
+                        eligible = _state_is_flat(st, b, i)
+                    else:
+                        # SGD without momentum keeps no state at all; everything else creates
+                        # state on a parameter's first step (torch does that, per tensor).
+                        eligible = stateless
+                        st = {}
+                    if eligible:
+                        sig = kern.signature(st, b, i) if kern is not None else _scalar_sig(st, flat_keys)
+                        eligible = sig is not None
+                if per_tensor:
+                    eligible = False
+                if not eligible:
+                    loose.setdefault(b.group_index, []).append(p)
+            if eligible and run_idx and sig == run_sig and i == run_idx[-1] + 1:
+                run_idx.append(i)
+                continue
+            if run_idx:
+                runs.append(_Run(b, run_idx, run_sig))
+                run_idx = []
+            if eligible:
+                run_idx = [i]
+                run_sig = sig
+        if run_idx:
+            runs.append(_Run(b, run_idx, run_sig))
+    shadow: Dict[int, List[torch.Tensor]] = {gi: list(ps) for gi, ps in loose.items()}
+    shadow_states: List[Tuple[torch.Tensor, _Run, Dict[Any, Any]]] = []
+    for run in runs:
+        b = run.bucket
+        group = groups[b.group_index]
+        kern = _kernel_for(optimizer, group, b)
+        if kern is not None:
+            kern.run(optimizer, group, b, run)
+            continue
+        # torch's own math on a flat view covering the run (alignment padding included: it is
+        # zero in params, grads and state, and every elementwise update maps zeros to zeros).
+        first, last = run.idx[0], run.idx[-1]
+        start, end = b.offsets[first], b.offsets[last] + b.numels[last]
+        sp = b.flat_param[start:end]
+        sp.grad = b.flat_grad[start:end]
+        st0 = state[b.params[first]]
+        sst: Dict[Any, Any] = {}
+        for k, v in st0.items():
+            if k in b.state_flat:
+                sst[k] = b.state_flat[k][start:end]
+            else:
+                sst[k] = v.clone() if isinstance(v, torch.Tensor) else v
+        shadow.setdefault(b.group_index, []).append(sp)
+        shadow_states.append((sp, run, sst))
+    if not shadow:
+        return
+    saved_groups = optimizer.param_groups
+    shadow_groups = []
+    for gi, g in enumerate(saved_groups):
+        sg = dict(g)
+        sg["params"] = shadow.get(gi, [])
+        shadow_groups.append(sg)
+    for sp, _, sst in shadow_states:
+        state[sp] = sst
+    optimizer.param_groups = shadow_groups
+    try:
+        type(optimizer).step(optimizer)
+    finally:
+        optimizer.param_groups = saved_groups
+        for sp, _, _ in shadow_states:
+            state.pop(sp, None)
+        # Hyper-parameters the step itself may update (none of torch's do today) flow back.
+        for sg, g in zip(shadow_groups, saved_groups):
+            for k, v in sg.items():
+                if k != "params" and g.get(k) is not v:
+                    g[k] = v
+    for _sp, run, sst in shadow_states:
+        b = run.bucket
+        for i in run.idx:
+            st = state[b.params[i]]
+            for k, v in sst.items():
+                if k in b.state_flat:
+                    continue
+                cur = st.get(k)
+                if isinstance(v, torch.Tensor) and isinstance(cur, torch.Tensor) and cur.shape == v.shape:
+                    cur.copy_(v)
+                else:
+                    st[k] = v.clone() if isinstance(v, torch.Tensor) else v
+    # State that torch created lazily for loose params goes into the flat buffers.
+    for b in info.buckets:
+        if b.group_index in loose:
+            ids = {id(p) for p in loose[b.group_index]}
+            _flatten_state(optimizer, b, [i for i, p in enumerate(b.params) if id(p) in ids])
+
+
+def _state_is_flat(st: Dict[Any, Any], b: _Bucket, i: int) -> bool:
+    n_flat = 0
+    for k, v in st.items():
+        views = b.state_views.get(k)
+        if views is not None:
+            if views[i] is not v:
+                return False
+            n_flat += 1
+        elif isinstance(v, torch.Tensor) and v.dim() > 0:
+            return False
+    return n_flat == len(b.state_views)
+
+
+def _step_adjacent(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> None:
+    """do_flatten=False: fuse only what already is adjacent in memory; the rest per tensor."""
+    state = optimizer.state
+    saved_groups = optimizer.param_groups
+    shadow_groups = []
+    shadow_states: List[Tuple[torch.Tensor, List[torch.Tensor], Dict[Any, Any]]] = []
+    for g in saved_groups:
+        with_grad = [p for p in g["params"] if p.grad is not None]
+        ready = [p for p in with_grad if state.get(p) and _fusable_param(p)]
+        keys = sorted({k for p in ready for k, v in state[p].items() if _per_element(v, p)}, key=repr)
+        ready = [p for p in ready if all(_per_element(state[p].get(k), p) for k in keys)]
+        lists = [ready, [p.grad for p in ready]] + [[state[p][k] for p in ready] for k in keys]
+        fused_ids: set = set()
+        params: List[torch.Tensor] = []
+        for grp in calculate_mutual_groups(lists) if ready else []:
+            members = [ready[i] for i in grp]
+            sigs = {_scalar_sig(state[p], keys) for p in members}
+            if len(sigs) != 1 or None in sigs:
+                continue
+            sp = _span(members)
+            sp.grad = _span([p.grad for p in members])
+            sst = {k: _span([state[p][k] for p in members]) for k in keys}
+            for k, v in state[members[0]].items():
+                if k not in sst:
+                    sst[k] = v.clone() if isinstance(v, torch.Tensor) else v
+            shadow_states.append((sp, members, sst))
+            params.append(sp)
+            fused_ids.update(id(p) for p in members)
+        params.extend(p for p in with_grad if id(p) not in fused_ids)
+        sg = dict(g)
+        sg["params"] = params
+        shadow_groups.append(sg)
+    for sp, _, sst in shadow_states:
+        state[sp] = sst
+    optimizer.param_groups = shadow_groups
+    try:
+        type(optimizer).step(optimizer)
+    finally:
+        optimizer.param_groups = saved_groups
+        for sp, _, _ in shadow_states:
+            state.pop(sp, None)
+    for _, members, sst in shadow_states:
+        for p in members:
+            st = state[p]
+            for k, v in sst.items():
+                if isinstance(v, torch.Tensor) and v.dim() == 0 and isinstance(st.get(k), torch.Tensor):
+                    st[k].copy_(v)
+                elif not isinstance(v, torch.Tensor):
+                    st[k] = v
+
+
+def _span(ts: List[torch.Tensor]) -> torch.Tensor:
+    """A 1-D view over adjacent contiguous tensors (checked by calculate_mutual_groups)."""
+    t0 = ts[0]
+    n = sum(t.numel() for t in ts)
+    return t0.as_strided((n,), (1,), t0.storage_offset())
+
+
+# --------------------------------------------------------------------------------------------
+# Compiled kernels
+# --------------------------------------------------------------------------------------------
+
+
+def _nthreads(n: int) -> int:
+    return 1 if n < _PARALLEL_MIN else max(1, torch.get_num_threads())
+
+
+def _is_float(x: Any) -> bool:
+    return isinstance(x, (float, int)) and not isinstance(x, bool)
+
+
+class _Kernel:
+    """Per (optimizer class, configuration): how a run is updated by the compiled kernel."""
+
+    def signature(self, st: Dict[Any, Any], b: _Bucket, i: int) -> Any:  # pragma: no cover
+        raise NotImplementedError
+
+    def run(self, opt: Any, group: Dict[str, Any], b: _Bucket, run: _Run) -> None:  # pragma: no cover
+        raise NotImplementedError
+
+
+def _plan(b: _Bucket, run: _Run, body_mod: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    key = (run.idx[0], run.idx[-1], body_mod)
+    plan = b.plan_cache.get(key)
+    if plan is None:
+        starts = np.array([b.offsets[i] for i in run.idx], dtype=np.int64)
+        lens = np.array([b.numels[i] for i in run.idx], dtype=np.int64)
+        bodies = lens - lens % body_mod if body_mod > 1 else lens.copy()
+        plan = _K.make_plan(starts, lens, bodies, _CHUNK)
+        if len(b.plan_cache) > 64:
+            b.plan_cache.clear()
+        b.plan_cache[key] = plan
+    return plan
+
+
+def _dtype_code(dt: torch.dtype) -> int:
+    return _K.DTYPE_F32 if dt == torch.float32 else _K.DTYPE_F64
+
+
+class _SgdKernel(_Kernel):
+    def signature(self, st: Dict[Any, Any], b: _Bucket, i: int) -> Any:
+        return 0  # SGD keeps no scalar state
+
+    def run(self, opt: Any, group: Dict[str, Any], b: _Bucket, run: _Run) -> None:
+        plan = _plan(b, run, 1)
+        mom = float(group["momentum"])
+        buf = b.state_flat.get("momentum_buffer") if mom != 0 else None
+        n = int(plan[1].sum())
+        _K.sgd_step(
+            _dtype_code(b.dtype),
+            b.flat_param.data_ptr(),
+            b.flat_grad.data_ptr(),
+            buf.data_ptr() if buf is not None else 0,
+            plan[0],
+            plan[1],
+            float(group["lr"]),
+            float(group["weight_decay"]),
+            mom,
+            float(group["dampening"]),
+            bool(group["nesterov"]),
+            bool(group["maximize"]),
+            False,
+            _nthreads(n),
+        )
+
+
+class _AdamKernel(_Kernel):
+    def __init__(self, fused: bool, decoupled: bool, amsgrad: bool) -> None:
+        self.fused = fused
+        self.decoupled = decoupled
+        self.amsgrad = amsgrad
+
+    def signature(self, st: Dict[Any, Any], b: _Bucket, i: int) -> Any:
+        s = st.get("step")
+        if (
+            not isinstance(s, torch.Tensor)
+            or s.dim() != 0
+            or s.dtype != torch.float32
+            or s.device.type != "cpu"
+        ):
+            return None
+        if len(st) != (4 if self.amsgrad else 3):
+            return None
+        return s.item()
+
+    def run(self, opt: Any, group: Dict[str, Any], b: _Bucket, run: _Run) -> None:
+        state = opt.state
+        steps = [state[b.params[i]]["step"] for i in run.idx]
+        step = float(run.sig) + 1.0
+        step = float(torch.tensor(step, dtype=torch.float32))  # torch keeps step in float32
+        beta1, beta2 = group["betas"]
+        beta1 = float(beta1)
+        beta2 = float(beta2)
+        lr = float(group["lr"])
+        wd = float(group["weight_decay"])
+        eps = float(group["eps"])
+        bc1 = 1 - beta1**step
+        bc2 = 1 - beta2**step
+        # torch's fused kernel takes sqrt in C++; its for-loop/foreach paths use Python's ** 0.5.
+        bc2s = math.sqrt(bc2) if self.fused else bc2**0.5
+        vl = _vector_len(b.dtype)
+        plan = _plan(b, run, vl if self.fused else 1)
+        n = int(plan[1].sum())
+        sf = b.state_flat
+        vmax = sf["max_exp_avg_sq"].data_ptr() if self.amsgrad else 0
+        _K.adam_step(
+            _dtype_code(b.dtype),
+            b.flat_param.data_ptr(),
+            b.flat_grad.data_ptr(),
+            sf["exp_avg"].data_ptr(),
+            sf["exp_avg_sq"].data_ptr(),
+            vmax,
+            plan[0],
+            plan[1],
+            plan[2],
+            1 - beta1,
+            beta2,
+            1 - beta2,
+            bc2s,
+            eps,
+            -(lr / bc1),
+            wd if not self.decoupled else 0.0,
+            (1 - lr * wd) if self.decoupled else 1.0,
+            self.amsgrad,
+            bool(group["maximize"]),
+            (wd != 0 and not self.decoupled),
+            (wd != 0 and self.decoupled),
+            0,
+            1,
+            _nthreads(n),
+        )
+        ptrs = np.fromiter((s.data_ptr() for s in steps), dtype=np.int64, count=len(steps))
+        _K.bump_steps(ptrs, 1.0)
+
+
+_CAPABILITY: List[str] = []
+
+
+def _vector_len(dt: torch.dtype) -> int:
+    """Elements per ATen CPU vector for ``dt``: torch's fused Adam changes formula at the tail."""
+    if not _CAPABILITY:
+        _CAPABILITY.append(torch.backends.cpu.get_cpu_capability())
+    width = 64 if "512" in _CAPABILITY[0] else 32
+    return width // (4 if dt == torch.float32 else 8)
+
+
+def _kernel_for(opt: Any, group: Dict[str, Any], b: _Bucket) -> Optional[_Kernel]:
+    """The compiled kernel that reproduces this group's configured torch path, if any."""
+    if b.device.type != "cpu" or b.dtype not in (torch.float32, torch.float64):
+        return None
+    if group.get("differentiable") or group.get("capturable"):
+        return None
+    if getattr(opt, "grad_scale", None) is not None or getattr(opt, "found_inf", None) is not None:
+        return None
+    if isinstance(opt, torch.optim.SGD):
+        if group.get("fused"):
+            return None  # torch's fused SGD has its own rounding; its math runs on flat views
+        if not all(_is_float(group[k]) for k in ("lr", "momentum", "dampening", "weight_decay")):
+            return None
+        return _SgdKernel()
+    if isinstance(opt, torch.optim.Adam):
+        betas = group["betas"]
+        if not all(
+            _is_float(x) for x in (group["lr"], betas[0], betas[1], group["weight_decay"], group["eps"])
+        ):
+            return None
+        if not group.get("fused"):
+            return None  # for-loop/foreach: torch's sqrt (MKL) is not reproducible in one pass
+        decoupled = bool(group.get("decoupled_weight_decay", False)) or isinstance(opt, torch.optim.AdamW)
+        return _AdamKernel(True, decoupled, bool(group["amsgrad"]))
+    return None
