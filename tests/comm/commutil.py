@@ -1,0 +1,570 @@
+"""Helpers for the comm tests: the fake libnccl build and the functions run on each rank.
+
+Rank functions are module-level (run_ranks pickles them by reference) and return plain data; the
+tests assert in the parent process so failures show every rank's view.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+import torch
+import torch.distributed as dist
+
+import trainloom.comm as C
+from trainloom.comm import ReduceOp
+from trainloom.errors import CommError
+
+FAKES = Path(__file__).resolve().parent.parent / "fakes"
+
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.bfloat16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+]
+_ALL_NUMERIC_OPS = [ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX]
+_TORCH_OPS = {
+    ReduceOp.SUM: dist.ReduceOp.SUM,
+    ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
+    ReduceOp.MIN: dist.ReduceOp.MIN,
+    ReduceOp.MAX: dist.ReduceOp.MAX,
+    ReduceOp.BOR: dist.ReduceOp.BOR,
+    ReduceOp.BAND: dist.ReduceOp.BAND,
+    ReduceOp.BXOR: dist.ReduceOp.BXOR,
+    ReduceOp.AVG: dist.ReduceOp.SUM,
+}
+
+
+def build_fake_nccl(out_dir: Path, no_p2p: bool = False) -> str:
+    """Compile tests/fakes/fake_nccl.c into ``out_dir``; returns the .so path."""
+    name = "libnccl-fake-nop2p.so.2" if no_p2p else "libnccl-fake.so.2"
+    target = out_dir / name
+    cmd = ["gcc", "-shared", "-fPIC", "-O1", "-o", str(target), str(FAKES / "fake_nccl.c"), "-lpthread"]
+    if no_p2p:
+        cmd.insert(1, "-DFAKE_NO_P2P")
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return str(target)
+
+
+def ops_for(dtype: torch.dtype) -> List[ReduceOp]:
+    if dtype.is_complex:
+        return [ReduceOp.SUM, ReduceOp.AVG]
+    if dtype.is_floating_point:
+        return [*_ALL_NUMERIC_OPS, ReduceOp.AVG]
+    return [*_ALL_NUMERIC_OPS, ReduceOp.BOR, ReduceOp.BAND, ReduceOp.BXOR]
+
+
+def data(rank: int, n: int, dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
+    """Deterministic small values (sums and products stay exact in bfloat16)."""
+    g = torch.Generator().manual_seed(7919 * rank + 104729 * salt + 13)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (n,), generator=g).bool()
+    if dtype.is_complex:
+        re = torch.randint(-3, 4, (n,), generator=g).float()
+        im = torch.randint(-3, 4, (n,), generator=g).float()
+        return torch.complex(re, im).to(dtype)
+    if dtype == torch.uint8:
+        return torch.randint(0, 200, (n,), generator=g).to(dtype)
+    return torch.randint(-3, 4, (n,), generator=g).to(dtype)
+
+
+def _ref_allreduce(t: torch.Tensor, op: ReduceOp, ws: int) -> torch.Tensor:
+    x = t.clone()
+    dist.all_reduce(x, _TORCH_OPS[op])
+    if op == ReduceOp.AVG:
+        x = x / ws
+    return x
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype.is_floating_point or a.dtype.is_complex:
+        return bool(torch.allclose(a, b, rtol=1e-2 if a.dtype == torch.bfloat16 else 1e-6, atol=0))
+    return bool(torch.equal(a, b))
+
+
+def sweep(rank: int, ws: int, engine: str) -> List[str]:
+    """Every collective, every listed dtype and op, against torch.distributed (gloo) results."""
+    os.environ["TRAINLOOM_CPU_ENGINE"] = "auto" if engine == "shm" else engine
+    C.init_process_group(timeout=30)
+    bad: List[str] = []
+    kind = C.get_default_group().get_global_communicator().cpu_engine_kind()
+    if kind != engine:
+        bad.append(f"rank {rank}: CPU engine is {kind}, expected {engine}")
+
+    def check(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
+        if not _same(got, want):
+            bad.append(f"rank {rank} {what}: got {got.tolist()} want {want.tolist()}")
+
+    n = 6 * ws  # divisible by ws for the chunked ops
+    last = ws - 1
+    for dt in DTYPES:
+        x = data(rank, n, dt)
+        for op in ops_for(dt):
+            want = _ref_allreduce(x, op, ws)
+            out = torch.zeros_like(x)
+            C.allreduce(x, out, op)
+            check(f"allreduce {dt} {op.name}", out, want)
+            # reduce to the last rank; the others' recv must stay untouched
+            ref = x.clone()
+            dist.reduce(ref, last, _TORCH_OPS[op])
+            if op == ReduceOp.AVG:
+                ref = ref / ws
+            out = torch.zeros_like(x)
+            C.reduce(x, out, last, op)
+            check(f"reduce {dt} {op.name}", out, ref if rank == last else torch.zeros_like(x))
+            # reduce_scatter: chunk `rank` of the allreduce
+            out = torch.zeros(n // ws, dtype=dt)
+            C.reduce_scatter(x, out, op)
+            check(f"reduce_scatter {dt} {op.name}", out, want[rank * 6 : (rank + 1) * 6])
+        # in-place reductions (SUM, plus MAX for variety)
+        for op in (ReduceOp.SUM, ReduceOp.MAX) if not dt.is_complex else (ReduceOp.SUM,):
+            want = _ref_allreduce(x, op, ws)
+            t = x.clone()
+            C.allreduce_inplace(t, op)
+            check(f"allreduce_inplace {dt} {op.name}", t, want)
+            t = x.clone()
+            C.reduce_inplace(t, 0, op)
+            check(f"reduce_inplace {dt} {op.name}", t, want if rank == 0 else x)
+            t = x.clone()
+            C.reduce_scatter_inplace(t, op)
+            exp = x.clone()
+            exp[rank * 6 : (rank + 1) * 6] = want[rank * 6 : (rank + 1) * 6]
+            check(f"reduce_scatter_inplace {dt} {op.name}", t, exp)
+        # data movement, against torch.distributed's own results
+        t = x.clone()
+        C.broadcast(t, 1 % ws)
+        ref = x.clone()
+        dist.broadcast(ref, 1 % ws)
+        check(f"broadcast {dt}", t, ref)
+        small = data(rank, 5, dt, salt=1)
+        out = torch.zeros(5 * ws, dtype=dt)
+        C.allgather(small, out)
+        ref = torch.zeros(5 * ws, dtype=dt)
+        dist.all_gather_into_tensor(ref, small)
+        check(f"allgather {dt}", out, ref)
+        t = torch.zeros(5 * ws, dtype=dt)
+        t[rank * 5 : (rank + 1) * 5] = small
+        C.allgather_inplace(t)
+        check(f"allgather_inplace {dt}", t, ref)
+        out = torch.zeros(5 * ws, dtype=dt)
+        C.gather(small, out, last)
+        check(f"gather {dt}", out, ref if rank == last else torch.zeros(5 * ws, dtype=dt))
+        if rank == 0:
+            t = torch.zeros(5 * ws, dtype=dt)
+            t[:5] = small
+        else:
+            t = small.clone()
+        C.gather_inplace(t, 5, 0)
+        check(f"gather_inplace {dt}", t, ref if rank == 0 else small)
+        # scatter from the last rank: reference with dist.scatter (complex through view_as_real)
+        src_data = data(last, 4 * ws, dt, salt=2)
+        out = torch.zeros(4, dtype=dt)
+        C.scatter(src_data if rank == last else torch.zeros(0, dtype=dt), out, last)
+        real = (lambda v: torch.view_as_real(v)) if dt.is_complex else (lambda v: v)
+        ref = torch.zeros(4, dtype=dt)
+        dist.scatter(real(ref), [real(c.clone()) for c in src_data.chunk(ws)] if rank == last else None, last)
+        check(f"scatter {dt}", out, ref)
+        t = src_data.clone() if rank == last else torch.zeros(4, dtype=dt)
+        C.scatter_inplace(t, 4, last)
+        check(f"scatter_inplace {dt}", t, src_data if rank == last else ref)
+        out = torch.zeros_like(x)
+        C.alltoall(x, out)
+        ref = torch.zeros_like(x)
+        dist.all_to_all_single(ref, x)
+        check(f"alltoall {dt}", out, ref)
+        t = x.clone()
+        C.alltoall_inplace(t)
+        check(f"alltoall_inplace {dt}", t, ref)
+        # alltoall_v: rank i sends (i + j) % 3 + 1 elements to rank j, packed; displacements with a gap
+        sc = [(rank + j) % 3 + 1 for j in range(ws)]
+        rc = [(i + rank) % 3 + 1 for i in range(ws)]
+        sd = [sum(sc[:j]) + j for j in range(ws)]  # one unused element between blocks
+        rd = [sum(rc[:i]) for i in range(ws)]
+        send_buf = data(rank, sum(sc) + ws, dt, salt=3)
+        packed = torch.cat([send_buf[sd[j] : sd[j] + sc[j]] for j in range(ws)])
+        ref = torch.zeros(sum(rc), dtype=dt)
+        dist.all_to_all_single(ref, packed, rc, sc)
+        out = torch.zeros(sum(rc), dtype=dt)
+        C.alltoall_v(send_buf, sc, sd, out, rc, rd)
+        check(f"alltoall_v {dt}", out, ref)
+        # in place: symmetric counts c (both ways), contiguous displacements
+        cnt = [2] * ws
+        dsp = [2 * j for j in range(ws)]
+        t = data(rank, 2 * ws, dt, salt=4)
+        ref = torch.zeros_like(t)
+        dist.all_to_all_single(ref, t, cnt, cnt)
+        C.alltoall_v_inplace(t, cnt, dsp)
+        check(f"alltoall_v_inplace {dt}", t, ref)
+        # send/recv around a ring
+        nxt, prv = (rank + 1) % ws, (rank - 1) % ws
+        got = torch.zeros(3, dtype=dt)
+        if rank % 2 == 0:
+            C.send(data(rank, 3, dt, salt=5), nxt)
+            C.recv(got, prv)
+        else:
+            C.recv(got, prv)
+            C.send(data(rank, 3, dt, salt=5), nxt)
+        check(f"send/recv {dt}", got, data(prv, 3, dt, salt=5))
+    C.barrier()
+    C.destroy_process_group()
+    return bad
+
+
+def features(rank: int, ws: int, engine: str) -> Dict[str, Any]:
+    """Async Work, non-contiguous views, empty tensors, groups, hierarchical allreduce."""
+    os.environ["TRAINLOOM_CPU_ENGINE"] = "auto" if engine == "shm" else engine
+    # Three ranks on two logical nodes: {0, 1} and {2}.
+    os.environ["TRAINLOOM_NODE_ID"] = "a" if rank < 2 else "b"
+    pg = C.init_process_group(timeout=30)
+    out: Dict[str, Any] = {}
+    # async: several ops in flight, completed in order
+    ts = [torch.full((4,), float(rank + i)) for i in range(3)]
+    works = [C.allreduce_inplace(t, async_op=True) for t in ts]
+    out["async"] = [w.wait() and w.result().tolist() for w in works]
+    out["async_completed"] = all(w.is_completed() for w in works)
+    # a sync call after async ones keeps the order on every rank
+    w = C.broadcast(torch.full((2,), float(rank)), 0, async_op=True)
+    t = torch.full((2,), float(rank))
+    C.allreduce_inplace(t)
+    w.wait()
+    out["mixed"] = t.tolist()
+    # non-contiguous: a column of a matrix, the neighbouring column must stay
+    m = torch.arange(12, dtype=torch.float32).view(4, 3) + 100 * rank
+    C.allreduce_inplace(m[:, 1])
+    out["column"] = m.tolist()
+    m = torch.zeros(2, 3 * ws)
+    C.allgather(torch.full((3,), float(rank)), m[1, :])
+    out["gather_into_row"] = m.tolist()
+    t = torch.arange(6.0).view(2, 3).t()  # transposed view, broadcast into it
+    if rank != 0:
+        t.zero_()
+    C.broadcast(t, 0)
+    out["transposed"] = t.tolist()
+    # empty tensors
+    e = torch.empty(0)
+    C.allreduce_inplace(e)
+    C.broadcast(e, 0)
+    C.allgather(e, torch.empty(0))
+    out["empty"] = True
+    # groups
+    sub = C.new_group([0, 2])
+    if rank in (0, 2):
+        c = sub.get_global_communicator()
+        t = torch.full((3,), float(rank))
+        C.allreduce_inplace(t, comm=c)
+        out["subgroup"] = (c.rank(), c.nranks(), t.tolist())
+    else:
+        try:
+            sub.get_global_communicator()
+        except CommError as exc:
+            out["subgroup"] = str(exc)
+    tg = dist.new_group([0, 1])
+    if rank in (0, 1):
+        g = C.from_torch_group(tg)
+        t = torch.ones(2) * (rank + 1)
+        C.allreduce_inplace(t, comm=g.get_global_communicator())
+        out["from_torch"] = (g.ranks, t.tolist())
+    else:
+        C.new_group([0, 1])  # keep the group bookkeeping identical (non-members may call it too)
+    # intra/inter-node communicators and hierarchical allreduce
+    intra = pg.get_intra_node_communicator()
+    inter = pg.get_inter_node_communicator()
+    out["intra"] = (intra.rank(), intra.nranks(), intra.global_ranks, intra.cpu_engine_kind())
+    out["inter"] = (
+        None if inter is None else (inter.rank(), inter.nranks(), inter.global_ranks, inter.cpu_engine_kind())
+    )
+    out["global_engine"] = pg.get_global_communicator().cpu_engine_kind()
+    for op in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.AVG):
+        x = data(rank, 7, torch.float64)
+        h = torch.zeros_like(x)
+        C.allreduce(x, h, op, hierarchical=True)
+        flat = torch.zeros_like(x)
+        C.allreduce(x, flat, op)
+        out[f"hier_{op.name}"] = bool(torch.allclose(h, flat))
+    x = data(rank, 5, torch.int64)
+    w = C.allreduce_inplace(x, async_op=True, hierarchical=True)
+    w.wait()
+    out["hier_async"] = x.tolist()
+    out["env"] = (C.get_rank(), C.get_world_size(), C.get_local_rank(), C.get_local_size())
+    C.destroy_process_group()
+    try:
+        C.allreduce_inplace(torch.ones(1), comm=intra)
+    except CommError as exc:
+        out["after_destroy"] = str(exc)
+    return out
+
+
+def _expect(fn, exc_type, *args, **kwargs) -> str:  # noqa: ANN001
+    try:
+        fn(*args, **kwargs)
+    except exc_type as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def mismatches(rank: int, ws: int, engine: str) -> Dict[str, str]:
+    """Cross-rank differences raise CommError on every rank, naming both ranks' values."""
+    os.environ["TRAINLOOM_CPU_ENGINE"] = "auto" if engine == "shm" else engine
+    C.init_process_group(timeout=20)
+    out: Dict[str, str] = {}
+
+    def fresh():  # a new communicator per case: engines may retire a communicator after an error
+        return C.new_group().get_global_communicator()
+
+    out["numel"] = _expect(C.allreduce_inplace, CommError, torch.ones(4 if rank == 0 else 8), comm=fresh())
+    out["dtype"] = _expect(
+        C.allreduce_inplace,
+        CommError,
+        torch.ones(4, dtype=torch.float32 if rank == 0 else torch.float64),
+        comm=fresh(),
+    )
+    out["op"] = _expect(
+        C.allreduce_inplace,
+        CommError,
+        torch.ones(4),
+        ReduceOp.SUM if rank == 0 else ReduceOp.MAX,
+        comm=fresh(),
+    )
+    out["root"] = _expect(C.broadcast, CommError, torch.ones(4), rank % 2, comm=fresh())
+    out["alltoall_v"] = _expect(
+        C.alltoall_v,
+        CommError,
+        torch.ones(4),
+        [2, 2],
+        [0, 2],
+        torch.zeros(5),
+        [2, 3] if rank == 0 else [2, 2],
+        [0, 2],
+        comm=fresh(),
+    )
+    # the default communicator still works afterwards
+    t = torch.ones(3)
+    C.allreduce_inplace(t)
+    out["after"] = str(t.tolist())
+    C.destroy_process_group()
+    return out
+
+
+def late_rank(rank: int, ws: int, engine: str) -> Dict[str, Any]:
+    """Rank 1 never calls the second allreduce: the others time out naming the op and rank 1."""
+    os.environ["TRAINLOOM_CPU_ENGINE"] = "auto" if engine == "shm" else engine
+    C.init_process_group(timeout=2)
+    C.allreduce_inplace(torch.ones(2))
+    res: Dict[str, Any] = {}
+    if rank != 1:
+        t0 = time.monotonic()
+        res["error"] = _expect(C.allreduce_inplace, CommError, torch.ones(2))
+        res["seconds"] = time.monotonic() - t0
+    store = C.group._STATE.store  # rank 1 waits (through the store) until the others gave up
+    if rank != 1:
+        store.set(f"late_done/{rank}", "1")
+    else:
+        store.wait([f"late_done/{r}" for r in range(ws) if r != 1], datetime.timedelta(seconds=30))
+    C.destroy_process_group()
+    return res
+
+
+def dying_peer(rank: int, ws: int, engine: str) -> Dict[str, Any]:
+    """Rank 1 exits in the middle of the job: the survivors raise instead of hanging."""
+    os.environ["TRAINLOOM_CPU_ENGINE"] = "auto" if engine == "shm" else engine
+    C.init_process_group(timeout=5)
+    C.allreduce_inplace(torch.ones(2))
+    if rank == 1:
+        os._exit(3)
+    t0 = time.monotonic()
+    err = _expect(C.allreduce_inplace, CommError, torch.ones(2))
+    return {"error": err, "seconds": time.monotonic() - t0}
+
+
+def fake_nccl_plumbing(rank: int, ws: int, lib: str, lib_nop2p: str) -> Dict[str, Any]:
+    """The compiled binding against the fake libnccl (one rank, host memory)."""
+    import ctypes
+    import threading
+
+    from trainloom.comm import _nccl, nccl
+    from trainloom.errors import NcclError
+
+    out: Dict[str, Any] = {}
+    out["loaded_before"] = _nccl.is_loaded()
+    out["available"] = nccl.is_available()
+    out["version"] = nccl.get_version()
+    out["path"] = nccl.library_path()
+    out["has_alltoall"] = _nccl.has_symbol("ncclAlltoAll")
+    fake = ctypes.CDLL(lib)  # the same mapping the binding uses (dlopen returns the loaded copy)
+    uid = nccl.get_unique_id()
+    comm = _nccl.Communicator(1, uid, 0)
+    out["rank_count"] = (comm.user_rank(), comm.count(), fake.fake_nccl_live_comms())
+    f32 = nccl.NCCL_DTYPES[torch.float32]
+    s = torch.arange(8, dtype=torch.float32)
+    r = torch.zeros(8)
+    comm.allreduce(s.data_ptr(), r.data_ptr(), 8, f32, 0, 0)
+    out["allreduce"] = r.tolist()
+    r.zero_()
+    comm.alltoall(s.data_ptr(), r.data_ptr(), 8, 4, f32, 0)  # the grouped send/recv fallback
+    out["alltoall"] = r.tolist()
+    r.zero_()
+    counts = __import__("array").array("q", [3])
+    comm.alltoall_v(
+        s.data_ptr(),
+        counts,
+        __import__("array").array("q", [2]),
+        r.data_ptr(),
+        counts,
+        __import__("array").array("q", [4]),
+        4,
+        f32,
+        0,
+    )
+    out["alltoall_v"] = r.tolist()
+    r.zero_()
+    comm.gather(s.data_ptr(), r.data_ptr(), 8, 4, f32, 0, 0)
+    out["gather"] = r.tolist()
+    fake.fake_nccl_fail_next(4)
+    try:
+        comm.allreduce(s.data_ptr(), r.data_ptr(), 8, f32, 0, 0)
+    except NcclError as exc:
+        out["error"] = (exc.status, exc.where, str(exc))
+    # The GIL is released during the call: another Python thread must be able to run and release it.
+    fake.fake_nccl_block_next()
+    res: Dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            comm.allreduce(s.data_ptr(), r.data_ptr(), 8, f32, 0, 0)
+            res["ok"] = True
+        except NcclError as exc:
+            res["ok"] = str(exc)
+
+    th = threading.Thread(target=call)
+    th.start()
+    time.sleep(0.05)
+    fake.fake_nccl_release()  # only runs if the call above let go of the GIL
+    th.join()
+    out["gil_released"] = res["ok"]
+    comm.close()
+    comm.close()  # idempotent
+    out["live_after_close"] = fake.fake_nccl_live_comms()
+    try:
+        comm.allreduce(s.data_ptr(), r.data_ptr(), 8, f32, 0, 0)
+    except CommError as exc:
+        out["after_close"] = str(exc)
+    c2 = _nccl.Communicator(1, uid, 0)
+    del c2  # __dealloc__ destroys it
+    out["live_after_del"] = fake.fake_nccl_live_comms()
+    with _nccl.Communicator(1, uid, 0) as c3:
+        out["ctx_live"] = fake.fake_nccl_live_comms()
+        c3.abort()
+    out["live_after_abort"] = fake.fake_nccl_live_comms()
+    try:
+        _nccl.Communicator(2, uid, 0)
+    except NcclError as exc:
+        out["init_error"] = (exc.status, exc.where)
+    try:
+        _nccl.Communicator(1, b"short", 0)
+    except ValueError as exc:
+        out["bad_uid"] = str(exc)
+    return out
+
+
+def fake_nccl_no_p2p(rank: int, ws: int) -> Dict[str, Any]:
+    """A libnccl without ncclSend/ncclRecv: optional symbols raise NotImplementedError with the version."""
+    from trainloom.comm import _nccl, nccl
+
+    comm = _nccl.Communicator(1, nccl.get_unique_id(), 0)
+    s = torch.ones(4)
+    r = torch.zeros(4)
+    try:
+        comm.alltoall(s.data_ptr(), r.data_ptr(), 4, 4, 7, 0)
+        msg = "no error"
+    except NotImplementedError as exc:
+        msg = str(exc)
+    comm.allreduce(s.data_ptr(), r.data_ptr(), 4, 7, 0, 0)
+    comm.close()
+    return {"alltoall": msg, "allreduce": r.tolist()}
+
+
+def nccl_unavailable(rank: int, ws: int) -> Dict[str, Any]:
+    from trainloom.comm import nccl
+    from trainloom.errors import NcclUnavailableError
+
+    out: Dict[str, Any] = {"available": nccl.is_available(), "reason": nccl.unavailable_reason()}
+    try:
+        nccl.get_version()
+    except NcclUnavailableError as exc:
+        out["error"] = str(exc)
+    return out
+
+
+def real_nccl(rank: int, ws: int) -> Dict[str, Any]:
+    """The real libnccl from nvidia-nccl-cu12: loads, versions and ids work without a GPU."""
+    from trainloom.comm import _nccl, nccl
+    from trainloom.errors import NcclError
+
+    maps_before = "libnccl" in Path("/proc/self/maps").read_text()
+    import trainloom.comm  # noqa: F401
+
+    out: Dict[str, Any] = {"maps_before": maps_before, "loaded_after_import": _nccl.is_loaded()}
+    out["available"] = nccl.is_available()
+    out["version"] = nccl.get_version()
+    out["path"] = nccl.library_path()
+    out["maps_after"] = "libnccl" in Path("/proc/self/maps").read_text()
+    a, b = nccl.get_unique_id(), nccl.get_unique_id()
+    out["uid"] = (len(a), a != b)
+    try:
+        _nccl.Communicator(1, a, 0)
+    except NcclError as exc:
+        out["init"] = (exc.status, exc.where, str(exc))
+    return out
+
+
+def gpu_allreduce(rank: int, ws: int) -> Dict[str, Any]:  # pragma: no cover - needs GPUs
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    C.init_process_group(timeout=60)
+    out: Dict[str, Any] = {}
+    for dt in (torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.complex64):
+        x = data(rank, 12, dt).cuda()
+        for op in ops_for(dt):
+            want = torch.stack([data(r, 12, dt) for r in range(ws)])
+            got = torch.zeros_like(x)
+            C.allreduce(x, got, op)
+            out[f"{dt}-{op.name}"] = got.cpu().tolist()
+            del want
+    w = C.allreduce_inplace(torch.ones(4, device="cuda"), async_op=True)
+    w.wait()
+    out["async"] = w.result().cpu().tolist()
+    g = torch.zeros(4 * ws, device="cuda")
+    C.allgather(torch.full((4,), float(rank), device="cuda"), g)
+    out["allgather"] = g.cpu().tolist()
+    C.destroy_process_group()
+    return out
+
+
+def shm_segments() -> List[str]:
+    """trainloom segments in /dev/shm whose creating process is gone (leaks; live ones are in use)."""
+    leaked = []
+    for name in os.listdir("/dev/shm"):
+        if not name.startswith("tl-"):
+            continue
+        pid = next((int(p) for p in name.split("-") if p.isdigit()), None)
+        if pid is None or not os.path.exists(f"/proc/{pid}"):
+            leaked.append(name)
+    return sorted(leaked)
+
+
+def engines() -> List[str]:
+    """CPU engines to test: gloo always, shm when trainloom.comm.shm imports."""
+    from trainloom.comm.group import _shm_status
+
+    return ["gloo"] + (["shm"] if _shm_status() is None else [])

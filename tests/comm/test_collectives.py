@@ -1,0 +1,91 @@
+"""Every collective against torch.distributed (gloo) in real 2- and 3-process runs, on each CPU engine."""
+
+from __future__ import annotations
+
+import pytest
+from commutil import dying_peer, engines, features, late_rank, mismatches, shm_segments, sweep
+from multiproc import run_ranks
+
+ENGINES = engines()
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+@pytest.mark.parametrize("engine", ENGINES)
+def test_every_collective_matches_torch_distributed(engine, ws):
+    before = shm_segments()
+    res = run_ranks(sweep, ws, engine, timeout=150)
+    assert res == [[]] * ws, "\n".join(line for r in res for line in r[:20])
+    assert shm_segments() == before  # nothing left in /dev/shm
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_async_views_empty_groups_hierarchical(engine):
+    res = run_ranks(features, 3, engine, timeout=90)
+    for rank, r in enumerate(res):
+        assert r["async"] == [[3.0 + 3 * i] * 4 for i in range(3)]
+        assert r["async_completed"] is True
+        assert r["mixed"] == [3.0, 3.0]
+        col = [
+            [float(3 * i + 0 + 100 * rank), float(3 * (3 * i + 1) + 300), float(3 * i + 2 + 100 * rank)]
+            for i in range(4)
+        ]
+        assert r["column"] == col
+        assert r["gather_into_row"] == [[0.0] * 9, [0.0] * 3 + [1.0] * 3 + [2.0] * 3]
+        assert r["transposed"] == [[0.0, 3.0], [1.0, 4.0], [2.0, 5.0]]
+        assert r["empty"] is True
+        for op in ("SUM", "MAX", "AVG"):
+            assert r[f"hier_{op}"] is True, op
+        assert r["hier_async"] == res[0]["hier_async"]
+        assert r["env"] == (rank, 3, rank, 3)
+        assert "used after destroy_process_group()" in r["after_destroy"]
+    assert res[0]["subgroup"] == (0, 2, [2.0, 2.0, 2.0]) and res[2]["subgroup"] == (1, 2, [2.0, 2.0, 2.0])
+    assert "rank 1 is not a member of process group" in res[1]["subgroup"]
+    assert res[0]["from_torch"] == ([0, 1], [3.0, 3.0]) and res[1]["from_torch"] == ([0, 1], [3.0, 3.0])
+    # node "a" = ranks 0, 1; node "b" = rank 2; leaders 0 and 2
+    assert res[0]["intra"][:3] == (0, 2, [0, 1]) and res[1]["intra"][:3] == (1, 2, [0, 1])
+    assert res[2]["intra"][:3] == (0, 1, [2])
+    assert res[0]["inter"][:3] == (0, 2, [0, 2]) and res[2]["inter"][:3] == (1, 2, [0, 2])
+    assert res[1]["inter"] is None
+    assert res[0]["inter"][3] == "gloo" and res[0]["global_engine"] == "gloo"  # spans two "nodes"
+    assert res[0]["intra"][3] == engine
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_cross_rank_mismatch_raises_on_every_rank(engine):
+    res = run_ranks(mismatches, 2, engine, timeout=90)
+    for r in res:
+        assert "numel=4" in r["numel"] and "numel=8" in r["numel"] and "CommError" in r["numel"]
+        assert "float32" in r["dtype"] and "float64" in r["dtype"]
+        assert "op=SUM" in r["op"] and "op=MAX" in r["op"]
+        assert "root" in r["root"] or "src" in r["root"]
+        assert "CommError" in r["alltoall_v"]
+        assert r["after"] == "[2.0, 2.0, 2.0]"
+    assert "rank 0" in res[0]["numel"] and "rank 1" in res[0]["numel"]
+    assert "rank 0" in res[1]["numel"] and "rank 1" in res[1]["numel"]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_missing_rank_times_out_instead_of_hanging(engine):
+    res = run_ranks(late_rank, 3, engine, timeout=60)
+    timeouts = []
+    for rank in (0, 2):
+        err = res[rank]["error"]
+        assert err.startswith("Comm") and "allreduce" in err, err
+        assert res[rank]["seconds"] < 30
+        if err.startswith("CommTimeoutError"):
+            timeouts.append(err)
+    # At least one rank reports the timeout, naming the op, its sequence number and the missing rank (the
+    # shm engine aborts the communicator at the first timeout, so the other rank may see that abort).
+    assert timeouts, res
+    assert any("#2" in e and "[1]" in e for e in timeouts), timeouts
+    assert res[1] == {}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_dead_peer_raises_instead_of_hanging(engine):
+    before = shm_segments()
+    res = run_ranks(dying_peer, 2, engine, timeout=60, allow_death=[1])
+    assert res[1] is None
+    assert res[0]["error"].startswith("Comm"), res[0]["error"]
+    assert res[0]["seconds"] < 30
+    assert shm_segments() == before

@@ -1,0 +1,91 @@
+"""The NCCL binding: real libnccl (nvidia-nccl-cu12) without a GPU, a fake libnccl for the plumbing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from commutil import (
+    build_fake_nccl,
+    fake_nccl_no_p2p,
+    fake_nccl_plumbing,
+    gpu_allreduce,
+    nccl_unavailable,
+    real_nccl,
+)
+from multiproc import run_ranks
+
+import trainloom
+
+
+@pytest.fixture(scope="module")
+def fake_libs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fake_nccl")
+    return build_fake_nccl(d), build_fake_nccl(d, no_p2p=True)
+
+
+def test_real_libnccl_loads_at_first_use_and_fails_cleanly_without_gpu():
+    (res,) = run_ranks(real_nccl, 1, env={"CUDA_VISIBLE_DEVICES": ""})
+    # importing trainloom.comm maps no libnccl; the first query loads the wheel's copy
+    assert res["maps_before"] is False and res["loaded_after_import"] is False
+    assert res["available"] is True and res["maps_after"] is True
+    assert res["version"] >= 21800
+    assert res["path"].endswith("libnccl.so.2") and "nvidia/nccl/lib" in res["path"]
+    assert res["uid"] == (128, True)
+    status, where, text = res["init"]
+    assert status != 0 and where == "ncclCommInitRank" and f"(code={status})" in text
+
+
+def test_missing_libnccl_lists_the_path_tried(tmp_path):
+    missing = str(tmp_path / "no-such-libnccl.so.2")
+    (res,) = run_ranks(nccl_unavailable, 1, env={"TRAINLOOM_NCCL_LIBRARY": missing})
+    assert res["available"] is False
+    assert missing in res["reason"] and "No such file" in res["reason"]
+    assert "pip install nvidia-nccl-cu12" in res["error"]
+    assert missing in res["error"]
+
+
+def test_show_config_reports_nccl():
+    info = trainloom.config()["nccl"]
+    assert info["available"] is True and info["version"] >= 21800
+
+
+def test_fake_libnccl_plumbing(fake_libs):
+    lib, lib_nop2p = fake_libs
+    (res,) = run_ranks(fake_nccl_plumbing, 1, lib, lib_nop2p, env={"TRAINLOOM_NCCL_LIBRARY": lib})
+    assert res["loaded_before"] is False
+    assert res["available"] is True and res["version"] == 21899 and res["path"] == lib
+    assert res["has_alltoall"] is False
+    assert res["rank_count"] == (0, 1, 1)
+    assert res["allreduce"] == list(map(float, range(8)))
+    assert res["alltoall"] == list(map(float, range(8)))
+    assert res["alltoall_v"] == [0, 0, 0, 0, 2, 3, 4, 0]
+    assert res["gather"] == list(map(float, range(8)))
+    status, where, text = res["error"]
+    assert (status, where) == (
+        4,
+        "ncclAllReduce",
+    ) and text == "ncclAllReduce: invalid argument (fake) (code=4)"
+    assert res["gil_released"] is True
+    assert res["live_after_close"] == 0
+    assert "used after close() or abort()" in res["after_close"]
+    assert res["live_after_del"] == 0
+    assert res["ctx_live"] == 1 and res["live_after_abort"] == 0
+    assert res["init_error"] == (5, "ncclCommInitRank")
+    assert res["bad_uid"] == "unique_id must be 128 bytes (ncclUniqueId), got 5"
+
+
+def test_fake_libnccl_without_send_recv_raises_not_implemented(fake_libs):
+    _, lib_nop2p = fake_libs
+    (res,) = run_ranks(fake_nccl_no_p2p, 1, env={"TRAINLOOM_NCCL_LIBRARY": lib_nop2p})
+    assert "ncclSend is not exported by the loaded libnccl (version 21899" in res["alltoall"]
+    assert res["allreduce"] == [1.0, 1.0, 1.0, 1.0]
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_nccl_collectives_on_gpus():  # pragma: no cover - needs GPUs
+    ws = min(torch.cuda.device_count(), 2)
+    res = run_ranks(gpu_allreduce, ws, timeout=120)
+    assert res[0] == res[1]
+    assert res[0]["async"] == [float(ws)] * 4
+    assert res[0]["allgather"] == [float(r) for r in range(ws) for _ in range(4)]
