@@ -1,0 +1,284 @@
+"""Benchmark: trainloom's load-balancing samplers against torch's DistributedSampler + fixed batches.
+
+Data: the token counts of every triple-quoted string literal (docstrings, almost all of them) in
+the installed Python standard library and site-packages, counted with a word/punctuation
+tokenizer. Nobody here wrote them. They are computed on the first run and cached in a temp file.
+Literals longer than --max-len tokens (embedded data blobs; training pipelines filter them too)
+are left out, so that the budget can hold any single sample. N = 100k and 2M are drawn from them
+(with replacement when N is larger than the corpus).
+
+For W = 2, 8, 64 it reports, per rank: plan time (construct + one epoch), the per-step straggler
+ratio (max over ranks of a step's cost / mean over ranks; mean and p99 over the epoch) with a
+batch's cost taken as sum(len), sum(len^2) and the padded cost count * max(len), padding waste,
+the largest batch relative to the budget, and duplicates / drops / empty rank-steps per epoch.
+
+Run: ``trainloom bench sampler [--quick] [--out DIR]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+import numpy as np
+import torch
+from benchutil import bench_lock, machine_line, markdown_table, measure, median, plot_lines, write_report
+from torch.utils.data import BatchSampler, DistributedSampler
+
+from trainloom.data.samplers import LoadBalancingDistributedBatchSampler, LoadBalancingDistributedSampler
+
+CACHE = Path(tempfile.gettempdir()) / "trainloom-bench-sampler-docstring-tokens.npy"
+_LITERAL = re.compile(r"(\"\"\"|''')(.*?)\1", re.S)
+_TOKEN = re.compile(r"\w+|[^\w\s]")
+
+
+def docstring_lengths() -> np.ndarray:
+    """Token counts of every triple-quoted literal of the stdlib and site-packages (cached)."""
+    if CACHE.exists():
+        return np.load(CACHE)
+    paths = sysconfig.get_paths()
+    stdlib = os.path.realpath(paths["stdlib"])
+    roots = [stdlib, *{os.path.realpath(paths[k]) for k in ("purelib", "platlib")}]
+    seen_files = set()
+    lens: List[int] = []
+    for root in roots:
+        for d, dirs, files in os.walk(root):
+            if root == stdlib:
+                dirs[:] = [x for x in dirs if x not in ("site-packages", "dist-packages")]
+            for f in files:
+                if not f.endswith(".py"):
+                    continue
+                path = os.path.realpath(os.path.join(d, f))
+                if path in seen_files:
+                    continue
+                seen_files.add(path)
+                try:
+                    text = Path(path).read_text(encoding="utf-8", errors="replace")
+                except OSError:
+                    continue
+                lens.extend(len(_TOKEN.findall(m.group(2))) for m in _LITERAL.finditer(text))
+    arr = np.asarray(lens, dtype=np.int64)
+    tmp = CACHE.with_suffix(".tmp.npy")
+    np.save(tmp, arr)
+    os.replace(tmp, CACHE)
+    return arr
+
+
+def ratio(costs: np.ndarray) -> Tuple[float, float]:
+    mean = costs.mean(axis=1)
+    r = np.where(mean > 0, costs.max(axis=1) / np.where(mean > 0, mean, 1), 1.0)
+    return float(r.mean()), float(np.percentile(r, 99))
+
+
+def torch_baseline(lens: np.ndarray, world: int, batch: int, budget: float) -> Dict[str, float]:
+    """DistributedSampler (shuffled) + fixed batch size: balance and padding of epoch 0."""
+    n = lens.shape[0]
+    per_rank = []
+    for r in range(world):
+        ds = DistributedSampler(range(n), num_replicas=world, rank=r, shuffle=True, seed=0)
+        per_rank.append(np.fromiter(iter(ds), dtype=np.int64, count=len(ds)))
+    idx = np.stack(per_rank)  # (world, samples)
+    steps = idx.shape[1] // batch
+    b = lens[idx[:, : steps * batch]].reshape(world, steps, batch).astype(np.float64)
+    s_len = b.sum(axis=2).T
+    s_len2 = (b * b).sum(axis=2).T
+    padded = (b.max(axis=2) * batch).T
+    dup = world * idx.shape[1] - n
+    return {
+        "len": ratio(s_len),
+        "len2": ratio(s_len2),
+        "padded": ratio(padded),
+        "waste": float(1 - s_len.sum() / padded.sum()),
+        "max_ratio": float(padded.max() / budget),
+        "dup": dup,
+        "drop": n - len(np.unique(idx[:, : steps * batch])),
+    }
+
+
+def coverage(bs: LoadBalancingDistributedBatchSampler, n: int) -> Tuple[int, int, int]:
+    """(duplicates, drops, empty rank-steps) counted from the plan of all ranks."""
+    plan = bs._plan()
+    counts = np.bincount(plan.items, minlength=n)
+    return (
+        int(np.maximum(counts - 1, 0).sum()),
+        int((counts == 0).sum()),
+        int((np.diff(plan.bounds) == 0).sum()),
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (smoke test)")
+    ap.add_argument("--out", default=None, help="write sampler.md and PNGs here")
+    ap.add_argument("--budget", type=float, default=16384.0, help="max_complexity (tokens per rank per step)")
+    ap.add_argument("--max-len", type=int, default=8192, help="leave out literals longer than this")
+    args = ap.parse_args()
+
+    t0 = time.perf_counter()
+    corpus = docstring_lengths()
+    corpus = corpus[corpus <= args.max_len]
+    load_s = time.perf_counter() - t0
+    sizes = [2_000, 20_000] if args.quick else [100_000, 2_000_000]
+    worlds = [2, 8] if args.quick else [2, 8, 64]
+    repeat = 1 if args.quick else 3
+    budget = args.budget
+    fixed_batch = max(1, int(budget // corpus.mean()))
+
+    plan_rows, bal_rows, pad_rows = [], [], []
+    times: Dict[str, Dict[int, List[float]]] = {}
+    with bench_lock():
+        for n in sizes:
+            rng = np.random.default_rng(0)
+            lens = rng.choice(corpus, size=n, replace=n > corpus.shape[0]).astype(np.int64)
+            lens_t = torch.from_numpy(lens)
+            for w in worlds:
+
+                def plain(lens_t: torch.Tensor = lens_t, w: int = w) -> object:
+                    s = LoadBalancingDistributedSampler(None, complexities=lens_t, num_replicas=w, rank=0)
+                    return list(s)
+
+                def budgeted(mode: str, lens_t: torch.Tensor = lens_t, w: int = w) -> object:
+                    s = LoadBalancingDistributedSampler(None, complexities=lens_t, num_replicas=w, rank=0)
+                    return list(LoadBalancingDistributedBatchSampler(s, max_complexity=budget, mode=mode))
+
+                def peer(n: int = n, w: int = w) -> object:
+                    ds = DistributedSampler(range(n), num_replicas=w, rank=0, shuffle=True, seed=0)
+                    return list(BatchSampler(ds, fixed_batch, drop_last=False))
+
+                row = [f"{n:,}", w]
+                for name, fn in [
+                    ("torch DistributedSampler + BatchSampler", peer),
+                    ("LB sampler (per item)", plain),
+                    ("LB batch, padded", lambda: budgeted("padded")),
+                    ("LB batch, packed", lambda: budgeted("packed")),
+                ]:
+                    t = median(measure(fn, repeat=repeat, warmup=1))
+                    times.setdefault(f"{name}, N={n:,}", {}).setdefault(w, []).append(t)
+                    row.append(t * 1e3)
+                row.append(row[2] / row[5])
+                plan_rows.append(row)
+
+                base = torch_baseline(lens, w, fixed_batch, budget)
+                stats = {}
+                for label, mode, cost in [
+                    ("padded", "padded", (1.0, 0.0)),
+                    ("packed len", "packed", (1.0, 0.0)),
+                    ("packed len^2", "packed", (0.0, 1.0)),
+                ]:
+                    s = LoadBalancingDistributedSampler(None, complexities=lens, num_replicas=w, rank=0)
+                    bs = LoadBalancingDistributedBatchSampler(
+                        s, max_complexity=budget if cost[1] == 0 else budget**2 / 2, mode=mode, cost=cost
+                    )
+                    st = bs.plan_stats()
+                    stats[label] = (st, coverage(bs, n))
+                pk, pk2, pd = stats["packed len"][0], stats["packed len^2"][0], stats["padded"][0]
+                bal_rows.append(
+                    [
+                        f"{n:,}",
+                        w,
+                        f"{base['len'][0]:.3f} / {base['len'][1]:.3f}",
+                        f"{pk['straggler_len_mean']:.5f} / {pk['straggler_len_p99']:.5f}",
+                        f"{base['len2'][0]:.3f} / {base['len2'][1]:.3f}",
+                        f"{pk2['straggler_len2_mean']:.5f} / {pk2['straggler_len2_p99']:.5f}",
+                        f"{base['padded'][0]:.3f} / {base['padded'][1]:.3f}",
+                        f"{pd['straggler_mean']:.5f} / {pd['straggler_p99']:.5f}",
+                    ]
+                )
+                cov = {k: v[1] for k, v in stats.items()}
+                pad_rows.append(
+                    [
+                        f"{n:,}",
+                        w,
+                        f"{100 * base['waste']:.1f} %",
+                        f"{100 * pd['padding_waste']:.3f} %",
+                        f"{base['max_ratio']:.2f}x",
+                        f"{pd['max_batch_cost_ratio']:.3f}x / {pk['max_batch_cost_ratio']:.3f}x",
+                        f"{base['dup']} / {base['drop']} / 0",
+                        " ; ".join(f"{k}: {d}/{r}/{e}" for k, (d, r, e) in cov.items()),
+                        f"{pd['steps']} / {pk['steps']}",
+                    ]
+                )
+
+    md = [
+        "# Load-balancing samplers",
+        "",
+        f"Machine: {machine_line()}. Shared with other work while measured: figures are depressed and noisy.",
+        f"Data: {corpus.shape[0]:,} token counts of triple-quoted literals (docstrings) of the installed "
+        f"stdlib and site-packages (<= {args.max_len} tokens; mean {corpus.mean():.1f}, "
+        f"median {np.median(corpus):.0f}, "
+        f"max {corpus.max()}), loaded in {load_s:.1f} s; N drawn with replacement. Budget "
+        f"max_complexity={budget:.0f} tokens per rank per step (packed len^2: {budget**2 / 2:.3g}); the "
+        f"fixed batch size of the peer is {fixed_batch} (budget / mean length).",
+        "",
+        f"## Plan time per rank (construct + one epoch), ms (median of {repeat})",
+        "",
+        markdown_table(
+            ["N", "W", "torch DS + BatchSampler", "LB sampler", "LB padded", "LB packed", "packed / torch"],
+            plan_rows,
+        ),
+        "",
+        "## Per-step straggler ratio, mean / p99 over the epoch",
+        "",
+        "Cost of a rank's batch: sum(len) (packed, cost=(1,0)), sum(len^2) (packed, cost=(0,1)), and the "
+        "padded cost count * max(len) (padded mode). The peer's batches are the fixed-size ones.",
+        "",
+        markdown_table(
+            [
+                "N",
+                "W",
+                "torch sum(len)",
+                "packed sum(len)",
+                "torch sum(len^2)",
+                "packed sum(len^2)",
+                "torch padded",
+                "padded padded",
+            ],
+            bal_rows,
+        ),
+        "",
+        "## Padding waste, largest batch, coverage",
+        "",
+        markdown_table(
+            [
+                "N",
+                "W",
+                "torch waste",
+                "padded waste",
+                "torch max/budget",
+                "max/budget padded / packed",
+                "torch dup/drop/empty",
+                "LB dup/drop/empty (from the plan of all ranks)",
+                "steps padded / packed",
+            ],
+            pad_rows,
+        ),
+        "",
+        "References (FINDINGS.md, same data kind, N = 2M): Bagua 6.4-10.9 s plan (+3.6 s reading samples), "
+        "Lhotse 10.7-51.6 s, fairseq's Cython batch_by_size 0.17-0.46 s; straggler at W = 64: "
+        "DistributedSampler 1.47 / 1.81, fairseq grouped 1.011 / 1.062 (drops samples).",
+    ]
+    text = "\n".join(md)
+    print(text)
+    path = write_report(args.out, "sampler", text)
+    if path is not None:
+        series = {}
+        for name, by_w in times.items():
+            xs = sorted(by_w)
+            series[name] = (xs, [1e3 * by_w[x][0] for x in xs])
+        plot_lines(
+            path.parent / "sampler_plan_time.png",
+            "Plan time per rank (construct + epoch)",
+            "world size",
+            "ms",
+            series,
+        )
+
+
+if __name__ == "__main__":
+    main()

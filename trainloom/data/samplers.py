@@ -1,0 +1,1033 @@
+"""Complexity-aware load-balancing samplers: every rank's work costs the same at every step.
+
+In distributed training on variable-size samples a step takes as long as its slowest rank. These
+samplers take a complexity per sample (a length, a token count, a cost) and plan each epoch so that
+all ranks get work of the same cost at every step, with every rank yielding the same number of
+items or batches (a mismatch hangs DDP at the end of the epoch).
+
+The API is Bagua's (``bagua.torch_api.contrib.LoadBalancingDistributedSampler`` and
+``LoadBalancingDistributedBatchSampler``): a Bagua script moves over by changing the import. On top
+of it: ``complexities=`` (an array, so no sample is read), a budget mode for the batch sampler
+(``max_complexity=``, padded or packed, cost model ``a*len + b*len**2``), ``state_dict()`` for
+mid-epoch resume, and ``plan_stats()``.
+
+The plan is computed by the compiled core ``trainloom.data._partition`` (radix/counting argsort,
+greedy cuts of sorted runs, a longest-first deal to the least-loaded rank) with the GIL released;
+Python only validates, chooses the policy and slices the result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import numbers
+import struct
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch.utils.data import Sampler
+
+from trainloom._build_check import import_compiled
+from trainloom.errors import ConfigError
+
+_P = import_compiled("trainloom.data._partition")
+
+log = logging.getLogger("trainloom.data")
+
+__all__ = ["LoadBalancingDistributedSampler", "LoadBalancingDistributedBatchSampler"]
+
+_STATE_VERSION = 1
+_MODES = ("padded", "packed")
+
+
+def _seed64(*parts: object) -> int:
+    """A 64-bit seed from (seed, epoch, purpose): the same on every rank, platform and run."""
+    h = hashlib.blake2b(digest_size=8)
+    for p in parts:
+        h.update(repr(p).encode())
+        h.update(b"\0")
+    return struct.unpack("<Q", h.digest())[0]
+
+
+def _rng(*parts: object) -> np.random.Generator:
+    return np.random.Generator(np.random.PCG64(_seed64(*parts)))
+
+
+def _world(num_replicas: Optional[int], rank: Optional[int], who: str) -> Tuple[int, int]:
+    """num_replicas and rank, defaulting to torch.distributed's, or 1 and 0 when not initialized."""
+    initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if num_replicas is None:
+        num_replicas = torch.distributed.get_world_size() if initialized else 1
+    if rank is None:
+        rank = torch.distributed.get_rank() if initialized else 0
+    if isinstance(num_replicas, bool) or not isinstance(num_replicas, numbers.Integral) or num_replicas < 1:
+        raise ConfigError(f"{who}: num_replicas must be an integer >= 1, got {num_replicas!r}")
+    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not 0 <= rank < num_replicas:
+        raise ConfigError(
+            f"{who}: rank {rank!r} is outside [0, {num_replicas}) for num_replicas={num_replicas}; "
+            "pass the process's rank in the distributed group"
+        )
+    return int(num_replicas), int(rank)
+
+
+def _check_finite(c: np.ndarray, who: str) -> None:
+    bad = ~np.isfinite(c)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ConfigError(
+            f"{who}: complexities[{i}] is {c[i]!r}; every complexity must be a finite number "
+            f"({int(bad.sum())} are not)"
+        )
+
+
+def _as_complexities(values: Any, n_expected: Optional[int], who: str) -> np.ndarray:
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    try:
+        arr = np.asarray(values)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{who}: complexities must be a 1-D array of numbers ({exc})") from exc
+    if arr.dtype == np.bool_ or not (
+        np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)
+    ):
+        raise ConfigError(f"{who}: complexities must be a 1-D array of real numbers, got dtype {arr.dtype}")
+    if arr.ndim != 1:
+        raise ConfigError(f"{who}: complexities must be 1-D (one number per sample), got shape {arr.shape}")
+    if n_expected is not None and arr.shape[0] != n_expected:
+        raise ConfigError(
+            f"{who}: complexities has {arr.shape[0]} entries but the dataset has {n_expected} samples"
+        )
+    arr = np.ascontiguousarray(arr, dtype=np.float64)
+    _check_finite(arr, who)
+    return arr
+
+
+def _complexities_from_fn(dataset: Any, fn: Callable[[Any], Any], who: str) -> np.ndarray:
+    n = len(dataset)
+    out = np.empty(n, dtype=np.float64)
+    for i in range(n):
+        try:
+            v = fn(dataset[i])
+        except Exception as exc:  # noqa: BLE001 - re-raised with the index, never swallowed
+            raise ConfigError(
+                f"{who}: complexity_fn raised {type(exc).__name__} at index {i}: {exc}"
+            ) from exc
+        if isinstance(v, torch.Tensor) and v.numel() == 1 and not v.is_complex() and v.dtype != torch.bool:
+            v = v.item()
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise ConfigError(
+                f"{who}: complexity_fn returned {type(v).__name__} at index {i}; "
+                "it must return a real number (int or float)"
+            )
+        out[i] = float(v)
+    _check_finite(out, who)
+    return out
+
+
+def _digest(c: np.ndarray) -> str:
+    return hashlib.blake2b(c.tobytes(), digest_size=16).hexdigest()
+
+
+def _ratio_stats(costs: np.ndarray) -> Tuple[float, float]:
+    """Mean and p99 over steps of max/mean of a (steps, ranks) cost matrix (1.0 for all-zero)."""
+    if costs.size == 0:
+        return 1.0, 1.0
+    mean = costs.mean(axis=1)
+    mx = costs.max(axis=1)
+    r = np.where(mean > 0, mx / np.where(mean > 0, mean, 1.0), 1.0)
+    return float(r.mean()), float(np.percentile(r, 99))
+
+
+@dataclass
+class _Plan:
+    """One epoch's plan for all ranks: slot ``step * world + j`` holds items[bounds[s]:bounds[s+1]].
+
+    Rank r's i-th batch is slot ``order[i] * world + (r + rot[order[i]]) % world``.
+    """
+
+    items: np.ndarray
+    bounds: np.ndarray
+    order: np.ndarray
+    rot: np.ndarray
+    world: int
+    duplicates: int
+    dropped: int
+
+    @property
+    def steps(self) -> int:
+        return int(self.order.shape[0])
+
+    def slots(self, rank: int) -> np.ndarray:
+        return self.order * self.world + (rank + self.rot[self.order]) % self.world
+
+    def slot_matrix(self) -> np.ndarray:
+        """(steps, world) slot ids in yield order."""
+        j = np.arange(self.world)[None, :]
+        return self.order[:, None] * self.world + (j + self.rot[self.order][:, None]) % self.world
+
+
+class _ResumeMixin:
+    """Epoch, warn-once on reuse, and resume bookkeeping shared by both samplers."""
+
+    epoch: int
+    _resume: Optional[Tuple[int, int]]
+    _last_iter_epoch: Optional[int]
+    _warned_reuse: bool
+    _position: int
+
+    def _init_resume(self) -> None:
+        self.epoch = 0
+        self._resume = None
+        self._last_iter_epoch = None
+        self._warned_reuse = False
+        self._position = 0
+
+    def _start(self, shuffle: bool) -> int:
+        """Called when an iteration starts: returns how many entries of this epoch to skip."""
+        start = 0
+        if self._resume is not None and self._resume[0] == self.epoch:
+            start = self._resume[1]
+        elif shuffle and self._last_iter_epoch == self.epoch and not self._warned_reuse:
+            self._warned_reuse = True
+            msg = (
+                f"{type(self).__name__} is iterated a second time in epoch {self.epoch}: the order "
+                "repeats. Call set_epoch(epoch) at the start of every epoch."
+            )
+            warnings.warn(msg, UserWarning, stacklevel=3)
+            log.warning(msg)
+        self._resume = None
+        self._last_iter_epoch = self.epoch
+        self._position = start
+        return start
+
+    def _remaining_skip(self) -> int:
+        if self._resume is not None and self._resume[0] == self.epoch:
+            return self._resume[1]
+        return 0
+
+
+class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
+    """Sampler that gives every rank, at every position, samples of similar complexity.
+
+    Samples are sorted by complexity and cut into chunks of ``num_replicas`` neighbours; each rank
+    takes one sample of every chunk, and the chunks are visited in a seeded random order. Every
+    rank yields ``len(sampler)`` indices and every sample appears exactly once per epoch across
+    ranks, except for padding: with ``drop_last=False`` up to ``num_replicas - 1`` randomly chosen
+    samples appear twice (each next to its original, so balance holds); with ``drop_last=True`` up
+    to ``num_replicas - 1`` randomly chosen samples are left out of the epoch.
+
+    Args:
+        dataset: the dataset (only ``len(dataset)`` is used when ``complexities`` is given; may be
+            None then).
+        complexity_fn: Bagua's way: called once per sample as ``complexity_fn(dataset[i])``; the
+            results are kept. Reads every sample: prefer ``complexities``.
+        num_replicas: number of ranks; default torch.distributed's world size, or 1.
+        rank: this process's rank; default torch.distributed's rank, or 0.
+        shuffle: shuffle the chunk order and ties (seeded by ``seed + epoch``).
+        seed: random seed, identical on every rank.
+        drop_last: drop, instead of duplicate, samples to make the dataset divisible by ranks.
+        random_level: 0 (best balance) to 1 (close to random): noise added to the sort key.
+        complexities: per-sample numbers (array, list or tensor): the fast path, no sample read.
+
+    Raises:
+        ConfigError: empty dataset, NaN/infinite complexities (naming the first index), a
+            complexity_fn that raises or returns a non-number (naming index and type), a rank
+            outside ``[0, num_replicas)``, more replicas than samples with ``drop_last=True``.
+
+    Example::
+
+        >>> lengths = [5, 1, 9, 3, 7, 2, 8, 4]
+        >>> s0 = LoadBalancingDistributedSampler(None, complexities=lengths, num_replicas=2, rank=0)
+        >>> s1 = LoadBalancingDistributedSampler(None, complexities=lengths, num_replicas=2, rank=1)
+        >>> sorted(list(s0) + list(s1)) == list(range(8))
+        True
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        complexity_fn: Optional[Callable[[Any], Any]] = None,
+        num_replicas: Optional[int] = None,
+        rank: Optional[int] = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        random_level: float = 0,
+        complexities: Any = None,
+    ) -> None:
+        who = type(self).__name__
+        self.num_replicas, self.rank = _world(num_replicas, rank, who)
+        if complexity_fn is not None and complexities is not None:
+            raise ConfigError(f"{who}: pass complexity_fn or complexities, not both")
+        if complexities is not None:
+            n_expected = None if dataset is None else len(dataset)
+            c = _as_complexities(complexities, n_expected, who)
+        elif complexity_fn is not None:
+            if dataset is None:
+                raise ConfigError(f"{who}: complexity_fn needs a dataset to read samples from")
+            c = _complexities_from_fn(dataset, complexity_fn, who)
+        else:
+            raise ConfigError(
+                f"{who}: pass complexities= (one number per sample, the fast path) or complexity_fn="
+            )
+        if c.shape[0] == 0:
+            raise ConfigError(f"{who}: the dataset is empty (0 samples); there is nothing to sample")
+        if not isinstance(random_level, numbers.Real) or not 0 <= float(random_level) <= 1:
+            raise ConfigError(f"{who}: random_level must be in [0, 1], got {random_level!r}")
+        n = int(c.shape[0])
+        if drop_last and n < self.num_replicas:
+            raise ConfigError(
+                f"{who}: num_replicas={self.num_replicas} is larger than the dataset ({n} samples) and "
+                "drop_last=True would leave every rank empty; use drop_last=False or fewer replicas"
+            )
+        c.setflags(write=False)
+        self.dataset = dataset
+        self.complexities = c
+        self.shuffle = bool(shuffle)
+        self.seed = int(seed)
+        self.drop_last = bool(drop_last)
+        self.random_level = float(random_level)
+        w = self.num_replicas
+        self.num_samples = n // w if self.drop_last else -(-n // w)
+        self.total_size = self.num_samples * w
+        self._desc: Optional[np.ndarray] = None
+        self._digest: Optional[str] = None
+        self._cache: Optional[Tuple[int, np.ndarray, np.ndarray, np.ndarray]] = None
+        self._init_resume()
+
+    # ----------------------------------------------------------------------------- plan
+    def _desc_order(self) -> np.ndarray:
+        """Items by complexity, largest first, ties by index (computed once, compiled sort)."""
+        if self._desc is None:
+            n = self.complexities.shape[0]
+            self._desc = _P.argsort(self.complexities, np.arange(n, dtype=np.int64), True)
+            self._desc.setflags(write=False)
+        return self._desc
+
+    def digest(self) -> str:
+        """A digest of the complexities (identifies the dataset in ``state_dict``)."""
+        if self._digest is None:
+            self._digest = _digest(self.complexities)
+        return self._digest
+
+    def _epoch_plan(self, epoch: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(sorted items with padding/drops, chunk order, per-chunk rotation) for ``epoch``."""
+        if self._cache is not None and self._cache[0] == epoch:
+            return self._cache[1], self._cache[2], self._cache[3]
+        c = self.complexities
+        n = c.shape[0]
+        w = self.num_replicas
+        tag = epoch if self.shuffle else 0
+        if self.shuffle and self.random_level > 0:
+            span = float(c.max() - c.min()) or 1.0
+            noise = _rng(self.seed, tag, "noise").random(n)
+            keys = c + self.random_level * span * noise
+            order = _P.argsort(keys, _P.permutation(n, _seed64(self.seed, tag, "perm")), False)
+        else:
+            order = self._desc_order()[::-1].copy()
+            if self.shuffle:
+                _P.shuffle_runs(c, order, _seed64(self.seed, tag, "ties"))
+        rng = _rng(self.seed, tag, "pad")
+        if self.total_size > n:
+            pad = self.total_size - n
+            pick = rng.permutation(n) if self.shuffle else np.arange(n)
+            pos = np.sort(np.resize(pick, pad))
+            order = np.insert(order, pos + 1, order[pos])
+        elif self.total_size < n:
+            drop = (
+                rng.permutation(n)[: n - self.total_size] if self.shuffle else np.arange(n - self.total_size)
+            )
+            order = np.delete(order, drop)
+        chunks = self.num_samples
+        if self.shuffle:
+            chunk_order = rng.permutation(chunks).astype(np.int64)
+            rot = rng.integers(0, w, chunks, dtype=np.int64)
+        else:
+            chunk_order = np.arange(chunks, dtype=np.int64)
+            rot = np.zeros(chunks, dtype=np.int64)
+        order = np.ascontiguousarray(order, dtype=np.int64)
+        self._cache = (epoch, order, chunk_order, rot)
+        return order, chunk_order, rot
+
+    def rank_indices(self, rank: Optional[int] = None, epoch: Optional[int] = None) -> np.ndarray:
+        """The indices ``rank`` yields in ``epoch`` (defaults: this rank, the current epoch).
+
+        Returns:
+            numpy.ndarray: int64 array of ``num_samples`` dataset indices.
+        """
+        r = self.rank if rank is None else int(rank)
+        if not 0 <= r < self.num_replicas:
+            raise ConfigError(f"rank_indices: rank {r} is outside [0, {self.num_replicas})")
+        order, chunk_order, rot = self._epoch_plan(self.epoch if epoch is None else int(epoch))
+        return _P.rank_stream(order, chunk_order, rot, self.num_replicas, r)
+
+    # ----------------------------------------------------------------------------- Sampler API
+    def __iter__(self) -> Iterator[int]:
+        start = self._start(self.shuffle)
+        idx = self.rank_indices()
+        for i in idx[start:].tolist():
+            self._position += 1
+            yield i
+
+    def __len__(self) -> int:
+        """Indices the next iteration yields: ``num_samples``, less what a restored state consumed."""
+        return self.num_samples - self._remaining_skip()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch: with ``shuffle=True`` each epoch has its own order (same on every rank).
+
+        Args:
+            epoch: epoch number.
+        """
+        self.epoch = int(epoch)
+        if self._resume is not None and self._resume[0] != self.epoch:
+            self._resume = None
+
+    # ----------------------------------------------------------------------------- resume
+    def state_dict(self, consumed: Optional[int] = None) -> Dict[str, Any]:
+        """The position in the epoch, for resuming mid-epoch.
+
+        Args:
+            consumed: samples of this epoch the training loop has used. Default: the number this
+                sampler has yielded, which equals it without DataLoader workers.
+
+        .. warning::
+            A DataLoader with workers draws indices ahead of the training loop (prefetching).
+            Pass ``consumed=`` (batches seen times batch size) in that case, or use
+            :class:`LoadBalancingDistributedBatchSampler` and its :meth:`~LoadBalancingDistributedBatchSampler.track`.
+
+        Returns:
+            dict: epoch, seed, consumed, num_replicas, rank, dataset size and digest.
+        """
+        pos = self._position if consumed is None else int(consumed)
+        if not 0 <= pos <= self.num_samples:
+            raise ConfigError(f"state_dict: consumed={pos} is outside [0, {self.num_samples}]")
+        return {
+            "kind": type(self).__name__,
+            "version": _STATE_VERSION,
+            "epoch": self.epoch,
+            "seed": self.seed,
+            "consumed": pos,
+            "num_replicas": self.num_replicas,
+            "rank": self.rank,
+            "dataset_size": int(self.complexities.shape[0]),
+            "digest": self.digest(),
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+            "random_level": self.random_level,
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Resume: the next iteration continues the saved epoch after its consumed samples.
+
+        Raises:
+            ConfigError: the state comes from another world size, dataset or configuration.
+        """
+        _check_state(state, type(self).__name__, self.num_replicas, self.complexities.shape[0], self.digest)
+        for key in ("shuffle", "drop_last", "random_level"):
+            if state[key] != getattr(self, key):
+                raise ConfigError(
+                    f"load_state_dict: the state was saved with {key}={state[key]!r}, this sampler has "
+                    f"{getattr(self, key)!r}; the resumed order would differ"
+                )
+        if not 0 <= int(state["consumed"]) <= self.num_samples:
+            raise ConfigError(
+                f"load_state_dict: consumed={state['consumed']} is outside [0, {self.num_samples}]"
+            )
+        self.seed = int(state["seed"])
+        self._cache = None
+        self.epoch = int(state["epoch"])
+        self._resume = (self.epoch, int(state["consumed"]))
+
+    # ----------------------------------------------------------------------------- diagnostics
+    def plan_stats(self, batch_size: int = 1) -> Dict[str, Any]:
+        """Balance of this epoch's plan, over all ranks.
+
+        Args:
+            batch_size: group positions as a DataLoader with this batch size would (the straggler
+                ratio is then per batch).
+
+        Returns:
+            dict: ``steps``; ``straggler_mean`` / ``straggler_p99`` (max over ranks of a step's
+            summed complexity divided by the mean over ranks); ``duplicates`` and ``dropped``.
+        """
+        if batch_size < 1:
+            raise ConfigError(f"plan_stats: batch_size must be >= 1, got {batch_size}")
+        order, chunk_order, rot = self._epoch_plan(self.epoch)
+        w = self.num_replicas
+        mat = np.stack([_P.rank_stream(order, chunk_order, rot, w, r) for r in range(w)], axis=1)
+        cost = self.complexities[mat]
+        steps = -(-mat.shape[0] // batch_size)
+        starts = np.arange(0, mat.shape[0], batch_size)
+        per_step = np.add.reduceat(cost, starts, axis=0) if mat.shape[0] else cost
+        mean, p99 = _ratio_stats(per_step)
+        n = int(self.complexities.shape[0])
+        return {
+            "steps": steps,
+            "world_size": w,
+            "straggler_mean": mean,
+            "straggler_p99": p99,
+            "duplicates": max(0, self.total_size - n),
+            "dropped": max(0, n - self.total_size),
+        }
+
+
+def _check_state(state: Dict[str, Any], kind: str, world: int, n: int, digest: Callable[[], str]) -> None:
+    if not isinstance(state, dict):
+        raise ConfigError(f"load_state_dict: expected a dict from state_dict(), got {type(state).__name__}")
+    missing = [
+        k
+        for k in ("kind", "version", "epoch", "seed", "consumed", "num_replicas", "digest")
+        if k not in state
+    ]
+    if missing:
+        raise ConfigError(f"load_state_dict: the state lacks {missing}; pass what state_dict() returned")
+    if state["kind"] != kind:
+        raise ConfigError(f"load_state_dict: the state is a {state['kind']}'s, not a {kind}'s")
+    if state["version"] != _STATE_VERSION:
+        raise ConfigError(
+            f"load_state_dict: state version {state['version']} is not supported ({_STATE_VERSION})"
+        )
+    if state["num_replicas"] != world:
+        raise ConfigError(
+            f"load_state_dict: the state was saved with num_replicas={state['num_replicas']}, this sampler "
+            f"has num_replicas={world}; resuming needs the same world size (or start the epoch afresh)"
+        )
+    if state["dataset_size"] != n or state["digest"] != digest():
+        raise ConfigError(
+            f"load_state_dict: the state was saved for another dataset ({state['dataset_size']} samples, "
+            f"complexities digest {state['digest']}); this sampler has {n} samples, digest {digest()}"
+        )
+
+
+class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
+    """Batches whose cost is the same on every rank at every step.
+
+    Two ways to form batches:
+
+    * Bagua's: ``batch_fn(indices) -> list of index lists`` is called on every rank's indices (of
+      the wrapped sampler); the batch counts are then made equal on every rank: cut to the
+      smallest count (``drop_last=True``) or padded to the largest by repeating the rank's own
+      first batches (``drop_last=False``).
+    * Budget mode, ``max_complexity=B`` per rank per step (like max_tokens), a hard cap: no batch
+      ever costs more than B, and an item that alone costs more gets a batch of its own. Costs
+      use the model ``a * len + b * len**2`` (``cost=(a, b)``, ``len`` being the complexity).
+
+      - ``mode="padded"``: each batch is a run of similar lengths, padded to its longest item:
+        its cost is ``count * cost(longest)``. The batches of a step cost the same.
+      - ``mode="packed"``: for models that do not pad: a batch costs ``sum(cost(len))``; each step's
+        items are dealt longest first to the least-loaded rank.
+
+      Every sample appears exactly once per epoch, except at the tail: when the last step has fewer
+      items than ranks, ``drop_last=False`` gives the empty ranks one duplicated item each (at
+      most ``num_replicas - 1``) and ``drop_last=True`` leaves that step out.
+
+    Every rank yields ``len(batch_sampler)`` batches, the same on every rank. The order of steps is
+    shuffled with the wrapped sampler's ``shuffle``, ``seed`` and epoch.
+
+    Args:
+        sampler: a :class:`LoadBalancingDistributedSampler` (complexities, ranks, shuffle, seed).
+        batch_fn: Bagua's batch function (exclusive with ``max_complexity``).
+        drop_last: see above.
+        max_complexity: the budget B per rank per step.
+        mode: ``"padded"`` (default) or ``"packed"``.
+        cost: ``(a, b)`` of the cost model, both >= 0, not both 0. Default ``(1, 0)``: the length.
+
+    Raises:
+        ConfigError: bad arguments, negative complexities in budget mode, a batch_fn returning an
+            empty batch or an index it was not given.
+
+    Example::
+
+        >>> lengths = [3, 9, 4, 1, 7, 7, 2, 8, 5, 6]
+        >>> sampler = LoadBalancingDistributedSampler(None, complexities=lengths, num_replicas=2, rank=0)
+        >>> batches = LoadBalancingDistributedBatchSampler(sampler, max_complexity=16)
+        >>> all(len(b) * max(lengths[i] for i in b) <= 16 for b in batches)
+        True
+    """
+
+    def __init__(
+        self,
+        sampler: LoadBalancingDistributedSampler,
+        batch_fn: Optional[Callable[[List[int]], Sequence[Sequence[int]]]] = None,
+        drop_last: bool = False,
+        max_complexity: Optional[float] = None,
+        mode: str = "padded",
+        cost: Tuple[float, float] = (1.0, 0.0),
+    ) -> None:
+        who = type(self).__name__
+        if not isinstance(sampler, LoadBalancingDistributedSampler):
+            raise ConfigError(
+                f"{who}: sampler must be a LoadBalancingDistributedSampler, got {type(sampler).__name__}"
+            )
+        if batch_fn is not None and max_complexity is not None:
+            raise ConfigError(f"{who}: pass batch_fn or max_complexity, not both")
+        if batch_fn is None and max_complexity is None:
+            raise ConfigError(f"{who}: pass max_complexity= (budget per rank per step) or batch_fn=")
+        if batch_fn is not None and not callable(batch_fn):
+            raise ConfigError(f"{who}: batch_fn must be callable, got {type(batch_fn).__name__}")
+        if mode not in _MODES:
+            raise ConfigError(f"{who}: mode must be one of {_MODES}, got {mode!r}")
+        try:
+            a, b = (float(x) for x in cost)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{who}: cost must be a pair (a, b) of numbers, got {cost!r}") from exc
+        if not (math.isfinite(a) and math.isfinite(b)) or a < 0 or b < 0 or a == b == 0:
+            raise ConfigError(f"{who}: cost=(a, b) needs finite a >= 0 and b >= 0, not both 0; got {cost!r}")
+        c = sampler.complexities
+        n = int(c.shape[0])
+        if max_complexity is not None:
+            if isinstance(max_complexity, bool) or not isinstance(max_complexity, numbers.Real):
+                raise ConfigError(
+                    f"{who}: max_complexity must be a number, got {type(max_complexity).__name__}"
+                )
+            if not (math.isfinite(max_complexity) and max_complexity > 0):
+                raise ConfigError(f"{who}: max_complexity must be finite and > 0, got {max_complexity!r}")
+            neg = np.flatnonzero(c < 0)
+            if neg.size:
+                i = int(neg[0])
+                raise ConfigError(
+                    f"{who}: complexities[{i}] = {c[i]!r} is negative; budget mode (max_complexity) "
+                    "needs complexities >= 0"
+                )
+            if drop_last and n < sampler.num_replicas:
+                raise ConfigError(
+                    f"{who}: num_replicas={sampler.num_replicas} is larger than the dataset ({n} samples) "
+                    "and drop_last=True would leave no complete step; use drop_last=False or fewer replicas"
+                )
+        self.sampler = sampler
+        self.batch_fn = batch_fn
+        self.drop_last = bool(drop_last)
+        self.max_complexity = None if max_complexity is None else float(max_complexity)
+        self.mode = mode if max_complexity is not None else "batch_fn"
+        self.cost = (a, b)
+        self.num_replicas = sampler.num_replicas
+        self.rank = sampler.rank
+        self._cs: Optional[np.ndarray] = None
+        self._plan_cache: Optional[Tuple[Tuple[Any, ...], _Plan]] = None
+        self._delivered = 0
+        self._tracked = False
+        self._init_resume()
+        self.epoch = sampler.epoch
+
+    # ----------------------------------------------------------------------------- planning
+    @property
+    def _key(self) -> Tuple[Any, ...]:
+        s = self.sampler
+        return (s.epoch, s.seed, s.shuffle)
+
+    def _plan(self) -> _Plan:
+        key = self._key
+        if self._plan_cache is not None and self._plan_cache[0] == key:
+            return self._plan_cache[1]
+        if self.mode == "batch_fn":
+            plan = self._plan_batch_fn()
+        elif self.mode == "padded":
+            plan = self._plan_padded()
+        else:
+            plan = self._plan_packed()
+        self._plan_cache = (key, plan)
+        return plan
+
+    def _costs_desc(self) -> np.ndarray:
+        """Cost of each item in the sampler's largest-first order (computed once)."""
+        if self._cs is None:
+            s = self.sampler
+            lens = s.complexities[s._desc_order()]
+            a, b = self.cost
+            cs = a * lens if b == 0 else a * lens + b * lens * lens
+            self._cs = np.ascontiguousarray(cs, dtype=np.float64)
+        return self._cs
+
+    def _step_order(self, steps: int) -> Tuple[np.ndarray, np.ndarray]:
+        s = self.sampler
+        if not s.shuffle:
+            return np.arange(steps, dtype=np.int64), np.zeros(steps, dtype=np.int64)
+        rng = _rng(s.seed, s.epoch, "steps")
+        return rng.permutation(steps).astype(np.int64), rng.integers(
+            0, self.num_replicas, steps, dtype=np.int64
+        )
+
+    def _plan_padded(self) -> _Plan:
+        s = self.sampler
+        w = self.num_replicas
+        budget = float(self.max_complexity)  # type: ignore[arg-type]
+        c = s.complexities
+        n = int(c.shape[0])
+        order = s._desc_order().copy()
+        if s.shuffle:
+            _P.shuffle_runs(c, order, _seed64(s.seed, s.epoch, "ties"))
+        cs = self._costs_desc()  # equal keys have equal costs, so the tie shuffle keeps it aligned
+        ends = np.empty(n, dtype=np.int64)
+        nb, p = _P.padded_steps(cs, w, budget, ends)
+        if 0 < n - p < w and nb >= w:
+            # A tail shorter than a step cannot give every rank an item: re-cut the last full
+            # step together with it.
+            nb -= w
+            p = int(ends[nb - 1]) if nb else 0
+        bounds = [0, *ends[:nb].tolist()]
+        duplicates = dropped = 0
+        if p < n:
+            tail = _cut_tail(cs, p, n, w, budget)
+            if len(tail) == w:
+                bounds += tail
+            elif self.drop_last:
+                dropped = n - p
+                order = order[:p]
+            else:
+                bounds += tail
+                dup = [order[n - 1 - (i % (n - p))] for i in range(w - len(tail))]
+                duplicates = len(dup)
+                order = np.concatenate([order, np.asarray(dup, dtype=np.int64)])
+                bounds += list(range(n + 1, n + 1 + duplicates))
+        if len(bounds) == 1:
+            raise ConfigError(
+                "LoadBalancingDistributedBatchSampler: the plan has no complete step (drop_last=True)"
+            )
+        steps = (len(bounds) - 1) // w
+        step_order, rot = self._step_order(steps)
+        return _Plan(order, np.asarray(bounds, dtype=np.int64), step_order, rot, w, duplicates, dropped)
+
+    def _plan_packed(self) -> _Plan:
+        s = self.sampler
+        w = self.num_replicas
+        budget = float(self.max_complexity)  # type: ignore[arg-type]
+        cs = self._costs_desc()
+        n = int(cs.shape[0])
+        eff = float(np.minimum(cs, budget).sum())
+        # Plan each step a little under W * budget: about half an average item of slack per rank,
+        # so the longest-first deal rarely leaves an item that fits no rank.
+        per_bin = budget / (eff / n) if eff > 0 else float(n)
+        fill = min(0.999, max(0.5, 1.0 - 0.5 / per_bin))
+        nsteps = max(1, math.ceil(eff / (w * budget * fill))) if eff > 0 else 1
+        seed = _seed64(s.seed, s.epoch, "stream") if s.shuffle else None
+        items, bounds, steps = _P.packed_plan(cs, s._desc_order(), w, budget, nsteps, seed)
+        items, bounds, duplicates, dropped = _fix_empty(items, bounds, w, self.drop_last)
+        steps = (bounds.shape[0] - 1) // w
+        if steps == 0:
+            raise ConfigError(
+                "LoadBalancingDistributedBatchSampler: the plan has no complete step (drop_last=True)"
+            )
+        step_order, rot = self._step_order(steps)
+        return _Plan(items, bounds, step_order, rot, w, duplicates, dropped)
+
+    def _plan_batch_fn(self) -> _Plan:
+        s = self.sampler
+        w = self.num_replicas
+        n = int(s.complexities.shape[0])
+        per_rank: List[List[np.ndarray]] = []
+        for r in range(w):
+            given = s.rank_indices(r)
+            allowed = np.zeros(n, dtype=bool)
+            allowed[given] = True
+            out = self.batch_fn(given.tolist())  # type: ignore[misc]
+            if isinstance(out, (str, bytes)) or not isinstance(out, Iterable):
+                raise ConfigError(
+                    f"batch_fn returned {type(out).__name__} for rank {r}; it must return a list of index lists"
+                )
+            batches = []
+            for j, batch in enumerate(out):
+                arr = np.asarray(batch)
+                if arr.ndim != 1 or arr.size == 0:
+                    raise ConfigError(
+                        f"batch_fn returned an empty or malformed batch (batch {j}, rank {r}): {batch!r}; "
+                        "every batch must be a non-empty list of indices"
+                    )
+                if not np.issubdtype(arr.dtype, np.integer):
+                    raise ConfigError(
+                        f"batch_fn returned non-integer indices (batch {j}, rank {r}): {batch!r}"
+                    )
+                bad = (arr < 0) | (arr >= n)
+                if not bad.any():
+                    bad = ~allowed[arr]
+                if bad.any():
+                    k = int(arr[np.flatnonzero(bad)[0]])
+                    raise ConfigError(
+                        f"batch_fn returned index {k} (batch {j}, rank {r}) that is not among the "
+                        f"{given.shape[0]} indices it was given"
+                    )
+                batches.append(arr.astype(np.int64))
+            if not batches:
+                raise ConfigError(
+                    f"batch_fn returned no batches for rank {r} ({given.shape[0]} indices given)"
+                )
+            per_rank.append(batches)
+        counts = [len(b) for b in per_rank]
+        steps = min(counts) if self.drop_last else max(counts)
+        duplicates = dropped = 0
+        slots: List[np.ndarray] = []
+        for i in range(steps):
+            for r in range(w):
+                bl = per_rank[r]
+                slots.append(bl[i % len(bl)])
+                if i >= len(bl):
+                    duplicates += bl[i % len(bl)].shape[0]
+        for r in range(w):
+            dropped += sum(int(x.shape[0]) for x in per_rank[r][steps:])
+        sizes = np.array([x.shape[0] for x in slots], dtype=np.int64)
+        bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        items = np.concatenate(slots).astype(np.int64)
+        return _Plan(
+            items,
+            bounds,
+            np.arange(steps, dtype=np.int64),
+            np.zeros(steps, dtype=np.int64),
+            w,
+            duplicates,
+            dropped,
+        )
+
+    # ----------------------------------------------------------------------------- Sampler API
+    def __iter__(self) -> Iterator[List[int]]:
+        plan = self._plan()
+        self.epoch = self.sampler.epoch
+        start = self._start(self.sampler.shuffle)
+        self._delivered = start
+        slots = plan.slots(self.rank)
+        lo = plan.bounds[slots].tolist()
+        hi = plan.bounds[slots + 1].tolist()
+        items = plan.items
+        for i in range(start, plan.steps):
+            self._position = i + 1
+            yield items[lo[i] : hi[i]].tolist()
+
+    def __len__(self) -> int:
+        """Batches the next iteration yields (the same on every rank), less a restored state's."""
+        self.epoch = self.sampler.epoch
+        return self._plan().steps - self._remaining_skip()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch of this and the wrapped sampler (Bagua's ``set_epoch``).
+
+        Args:
+            epoch: epoch number.
+        """
+        self.sampler.set_epoch(epoch)
+        self.epoch = int(epoch)
+        if self._resume is not None and self._resume[0] != self.epoch:
+            self._resume = None
+
+    def track(self, loader: Iterable[Any]) -> Iterator[Any]:
+        """Iterate ``loader`` and count the batches handed to the training loop.
+
+        A DataLoader with workers draws batches from this sampler ahead of the loop (prefetch);
+        with ``track``, :meth:`state_dict` counts the batches the loop actually received.
+
+        Example::
+
+            >>> for batch in batch_sampler.track(loader):  # doctest: +SKIP
+            ...     train_step(batch)
+            ...     if time_to_checkpoint:
+            ...         save(batch_sampler.state_dict())
+        """
+        self._tracked = True
+        for batch in loader:
+            self._delivered += 1
+            yield batch
+
+    # ----------------------------------------------------------------------------- resume
+    def state_dict(self, consumed: Optional[int] = None) -> Dict[str, Any]:
+        """The position in the epoch, for resuming mid-epoch.
+
+        Args:
+            consumed: batches of this epoch the training loop has used. Default: those delivered
+                through :meth:`track` if it is used, else those yielded by this sampler (equal
+                without DataLoader workers).
+
+        .. warning::
+            A DataLoader with workers prefetches batches from this sampler: iterate through
+            :meth:`track` (or pass ``consumed=``) or the resumed run skips the prefetched batches.
+
+        Returns:
+            dict: epoch, seed, consumed, num_replicas, rank, dataset size and digest, mode, budget.
+        """
+        s = self.sampler
+        if consumed is not None:
+            pos = int(consumed)
+        elif self._tracked:
+            pos = self._delivered
+        else:
+            pos = self._position
+        total = self._plan().steps
+        if not 0 <= pos <= total:
+            raise ConfigError(f"state_dict: consumed={pos} is outside [0, {total}]")
+        return {
+            "kind": type(self).__name__,
+            "version": _STATE_VERSION,
+            "epoch": s.epoch,
+            "seed": s.seed,
+            "consumed": pos,
+            "num_replicas": self.num_replicas,
+            "rank": self.rank,
+            "dataset_size": int(s.complexities.shape[0]),
+            "digest": s.digest(),
+            "mode": self.mode,
+            "max_complexity": self.max_complexity,
+            "cost": list(self.cost),
+            "drop_last": self.drop_last,
+            "shuffle": s.shuffle,
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Resume: the next iteration continues the saved epoch after its consumed batches.
+
+        Raises:
+            ConfigError: the state comes from another world size, dataset or configuration.
+        """
+        s = self.sampler
+        _check_state(state, type(self).__name__, self.num_replicas, s.complexities.shape[0], s.digest)
+        mine = {
+            "mode": self.mode,
+            "max_complexity": self.max_complexity,
+            "cost": list(self.cost),
+            "drop_last": self.drop_last,
+            "shuffle": s.shuffle,
+        }
+        for key, value in mine.items():
+            if state.get(key) != value:
+                raise ConfigError(
+                    f"load_state_dict: the state was saved with {key}={state.get(key)!r}, this batch sampler "
+                    f"has {value!r}; the resumed batches would differ"
+                )
+        s.seed = int(state["seed"])
+        s._cache = None
+        s.set_epoch(int(state["epoch"]))
+        self.epoch = s.epoch
+        total = self._plan().steps
+        if not 0 <= int(state["consumed"]) <= total:
+            raise ConfigError(f"load_state_dict: consumed={state['consumed']} is outside [0, {total}]")
+        self._resume = (self.epoch, int(state["consumed"]))
+
+    # ----------------------------------------------------------------------------- diagnostics
+    def plan_stats(self) -> Dict[str, Any]:
+        """Balance and padding of this epoch's plan, over all ranks.
+
+        Returns:
+            dict with ``steps``, ``world_size``, ``mode``; ``straggler_mean`` / ``straggler_p99``:
+            max over ranks of a step's cost (the mode's: padded cost, or summed cost) over the mean
+            over ranks; the same for ``sum(len)`` (``straggler_len_*``) and ``sum(len**2)``
+            (``straggler_len2_*``); ``padding_waste`` (share of a padded batch that is padding);
+            ``max_batch_cost`` and ``max_batch_cost_ratio`` (to the budget); ``duplicates``,
+            ``dropped`` and ``empty_rank_steps``.
+        """
+        plan = self._plan()
+        w = self.num_replicas
+        c = self.sampler.complexities
+        a, b = self.cost
+        lens = c[plan.items]
+        starts = plan.bounds[:-1]
+        counts = np.diff(plan.bounds)
+        nonempty = counts > 0
+        safe = np.minimum(starts, max(lens.shape[0] - 1, 0))
+
+        def per_slot(values: np.ndarray, op: Any) -> np.ndarray:
+            out = op.reduceat(values, safe) if values.shape[0] else np.zeros(starts.shape[0])
+            return np.where(nonempty, out, 0.0)
+
+        s_len = per_slot(lens, np.add)
+        s_len2 = per_slot(lens * lens, np.add)
+        mx = per_slot(lens, np.maximum)
+        padded_len = counts * mx
+        item_cost = a * lens + b * lens * lens
+        summed_cost = per_slot(item_cost, np.add)
+        padded_cost = counts * (a * mx + b * mx * mx)
+        mode_cost = padded_cost if self.mode == "padded" else summed_cost
+        mat = plan.slot_matrix()
+        mean, p99 = _ratio_stats(mode_cost[mat])
+        l_mean, l_p99 = _ratio_stats(s_len[mat])
+        l2_mean, l2_p99 = _ratio_stats(s_len2[mat])
+        total_padded = float(padded_len.sum())
+        budget = self.max_complexity
+        max_cost = float(mode_cost.max()) if mode_cost.size else 0.0
+        return {
+            "steps": plan.steps,
+            "world_size": w,
+            "mode": self.mode,
+            "straggler_mean": mean,
+            "straggler_p99": p99,
+            "straggler_len_mean": l_mean,
+            "straggler_len_p99": l_p99,
+            "straggler_len2_mean": l2_mean,
+            "straggler_len2_p99": l2_p99,
+            "padding_waste": (total_padded - float(s_len.sum())) / total_padded if total_padded > 0 else 0.0,
+            "max_batch_cost": max_cost,
+            "max_batch_cost_ratio": max_cost / budget if budget else None,
+            "duplicates": plan.duplicates,
+            "dropped": plan.dropped,
+            "empty_rank_steps": int((~nonempty).sum()),
+        }
+
+
+def _cut_tail(cs: np.ndarray, p: int, q: int, world: int, budget: float) -> List[int]:
+    """Cut cs[p:q] (longest first) into exactly ``world`` batches of similar padded cost.
+
+    Returns fewer (one item each) only when there are fewer than ``world`` items.
+    """
+    n = q - p
+    if n <= world:
+        return list(range(p + 1, q + 1))
+    ends = np.empty(world, dtype=np.int64)
+    # The batch count falls as the target rises: find the smallest target giving <= world batches.
+    lo, hi = 0.0, budget
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if _P.greedy_cut(cs, p, q, mid, budget, ends, world) <= world:
+            hi = mid
+        else:
+            lo = mid
+    k = _P.greedy_cut(cs, p, q, hi, budget, ends, world)
+    cuts = [p, *ends[:k].tolist()]
+    while len(cuts) - 1 < world:
+        # Split the batch with the most items (any part of a batch is within the cap).
+        sizes = [cuts[i + 1] - cuts[i] for i in range(len(cuts) - 1)]
+        i = int(np.argmax(sizes))
+        cuts.insert(i + 1, cuts[i] + sizes[i] // 2)
+    return cuts[1:]
+
+
+def _fix_empty(
+    items: np.ndarray, bounds: np.ndarray, world: int, drop_last: bool
+) -> Tuple[np.ndarray, np.ndarray, int, int]:
+    """Give every rank of every step at least one item (packed mode's tail and tiny datasets).
+
+    Moves the shortest item of the fullest rank to an empty one while possible; a step that still
+    has an empty rank then gets duplicated items (drop_last=False) or is left out (drop_last=True).
+    """
+    counts = np.diff(bounds).reshape(-1, world)
+    bad_steps = np.flatnonzero((counts == 0).any(axis=1))
+    if bad_steps.size == 0:
+        return items, bounds, 0, 0
+    duplicates = dropped = 0
+    slots: List[np.ndarray] = [items[bounds[i] : bounds[i + 1]] for i in range(bounds.shape[0] - 1)]
+    keep = np.ones(counts.shape[0], dtype=bool)
+    for st in bad_steps.tolist():
+        bins = [list(slots[st * world + j].tolist()) for j in range(world)]
+        while True:
+            empty = [j for j in range(world) if not bins[j]]
+            if not empty:
+                break
+            full = max(range(world), key=lambda j: len(bins[j]))
+            if len(bins[full]) < 2:
+                break
+            bins[empty[0]].append(bins[full].pop())
+        empty = [j for j in range(world) if not bins[j]]
+        if empty:
+            if drop_last:
+                keep[st] = False
+                dropped += sum(len(x) for x in bins)
+                continue
+            pool = [x for bn in bins for x in bn]
+            for k, j in enumerate(empty):
+                bins[j].append(pool[-1 - (k % len(pool))])
+                duplicates += 1
+        for j in range(world):
+            slots[st * world + j] = np.asarray(bins[j], dtype=np.int64)
+    kept = [slots[st * world + j] for st in np.flatnonzero(keep).tolist() for j in range(world)]
+    sizes = np.array([x.shape[0] for x in kept], dtype=np.int64)
+    new_bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    new_items = np.concatenate(kept).astype(np.int64) if kept else np.empty(0, dtype=np.int64)
+    return new_items, new_bounds, duplicates, dropped
