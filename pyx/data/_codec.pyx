@@ -6,7 +6,7 @@
 #   [0:4)   magic b"TLC\x01"
 #   [4:8)   meta_len   u32   length of the meta section (the object tree, small)
 #   [8:16)  data_len   u64   length of the data section (raw array bytes)
-#   [16:24) checksum   u64   _checksum over meta, chained (as seed) into _checksum over data
+#   [16:24) checksum   u64   _checksum over meta + padding, chained (as seed) into _checksum over data
 #   [24:32) reserved   zero
 #   [32:32+meta_len)         meta: one tag byte per node, then the node's fields
 #   pad to a multiple of 64  so that array data sits on cache-line offsets from the value start
@@ -583,11 +583,11 @@ cdef class _Encoder:
             # The owners in self.keep pin every source pointer; nothing here touches Python objects.
             with nogil:
                 self._fill(o, data_start)
-                h = _checksum(o + HEADER, self.meta_len, self.data_len, NULL)
+                h = _checksum(o + HEADER, <size_t>(data_start - HEADER), self.data_len, NULL)
                 h = _checksum(o + data_start, <size_t>self.data_len, h, NULL)
         else:
             self._fill(o, data_start)
-            h = _checksum(o + HEADER, self.meta_len, self.data_len, NULL)
+            h = _checksum(o + HEADER, <size_t>(data_start - HEADER), self.data_len, NULL)
             h = _checksum(o + data_start, <size_t>self.data_len, h, NULL)
         memcpy(o + 16, &h, 8)
         return out
@@ -865,10 +865,10 @@ def decode(buf, bint copy=True):
         if data_len >= NOGIL_MIN:
             # `view` pins the source and dec.arena owns dst: no Python object is touched in here.
             with nogil:
-                h = _checksum(p + HEADER, meta_len, data_len, NULL)
+                h = _checksum(p + HEADER, <size_t>(data_start - HEADER), data_len, NULL)
                 h = _checksum(p + data_start, <size_t>data_len, h, dst)
         else:
-            h = _checksum(p + HEADER, meta_len, data_len, NULL)
+            h = _checksum(p + HEADER, <size_t>(data_start - HEADER), data_len, NULL)
             h = _checksum(p + data_start, <size_t>data_len, h, dst)
         if h != stored:
             raise ChecksumError(f"damaged value: checksum {h:#018x} != stored {stored:#018x}")

@@ -235,8 +235,11 @@ class LmdbStore(Store):
 
     def _grow(self, env: Any) -> None:
         with self._grow_lock():
-            env.set_mapsize(0)  # adopt a size another process may already have grown to
-            cur = env.info()["map_size"]
+            # set_mapsize(0) adopts a larger size another process committed; it also falls back to the
+            # last committed size, which is below ours when our own growth was never committed.
+            before = env.info()["map_size"]
+            env.set_mapsize(0)
+            cur = max(before, env.info()["map_size"])
             if cur >= self.max_map_size:
                 raise StoreFullError(
                     f"LmdbStore: {self.path} is full at max_map_size={self.max_map_size} bytes "

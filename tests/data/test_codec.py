@@ -1,0 +1,204 @@
+"""The sample codec: round trips, raw tensors, view-only bytes, pickle-5 fallback, checksums."""
+
+from __future__ import annotations
+
+import collections
+import pickle
+import struct
+import threading
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trainloom.data.codec import ChecksumError, CodecError, checksum, decode, encode, hash64, is_encoded
+
+Point = collections.namedtuple("Point", "x y")
+
+
+def same(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return (
+            isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
+        )
+    if isinstance(a, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return type(b) is dict and list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
+
+
+TENSOR_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+                 torch.bfloat16, torch.float32, torch.float64, torch.complex64]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", TENSOR_DTYPES)
+def test_tensor_dtypes_round_trip(dtype):
+    t = (torch.arange(24) % 5).to(dtype).reshape(2, 3, 4)
+    out = decode(encode(t))
+    assert same(t, out)
+    out.add_(1) if dtype != torch.bool else out.logical_not_()  # writable
+
+
+@pytest.mark.parametrize(
+    "dtype", ["bool", "uint8", "int16", "int64", "float16", "float32", "float64", "complex128"]
+)
+def test_ndarray_dtypes_round_trip(dtype):
+    a = (np.arange(12) % 3).astype(dtype).reshape(3, 4)
+    out = decode(encode(a))
+    assert same(a, out) and out.flags.writeable
+
+
+def test_nested_sample_round_trip():
+    x = {
+        "img": torch.randint(0, 255, (3, 8, 8), dtype=torch.uint8),
+        "arr": [np.zeros(0, np.float32), np.ones((2, 0)), np.float32(2.5), np.int64(-3)],
+        "meta": ("name", b"\x00raw", None, True, False, -(2**63), 2**63 - 1, 1.5, float("inf")),
+        7: {"nested": [[[]]], (1, 2): "tuple key"},
+        "scalar": torch.tensor(3.25),
+        "empty": torch.empty(0, 5),
+    }
+    out = decode(encode(x))
+    assert same(x, out)
+
+
+def test_big_int_and_other_objects_fall_back_to_pickle():
+    x = [2**100, {1, 2}, complex(1, 2), Point(1, "a")]
+    assert decode(encode(x)) == x
+
+
+def test_views_store_only_their_elements():
+    base = torch.zeros(1_000_000)
+    view = base[10:20]
+    assert len(pickle.dumps(view)) > 4_000_000  # what the issue is about
+    assert len(encode(view)) < 200
+    col = torch.arange(12.0).reshape(3, 4)[:, 1]  # non-contiguous
+    assert same(col.contiguous(), decode(encode(col)))
+    npv = np.arange(1_000_000)[::100_000]
+    assert len(encode(npv)) < 250 and same(np.ascontiguousarray(npv), decode(encode(npv)))
+
+
+def test_tensors_inside_pickled_objects_stay_raw():
+    img = torch.randint(0, 255, (3, 224, 224), dtype=torch.uint8)
+    x = Point(img, np.arange(4))
+    b = encode(x)
+    assert len(b) < img.numel() + 1000  # raw bytes + small overhead, not torch.save's pickle
+    out = decode(b)
+    assert type(out) is Point and same(img, out.x) and same(np.arange(4), out.y)
+
+
+def test_requires_grad_and_conj_tensors():
+    t = torch.ones(3, requires_grad=True) * 2
+    assert same(t.detach(), decode(encode(t)))
+    c = torch.tensor([1 + 2j, 3 - 1j]).conj()
+    assert same(c.resolve_conj(), decode(encode(c)))
+
+
+def test_decode_copies_once_and_owns_its_memory():
+    img = torch.arange(100, dtype=torch.int32)
+    buf = bytearray(encode((img, 1)))
+    out = decode(memoryview(buf))
+    buf[:] = b"\x00" * len(buf)  # the source may be reused right after decode (LMDB)
+    assert same(img, out[0])
+
+
+def test_copy_false_shares_memory_and_checksum_then_fails():
+    buf = bytearray(encode(np.zeros(4, np.int64)))
+    out = decode(buf, copy=False)
+    out[0] = 7
+    with pytest.raises(ChecksumError, match="checksum"):
+        decode(buf)
+
+
+def test_damage_anywhere_is_detected():
+    b = encode({"a": torch.arange(1000), "b": "text", "c": np.ones(300)})
+    for pos in range(0, len(b), 7):
+        if 24 <= pos < 32:  # reserved header bytes are not covered
+            continue
+        bad = bytearray(b)
+        bad[pos] ^= 0x10
+        with pytest.raises(CodecError):
+            decode(bytes(bad))
+
+
+def test_truncated_and_foreign_values():
+    b = encode([1, 2, 3])
+    with pytest.raises(ChecksumError, match="header says"):
+        decode(b[:-1])
+    with pytest.raises(CodecError, match="bad magic"):
+        decode(b"hello world, not a value at all!")
+    with pytest.raises(CodecError, match="bad magic"):
+        decode(b"")
+    assert is_encoded(b) and not is_encoded(b"xyz")
+
+
+def test_forged_header_with_valid_checksum_is_rejected():
+    # A structurally bad meta section with a correct checksum must raise, not crash.
+    meta = bytes([7]) + struct.pack("<Q", 10**9)  # tuple claiming 1e9 items
+    header = b"TLC\x01" + struct.pack("<IQ", len(meta), 0)
+    padded = meta + b"\x00" * (-(32 + len(meta)) % 64)
+    h = checksum(b"", checksum(padded, 0))
+    body = header + struct.pack("<Q", h) + b"\x00" * 8 + padded
+    with pytest.raises(CodecError, match="malformed"):
+        decode(body)
+
+
+def test_unserializable_raises_codec_error():
+    with pytest.raises(CodecError, match="cannot serialize a value of type function"):
+        encode({"f": lambda x: x})
+    with pytest.raises(CodecError, match="cannot serialize"):
+        encode([threading.Lock()])
+    deep: list = []
+    cur = deep
+    for _ in range(300):
+        cur.append([])
+        cur = cur[0]
+    with pytest.raises(CodecError, match="nested deeper"):
+        encode(deep)
+
+
+def test_hash64_is_xxh64_and_stable():
+    assert hash64(b"") == 0xEF46DB3751D8E999
+    assert hash64(b"a") == 0xD24EC4F1A98C6E5B
+    assert hash64(b"abc") == 0x44BC2CF5AD770999
+    assert hash64("abc") == hash64(b"abc")
+    assert hash64(b"x" * 100_000) == hash64(bytearray(b"x" * 100_000))
+
+
+def test_checksum_covers_every_length_and_position():
+    data = bytes(range(256)) * 40
+    seen = set()
+    for n in (0, 1, 31, 32, 63, 64, 255, 256, 1023, 1024, 1025, 4097, len(data)):
+        h = checksum(data[:n])
+        assert h not in seen
+        seen.add(h)
+        if n:
+            flipped = bytearray(data[:n])
+            flipped[n // 2] ^= 1
+            assert checksum(bytes(flipped)) != h
+
+
+_np_leaf = st.builds(
+    lambda n, s: np.arange(n, dtype=s), st.integers(0, 50), st.sampled_from(["int8", "float32", "uint64"])
+)
+_torch_leaf = st.builds(lambda n: torch.arange(n, dtype=torch.float64), st.integers(0, 50))
+_leaves = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text() | st.binary()
+samples = st.recursive(
+    _leaves | _np_leaf | _torch_leaf,
+    lambda kids: (
+        st.lists(kids, max_size=4)
+        | st.tuples(kids, kids)
+        | st.dictionaries(st.text(max_size=5), kids, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(samples)
+def test_round_trip_property(x):
+    assert same(x, decode(encode(x)))

@@ -1,0 +1,272 @@
+"""Stores: LMDB (namespaces, growth, reader slots, fork), ClusterStore hashing, Redis (real servers)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from conftest import requires_redis
+
+from trainloom.data.stores import ClusterStore, LmdbStore, StoreError, StoreFullError, shard_of
+from trainloom.data.stores.base import StoreOutOfMemoryError, StoreUnavailableError
+
+
+def test_lmdb_basic_api(tmp_path):
+    with LmdbStore(tmp_path / "db", namespace="a") as s:
+        assert s.get("k") is None
+        s.set("k", b"v")
+        s.set(b"k2", "text")
+        s.mset({"x": b"1", "y": bytearray(b"2"), "z": memoryview(b"3")})
+        assert s.mget(["x", "nope", "z", "k2"]) == [b"1", None, b"3", b"text"]
+        assert s.num_keys() == 5 and s.status()
+        s.delete(["x", "missing"])
+        assert s.num_keys() == 4
+        s.clear()
+        assert s.num_keys() == 0
+
+
+def test_lmdb_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="map_size must be a positive int"):
+        LmdbStore(tmp_path, map_size=0)
+    with pytest.raises(ValueError, match="max_map_size .* is smaller than map_size"):
+        LmdbStore(tmp_path, map_size=1 << 30, max_map_size=1 << 20)
+    with pytest.raises(TypeError, match="store keys must be str or bytes, got int"):
+        LmdbStore(tmp_path / "a").set(3, b"x")
+    with pytest.raises(TypeError, match="store values must be bytes-like or str, got int for key 'k'"):
+        LmdbStore(tmp_path / "b").set("k", 3)
+    with pytest.raises(StoreError, match="no LMDB environment"):
+        LmdbStore(tmp_path / "nothing", readonly=True).num_keys()
+
+
+def test_lmdb_namespaces_are_isolated(tmp_path):
+    a = LmdbStore(tmp_path, namespace="a")
+    b = LmdbStore(tmp_path, namespace="a_b")
+    a.mset({"k": b"from a", "b_1": b"a"})
+    b.set("k", b"from b")
+    assert a.get("k") == b"from a" and b.get("k") == b"from b"
+    assert a.num_keys() == 2 and b.num_keys() == 1
+    b.clear()
+    assert a.num_keys() == 2 and b.num_keys() == 0
+    assert sorted(a.namespaces()) == ["a", "a_b"]
+    a.close()
+    b.close()
+
+
+def test_lmdb_map_grows_and_retries_the_batch(tmp_path):
+    s = LmdbStore(tmp_path, map_size=1 << 20, max_map_size=64 << 20)
+    batch = {f"k{i}": os.urandom(50_000) for i in range(60)}  # 3 MB into a 1 MB map
+    s.mset(batch)
+    assert s.grow_count >= 1 and s.num_keys() == 60
+    assert s.mget(list(batch)) == list(batch.values())
+
+
+def test_lmdb_full_at_cap_names_the_cap(tmp_path):
+    s = LmdbStore(tmp_path, map_size=1 << 20, max_map_size=2 << 20)
+    with pytest.raises(StoreFullError, match="full at max_map_size=2097152 bytes .*namespace ''"):
+        s.mset({f"k{i}": os.urandom(100_000) for i in range(40)})
+    s.set("small", b"still works")  # the failed batch was rolled back, the store is usable
+    assert s.get("small") == b"still works"
+
+
+def test_lmdb_reclaims_reader_slots_of_killed_processes(tmp_path):
+    path = tmp_path / "db"
+    LmdbStore(path, max_readers=4).set("k", b"v")
+    code = textwrap.dedent(f"""
+        import lmdb, os, signal, sys
+        env = lmdb.open({str(path)!r}, max_readers=4, max_dbs=256)
+        txn = env.begin()
+        print("ready", flush=True)
+        sys.stdin.readline()
+    """)
+    procs = []
+    for _ in range(4):  # fill every slot, then kill the holders
+        p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert p.stdout.readline().strip() == b"ready"
+        procs.append(p)
+    for p in procs:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    s = LmdbStore(path, max_readers=4, namespace="other")
+    s.set("x", b"y")
+    assert s.get("x") == b"y"  # would be ReadersFullError without reader_check()
+    assert s.reader_checks >= 1
+
+
+def _child_reads(store, q):
+    q.put(store.get("k"))
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_lmdb_store_in_child_processes(tmp_path, method):
+    import multiprocessing as mp
+
+    s = LmdbStore(tmp_path, namespace="n")
+    s.set("k", b"v")
+    s.get("k")  # the parent's environment is open when forking
+    assert pickle.loads(pickle.dumps(s))._env is None
+    ctx = mp.get_context(method)
+    q = ctx.Queue()
+    p = ctx.Process(target=_child_reads, args=(s, q))
+    p.start()
+    assert q.get(timeout=60) == b"v"
+    p.join(30)
+    assert p.exitcode == 0
+    assert s.get("k") == b"v"  # the parent's handle still works
+
+
+def test_shard_of_is_stable_across_processes():
+    keys = [f"ds_{i}" for i in range(50)]
+    here = [shard_of(k, 3) for k in keys]
+    code = f"import trainloom.data.stores as s; print([s.shard_of(k, 3) for k in {keys!r}])"
+    env = dict(os.environ, PYTHONHASHSEED="12345")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert eval(out.stdout) == here
+    assert set(here) == {0, 1, 2}
+    assert shard_of("ds_0", 3) == 0xD8A5B07F5ACBC01B % 3 or shard_of("ds_0", 3) in (0, 1, 2)
+
+
+def test_cluster_store_shards_and_keeps_order(tmp_path):
+    stores = [LmdbStore(tmp_path / f"s{i}", namespace="c") for i in range(3)]
+    c = ClusterStore(stores)
+    data = {f"k{i}": str(i).encode() for i in range(60)}
+    c.mset(data)
+    assert c.mget(list(data)) == list(data.values())
+    counts = [s.num_keys() for s in stores]
+    assert sum(counts) == 60 == c.num_keys() and min(counts) > 5
+    for k in data:
+        assert stores[shard_of(k, 3)].get(k) == data[k]
+    c.clear()
+    assert c.num_keys() == 0 and c.status()
+
+
+def test_cluster_store_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="at least one store"):
+        ClusterStore([])
+    with pytest.raises(TypeError, match=r"stores\[1\] is a dict, not a trainloom Store"):
+        ClusterStore([LmdbStore(tmp_path), {}])
+
+
+# -- Redis ----------------------------------------------------------------------------------------
+
+
+@requires_redis
+def test_redis_node_api_and_namespaces(redis_hosts):
+    from trainloom.data.stores.redis_store import RedisStore
+
+    a = RedisStore(redis_hosts, namespace="t1")
+    b = RedisStore(redis_hosts, namespace="t1:x")  # "t1"'s prefix must not match "t1:x" keys
+    a.clear()
+    b.clear()
+    a.mset({f"k{i}": bytes([i]) * 10 for i in range(150)})  # > one MGET chunk
+    b.set("k1", b"other")
+    assert a.mget([f"k{i}" for i in range(150)]) == [bytes([i]) * 10 for i in range(150)]
+    assert a.get("k1") != b.get("k1")
+    assert a.num_keys() == 150 and b.num_keys() == 1
+    a.clear()
+    assert a.num_keys() == 0 and b.num_keys() == 1
+    assert a.status()
+    c = pickle.loads(pickle.dumps(b))
+    assert c.get("k1") == b"other"
+    b.clear()
+
+
+@requires_redis
+def test_redis_cluster_mode_over_two_servers(own_redis):
+    from trainloom.data.stores.redis_store import RedisStore
+
+    hosts = [own_redis().address(), own_redis().address()]
+    s = RedisStore(hosts, cluster_mode=True, namespace="c")
+    s.mset({f"k{i}": b"x" for i in range(40)})
+    per = [n.num_keys() for n in s.stores]
+    assert sum(per) == 40 and min(per) > 5
+    single = RedisStore(hosts, cluster_mode=False, namespace="c")
+    assert len(single.stores) == 1 and single.stores[0].port == hosts[0]["port"]  # node 0 -> server 0
+
+
+@requires_redis
+def test_redis_bad_arguments(redis_hosts):
+    from trainloom.data.stores.redis_store import RedisStore
+
+    with pytest.raises(ValueError, match="hosts must be a non-empty list"):
+        RedisStore([])
+    with pytest.raises(ValueError, match=r"hosts\[0\] = .* must be a dict with 'host' and 'port'"):
+        RedisStore([{"host": "127.0.0.1"}])
+    with pytest.raises(ValueError, match="timeout must be > 0"):
+        RedisStore(redis_hosts, timeout=0)
+    with pytest.raises(ValueError, match="capacity_per_node must be a positive int"):
+        RedisStore(redis_hosts, capacity_per_node=-1)
+    wrong = [dict(redis_hosts[0], password="wrong")]
+    with pytest.raises(StoreUnavailableError, match="password"):
+        RedisStore(wrong).get("k")
+
+
+@requires_redis
+@pytest.mark.timeout(30)
+def test_redis_dead_and_paused_servers_raise_quickly(own_redis):
+    from trainloom.data.stores.redis_store import RedisStore
+
+    srv = own_redis()
+    s = RedisStore([srv.address()], namespace="d")
+    s.set("k", b"v")
+    os.kill(srv.proc.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(StoreUnavailableError, match="unreachable after 2 attempts with a 0.5s timeout"):
+            s.get("k")
+        assert not s.status()
+    finally:
+        os.kill(srv.proc.pid, signal.SIGCONT)
+    assert s.get("k") == b"v"
+    srv.proc.kill()
+    srv.proc.wait()
+    with pytest.raises(StoreUnavailableError, match="is redis-server running"):
+        s.mset({"a": b"b"})
+
+
+@requires_redis
+def test_redis_out_of_memory_is_reported(own_redis):
+    from trainloom.data.stores.redis_store import RedisStore
+
+    srv = own_redis(maxmemory=3 << 20)
+    s = RedisStore([srv.address()], namespace="oom")
+    with pytest.raises(StoreOutOfMemoryError, match="OOM"):
+        for i in range(100):
+            s.set(f"k{i}", os.urandom(200_000))
+
+
+@requires_redis
+@pytest.mark.timeout(60)
+def test_started_server_is_private_and_dies_with_its_killed_job(tmp_path):
+    code = textwrap.dedent("""
+        import json, sys, time
+        from trainloom.data.stores.redis_store import RedisStore, _NODE_SERVERS
+        s = RedisStore(namespace="job")
+        srv = next(iter(_NODE_SERVERS.values()))
+        print(json.dumps(dict(s.hosts[0], pid=srv.proc.pid)), flush=True)
+        time.sleep(600)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    import json
+
+    import psutil
+
+    info = json.loads(p.stdout.readline())
+    try:
+        assert info["host"] == "127.0.0.1" and len(info["password"]) == 32
+        server = psutil.Process(info["pid"])
+        conns = [c for c in server.net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+        assert conns and all(c.laddr.ip == "127.0.0.1" for c in conns)
+        assert server.ppid() == p.pid  # not daemonized
+        from trainloom.data.stores.redis_store import RedisStore
+
+        with pytest.raises(StoreUnavailableError, match="authentication|password|NOAUTH|unreachable"):
+            RedisStore([{"host": info["host"], "port": info["port"]}]).get("k")
+    finally:
+        p.kill()  # SIGKILL: no atexit runs in the job
+        p.wait()
+    server.wait(timeout=10)  # raises psutil.TimeoutExpired if the server outlived its job
+    assert not psutil.pid_exists(info["pid"]) or server.status() == psutil.STATUS_ZOMBIE

