@@ -168,7 +168,8 @@ cdef struct State:
     uint32_t* p2p_recv   # per source: chunks received so far
     char* check_pid      # per rank: 1 if its pid is visible from here (same pid namespace)
     char* missing        # per rank: filled on timeout
-    double spin_s     # how long to spin before sleeping in futex
+    double spin_s     # longest spin before sleeping in futex (configured ceiling)
+    double spin_cur   # current adaptive spin budget, between 0 and spin_s
     int local_closing # set by close() from another thread: waiters give up
     # error details
     int err_peer
@@ -200,25 +201,37 @@ cdef int _wait_word(State* st, uint32_t* word, uint32_t* sleepers, uint32_t targ
     spinning waiter steals the very core the peer needs (FINDINGS: spin+sched_yield fell to gloo
     speed with 4 ranks on 2 cores), so the spin is bounded by time (spin_s) and then we sleep.
     """
-    cdef double t0, t, next_check, nap
+    cdef double t0, t, next_check, nap, lim
     cdef uint32_t v
     cdef int i = 0
     if tl_reached(tl_load(word), target):
         return 0
-    if st.spin_s > 0:
-        t0 = tl_now()
+    t0 = tl_now()
+    lim = st.spin_cur
+    if lim > 0:
         while True:
             for i in range(16):
                 if tl_reached(tl_load(word), target):
+                    # the spin paid off: allow a longer one next time (up to the ceiling)
+                    lim = lim * 2
+                    st.spin_cur = lim if lim < st.spin_s else st.spin_s
                     return 0
                 tl_pause()
-            if tl_now() - t0 > st.spin_s:
+            if tl_now() - t0 > lim:
                 break
+        # The peer did not come in time: it is probably not running (more ranks than free
+        # cores, or a loaded machine), and spinning only delays it. Halve the budget.
+        st.spin_cur = lim * 0.5 if lim > 0.5e-6 else 0.0
     t = tl_now()
     next_check = t + PID_CHECK_FIRST
     while True:
         v = tl_load(word)
         if tl_reached(v, target):
+            # Woken quickly: a spin of this length would have caught it, so probe spinning again
+            # (lets the budget recover once the machine or the peer is fast again).
+            if st.spin_s > 0 and tl_now() - t0 < st.spin_s:
+                lim = st.spin_cur * 2 if st.spin_cur >= 0.5e-6 else 1e-6
+                st.spin_cur = lim if lim < st.spin_s else st.spin_s
             return 0
         if tl_load(&st.hdr.abort_word.v) != 0:
             st.err_peer = peer
@@ -898,6 +911,11 @@ cdef class Engine:
     @spin_s.setter
     def spin_s(self, double v):
         self.st.spin_s = v
+        self.st.spin_cur = v
+
+    @property
+    def spin_cur(self):
+        return self.st.spin_cur
 
     @property
     def step(self):
@@ -971,7 +989,8 @@ cdef class Engine:
         """(sender's header of the pending chunk, receiver's poison descriptor) of a channel."""
         self._check_open()
         cdef tl_pair_t* pr = _pair(&self.st, src, dst)
-        cdef uint32_t cid = self.st.p2p_recv[src] if dst == self.st.rank else self.st.p2p_sent[dst]
+        # the refused chunk is the first one the receiver did not acknowledge
+        cdef uint32_t cid = tl_load(&pr.ack.v)
         return _desc_dict(&pr.hdr[cid & 1]), _desc_dict(&pr.poison)
 
     cdef int _check_open(self) except -1:

@@ -106,6 +106,20 @@ DEFAULT_SMALL_BYTES = 32 << 10
 _PAIR_BUDGET = 8 << 20
 
 
+# (op, dtype) -> op code for every supported combination; looked up on each reduction call
+_VALID_OPS: Dict[Tuple[int, torch.dtype], int] = {}
+for _dt in _DTYPES:
+    for _op in _OP_NAMES:
+        if _dt in _COMPLEX and _op not in (ReduceOp.SUM, ReduceOp.AVG):
+            continue
+        if _dt in _FLOAT and _op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR):
+            continue
+        if _dt == torch.bool and _op == ReduceOp.AVG:
+            continue
+        _VALID_OPS[(_op, _dt)] = _op
+del _dt, _op
+
+
 def node_identity() -> str:
     """``"hostname:boot_id"`` of this machine; ranks with equal identities share /dev/shm.
 
@@ -335,6 +349,14 @@ class ShmCommunicator:
         return self._engine
 
     def _tensor(self, op: str, name: str, t: Any) -> Tuple[int, int, int, int]:
+        # fast path first: these checks run on every call and cost ~0.1 us each
+        if isinstance(t, torch.Tensor):
+            info = _DTYPES.get(t.dtype)
+            if info is not None and t.is_cpu and t.layout is torch.strided and t.is_contiguous():
+                return info
+        return self._tensor_slow(op, name, t)
+
+    def _tensor_slow(self, op: str, name: str, t: Any) -> Tuple[int, int, int, int]:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"shm {op}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.device.type != "cpu":
@@ -366,6 +388,12 @@ class ShmCommunicator:
 
     def _check_op(self, opname: str, op: Any, t: torch.Tensor) -> int:
         try:
+            return _VALID_OPS[(op, t.dtype)]
+        except (KeyError, TypeError):
+            return self._check_op_slow(opname, op, t)
+
+    def _check_op_slow(self, opname: str, op: Any, t: torch.Tensor) -> int:
+        try:
             code = int(op)
         except (TypeError, ValueError):
             raise ValueError(f"shm {opname}: op must be a ReduceOp int, got {op!r}") from None
@@ -373,6 +401,8 @@ class ShmCommunicator:
             raise ValueError(f"shm {opname}: unknown reduce op {op!r}; use one of {_OP_NAMES}")
         name = _OP_NAMES[code]
         dt = t.dtype
+        if (code, dt) in _VALID_OPS:
+            return code
         if dt in _COMPLEX and code not in (ReduceOp.SUM, ReduceOp.AVG):
             raise ValueError(f"shm {opname}: {name} is not defined for complex dtype {dt}; use SUM or AVG")
         if dt in _FLOAT and code in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR):
@@ -399,8 +429,9 @@ class ShmCommunicator:
     def _desc(
         self, kind: int, dcode: int, redop: int, root: int, numel: int, extra: int, shape: Any
     ) -> tuple:
+        # shape: a torch.Size (a tuple of ints) or (); the core keeps the first 8 dims for messages
         self._seq += 1
-        return (kind, self._seq, dcode, redop, root, numel, extra, tuple(int(s) for s in shape)[:8])
+        return (kind, self._seq, dcode, redop, root, numel, extra, shape)
 
     def _fmt_desc(self, d: Dict[str, Any]) -> str:
         kind = _OPKIND_NAMES.get(d["opkind"], f"op#{d['opkind']}")
@@ -511,14 +542,15 @@ class ShmCommunicator:
             comm.allreduce(t, t, ReduceOp.SUM)
         """
         eng = self._open("allreduce")
-        dcode, kdt, kes, mult = self._tensor("allreduce", "send", send)
-        self._tensor("allreduce", "recv", recv)
-        self._same_dtype("allreduce", send, recv)
-        if recv.numel() != send.numel():
-            raise ValueError(f"shm allreduce: recv has {recv.numel()} elements, send has {send.numel()}")
+        self._tensor("allreduce", "send", send)
+        if recv is not send:  # in place is the common case: skip the second set of checks
+            self._tensor("allreduce", "recv", recv)
+            self._same_dtype("allreduce", send, recv)
+            if recv.numel() != send.numel():
+                raise ValueError(f"shm allreduce: recv has {recv.numel()} elements, send has {send.numel()}")
+            self._no_partial_overlap("allreduce", send, recv, 0)
         code = self._check_op("allreduce", op, send)
-        self._no_partial_overlap("allreduce", send, recv, 0)
-        t = self._deadline(timeout)
+        t = self.timeout if timeout is None else self._check_timeout(timeout)
         self._reduce_impl(eng, "allreduce", _shm.OP_ALLREDUCE, send, recv, code, -1, t)
 
     def _reduce_impl(
@@ -754,11 +786,11 @@ class ShmCommunicator:
         self._same_dtype("alltoall_v", send, recv)
         W = self.world_size
         arrays = []
-        for name, seq, t_ in (
-            ("send_counts", send_counts, send),
-            ("send_displs", send_displs, send),
-            ("recv_counts", recv_counts, recv),
-            ("recv_displs", recv_displs, recv),
+        for name, seq in (
+            ("send_counts", send_counts),
+            ("send_displs", send_displs),
+            ("recv_counts", recv_counts),
+            ("recv_displs", recv_displs),
         ):
             vals = [int(v) for v in seq]
             if len(vals) != W:
@@ -890,7 +922,10 @@ class ShmCommunicator:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
-        return f"ShmCommunicator(rank={self.rank}, world_size={self.world_size}, prefix={self.prefix!r}, {state})"
+        return (
+            f"ShmCommunicator(rank={self.rank}, world_size={self.world_size}, prefix={self.prefix!r}, "
+            f"{state})"
+        )
 
     def shared_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A tensor of ``numel`` elements allocated in this rank's part of the shared segment.

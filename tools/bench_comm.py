@@ -1,0 +1,315 @@
+"""nccl-tests style benchmark of CPU collectives: trainloom's shared-memory engine against gloo.
+
+    trainloom bench comm --op allreduce --nproc 2 --min 4K --max 128M --backend shm,gloo
+
+For every size (bytes, nccl-tests convention: the whole buffer for allreduce/broadcast, the gathered
+buffer for allgather, the send buffer for reduce_scatter/alltoall) and engine it prints the time per
+call, the algorithm bandwidth (size / time) and the bus bandwidth (algbw x the nccl-tests factor:
+2(n-1)/n for allreduce, (n-1)/n for reduce_scatter/allgather/alltoall, 1 for broadcast), plus the
+ratio gloo time / shm time. Both engines run in the SAME worker processes, size by size, so machine
+load affects them alike. Each figure is the median over rounds of (max over ranks of the mean time
+per call in that round). Results are checked once per size (shm against gloo, and against the
+expected sum). Writes comm.md and comm_<op>_<nproc>p.png with --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import benchutil  # noqa: E402
+
+OPS = ("allreduce", "reduce_scatter", "allgather", "alltoall", "broadcast")
+
+
+def busbw_factor(op: str, n: int) -> float:
+    if op == "allreduce":
+        return 2.0 * (n - 1) / n
+    if op in ("reduce_scatter", "allgather", "alltoall"):
+        return (n - 1) / n
+    return 1.0
+
+
+# ------------------------------------------------------------------------------------------------
+# worker side (runs in a subprocess per rank)
+# ------------------------------------------------------------------------------------------------
+def _worker(cfg: Dict[str, Any]) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    rank, world = cfg["rank"], cfg["world"]
+    torch.set_num_threads(1)
+    if cfg["pin"]:
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
+    store = dist.TCPStore("127.0.0.1", cfg["port"], world, rank == 0, datetime.timedelta(seconds=300))
+    comm = None
+    if "gloo" in cfg["backends"]:
+        dist.init_process_group("gloo", store=dist.PrefixStore("gloo", store), rank=rank, world_size=world)
+    if "shm" in cfg["backends"]:
+        from trainloom.comm.shm import ReduceOp, ShmCommunicator
+
+        comm = ShmCommunicator(store, rank, world, prefix="bench/shm", timeout=300.0)
+    dt = getattr(torch, cfg["dtype"])
+    es = torch.empty((), dtype=dt).element_size()
+
+    def barrier(backend: str) -> None:
+        if backend == "shm":
+            comm.barrier()
+        else:
+            dist.barrier()
+
+    def bcast_int(backend: str, v: int) -> int:
+        t = torch.tensor([v], dtype=torch.int64)
+        if backend == "shm":
+            comm.broadcast(t, 0)
+        else:
+            dist.broadcast(t, 0)
+        return int(t[0])
+
+    def make(op: str, backend: str, size: int):
+        count = max(world, size // es // world * world)
+        blk = count // world
+        base = (torch.arange(count) % 7).to(dt)
+        if op == "allreduce":
+            t = base + rank
+            if backend == "shm":
+                return (lambda: comm.allreduce(t, t, ReduceOp.SUM)), t, count * es
+            return (lambda: dist.all_reduce(t)), t, count * es
+        if op == "broadcast":
+            t = base + rank
+            if backend == "shm":
+                return (lambda: comm.broadcast(t, 0)), t, count * es
+            return (lambda: dist.broadcast(t, 0)), t, count * es
+        if op == "allgather":
+            s, r = base[:blk] + rank, torch.empty(count, dtype=dt)
+            if backend == "shm":
+                return (lambda: comm.allgather(s, r)), r, count * es
+            return (lambda: dist.all_gather_into_tensor(r, s)), r, count * es
+        if op == "reduce_scatter":
+            s, r = base + rank, torch.empty(blk, dtype=dt)
+            if backend == "shm":
+                return (lambda: comm.reduce_scatter(s, r, ReduceOp.SUM)), r, count * es
+            return (lambda: dist.reduce_scatter_tensor(r, s)), r, count * es
+        if op == "alltoall":
+            s, r = base + rank, torch.empty(count, dtype=dt)
+            if backend == "shm":
+                return (lambda: comm.alltoall(s, r)), r, count * es
+            return (lambda: dist.all_to_all_single(r, s)), r, count * es
+        raise ValueError(op)
+
+    out: List[Dict[str, Any]] = []
+    for op in cfg["ops"]:
+        for size in cfg["sizes"]:
+            first_result = {}
+            for backend in cfg["backends"]:
+                fn, res, nbytes = make(op, backend, size)
+                fn()  # result check on fresh inputs (one call)
+                first_result[backend] = res.clone()
+                fn()  # warm-up
+                barrier(backend)
+                t0 = time.perf_counter()
+                fn()
+                one = time.perf_counter() - t0
+                iters = bcast_int(backend, max(1, min(cfg["max_iters"], int(cfg["target"] / max(one, 1e-7)))))
+                times = []
+                for _ in range(cfg["rounds"]):
+                    barrier(backend)
+                    t0 = time.perf_counter()
+                    for _ in range(iters):
+                        fn()
+                    times.append((time.perf_counter() - t0) / iters)
+                out.append({"op": op, "size": nbytes, "backend": backend, "times": times, "iters": iters})
+            ok = True
+            if op == "allreduce":
+                expect = (torch.arange(nbytes // es) % 7).to(dt) * world + world * (world - 1) // 2
+                ok = all(torch.equal(r, expect) for r in first_result.values())
+            elif op == "broadcast":
+                ok = all(
+                    torch.equal(r, (torch.arange(nbytes // es) % 7).to(dt)) for r in first_result.values()
+                )
+            if len(first_result) == 2:
+                ok = ok and torch.equal(first_result["shm"], first_result["gloo"])
+            out[-1]["ok"] = ok
+            out[-1 - (len(cfg["backends"]) - 1)]["ok"] = ok
+    if comm is not None:
+        comm.close()
+    if "gloo" in cfg["backends"]:
+        dist.destroy_process_group()
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# parent side
+# ------------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_set(nproc: int, cfg: Dict[str, Any], timeout: float) -> List[List[Dict[str, Any]]]:
+    """Start nproc worker processes, return each rank's result list."""
+    port = _free_port()
+    procs = []
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for rank in range(nproc):
+        c = dict(cfg, rank=rank, world=nproc, port=port)
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(c)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+        )
+    results = []
+    deadline = time.monotonic() + timeout
+    try:
+        for rank, p in enumerate(procs):
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            if p.returncode != 0:
+                raise RuntimeError(f"bench worker rank {rank} failed (exit {p.returncode}):\n{err[-3000:]}")
+            line = [x for x in out.splitlines() if x.startswith("RESULT ")]
+            if not line:
+                raise RuntimeError(
+                    f"bench worker rank {rank} printed no result:\n{out[-2000:]}\n{err[-2000:]}"
+                )
+            results.append(json.loads(line[-1][len("RESULT ") :]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return results
+
+
+def summarise(results: List[List[Dict[str, Any]]]) -> Dict[tuple, Dict[str, Any]]:
+    """(op, size, backend) -> {time: median over rounds of max over ranks, ok, iters}."""
+    table: Dict[tuple, Dict[str, Any]] = {}
+    for i, entry in enumerate(results[0]):
+        per_round = [max(r[i]["times"][k] for r in results) for k in range(len(entry["times"]))]
+        ok = all(r[i].get("ok", True) for r in results)
+        table[(entry["op"], entry["size"], entry["backend"])] = {
+            "time": benchutil.median(per_round),
+            "ok": ok,
+            "iters": entry["iters"],
+        }
+    return table
+
+
+def main(argv: List[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="trainloom bench comm")
+    ap.add_argument("--op", default="allreduce", help=f"comma list of {', '.join(OPS)} (or 'all')")
+    ap.add_argument("--nproc", default="2", help="processes, comma list (e.g. 2,4)")
+    ap.add_argument("--min", default="4K", help="smallest size (bytes; K/M/G suffixes)")
+    ap.add_argument("--max", default="128M", help="largest size")
+    ap.add_argument("--factor", type=int, default=2, help="size multiplier between steps")
+    ap.add_argument("--backend", default="shm,gloo", help="comma list of shm, gloo")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--rounds", type=int, default=5, help="timed rounds per size (median reported)")
+    ap.add_argument("--target", type=float, default=0.05, help="seconds per round (sets iterations)")
+    ap.add_argument("--pin", action="store_true", help="pin rank r to CPU r %% ncpu")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, few rounds (smoke test)")
+    ap.add_argument("--out", default=None, help="directory for comm.md and PNG plots")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        _worker(json.loads(args.worker))
+        return 0
+    ops = list(OPS) if args.op == "all" else [o.strip() for o in args.op.split(",") if o.strip()]
+    bad = [o for o in ops if o not in OPS]
+    backends = [b.strip() for b in args.backend.split(",") if b.strip()]
+    if bad or not backends or any(b not in ("shm", "gloo") for b in backends):
+        ap.error(f"unknown op/backend: ops {ops}, backends {backends}")
+    nprocs = [int(x) for x in args.nproc.split(",")]
+    lo, hi = benchutil.parse_size(args.min), benchutil.parse_size(args.max)
+    rounds, target, max_iters = args.rounds, args.target, 2000
+    if args.quick:
+        lo, hi, rounds, target, max_iters = 4096, 64 << 10, 2, 0.005, 50
+    sizes = []
+    s = lo
+    while s <= hi:
+        sizes.append(s)
+        s *= max(2, args.factor)
+    cfg = {
+        "ops": ops,
+        "sizes": sizes,
+        "backends": backends,
+        "dtype": args.dtype,
+        "rounds": rounds,
+        "target": target,
+        "max_iters": max_iters,
+        "pin": args.pin,
+    }
+    load = os.getloadavg()
+    md = [
+        "# CPU collectives: trainloom shm engine vs gloo",
+        "",
+        f"Machine: {benchutil.machine_line()}; load average before the run {load[0]:.2f}, {load[1]:.2f}.",
+        f"Command: `trainloom bench comm {' '.join(sys.argv[1:] if argv is None else argv)}`",
+        f"dtype {args.dtype}, SUM; {rounds} rounds of ~{target * 1e3:.0f} ms; median over rounds of the "
+        "slowest rank's mean time per call; busbw as in nccl-tests. Shared machine: figures are "
+        "noisy/depressed.",
+    ]
+    with benchutil.bench_lock():
+        for nproc in nprocs:
+            t0 = time.monotonic()
+            results = run_set(nproc, cfg, timeout=900)
+            table = summarise(results)
+            for op in ops:
+                rows, series = [], {}
+                bf = busbw_factor(op, nproc)
+                for size in sorted({k[1] for k in table if k[0] == op}):
+                    row: List[Any] = [benchutil.human_bytes(size)]
+                    times = {}
+                    for b in backends:
+                        e = table[(op, size, b)]
+                        t = e["time"]
+                        times[b] = t
+                        alg = size / t / 1e9
+                        row += [t * 1e6, alg, alg * bf]
+                        series.setdefault(b, ([], []))
+                        series[b][0].append(size)
+                        series[b][1].append(alg * bf)
+                    if len(backends) == 2:
+                        row.append(times["gloo"] / times["shm"])
+                    row.append("ok" if all(table[(op, size, b)]["ok"] for b in backends) else "WRONG")
+                    rows.append(row)
+                headers = ["size"]
+                for b in backends:
+                    headers += [f"{b} time (us)", f"{b} algbw (GB/s)", f"{b} busbw (GB/s)"]
+                if len(backends) == 2:
+                    headers.append("gloo/shm time")
+                headers.append("check")
+                title = f"{op}, {nproc} processes"
+                text = benchutil.markdown_table(headers, rows)
+                md += ["", f"## {title}", "", text]
+                print(f"\n{title} ({time.monotonic() - t0:.0f} s)\n{text}", flush=True)
+                if args.out:
+                    png = Path(args.out) / f"comm_{op}_{nproc}p.png"
+                    benchutil.plot_lines(
+                        png, f"{title}: bus bandwidth", "size (bytes)", "busbw (GB/s)", series
+                    )
+                    md += ["", f"![{title}]({png.name})"]
+    path = benchutil.write_report(args.out, "comm", "\n".join(md))
+    if path:
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
