@@ -13,14 +13,13 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from conftest import requires_redis
 from torch.utils.data import DataLoader, Dataset
 
 from trainloom.data.cache import CachedDataset, CacheLoader
 from trainloom.data.codec import CodecError
 from trainloom.data.stores import LmdbStore, StoreError
 from trainloom.data.stores.base import StoreUnavailableError
-
-from conftest import requires_redis
 
 
 class CountingDataset(Dataset):
@@ -272,7 +271,7 @@ def test_redis_dies_mid_epoch_raises(tmp_path, own_redis):
     srv = own_redis()
     ds = CachedDataset(CountingDataset(40, tmp_path / "log"), "redis", "die", 4, hosts=[srv.address()])
     with pytest.raises(StoreUnavailableError, match="unreachable"):
-        for n, batch in enumerate(DataLoader(ds, batch_size=4)):
+        for n, _batch in enumerate(DataLoader(ds, batch_size=4)):
             if n == 2:
                 srv.proc.kill()
                 srv.proc.wait()

@@ -152,6 +152,10 @@ class RedisServer:
                 )
             self.port = port
             if self._wait_ready():
+                # Nothing is left on disk even if this job is SIGKILLed: the server keeps its open log
+                # descriptor, and with no RDB/AOF it never writes into its (now deleted) directory.
+                shutil.rmtree(self._dir, ignore_errors=True)
+                self._dir = None
                 with _RUNNING_LOCK:
                     _RUNNING.append(self)
                 log.info("started redis-server pid %d on %s:%d", self.proc.pid, self.host, port)
