@@ -568,3 +568,21 @@ def engines() -> List[str]:
     from trainloom.comm.group import _shm_status
 
     return ["gloo"] + (["shm"] if _shm_status() is None else [])
+
+
+def validation_two_ranks(rank: int, ws: int) -> Dict[str, Any]:
+    """Argument checks that depend on the communicator size (raised identically on both ranks)."""
+    C.init_process_group(timeout=20)
+    out: Dict[str, Any] = {}
+    out["rs_inplace"] = _expect(C.reduce_scatter_inplace, ValueError, torch.ones(5))
+    out["alltoall"] = _expect(C.alltoall, ValueError, torch.ones(3), torch.ones(3))
+    out["allgather"] = _expect(C.allgather, ValueError, torch.ones(3), torch.ones(4))
+    intra = C.get_default_group().get_intra_node_communicator()
+    out["hierarchical_sub"] = _expect(
+        C.allreduce_inplace, ValueError, torch.ones(2), comm=intra, hierarchical=True
+    )
+    t = torch.ones(2)
+    C.allreduce_inplace(t)
+    out["ok"] = t.tolist()
+    C.destroy_process_group()
+    return out

@@ -1,0 +1,348 @@
+"""Single-process API behaviour: the launch environment, argument validation, world size 1, python -O."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from commutil import validation_two_ranks
+from multiproc import free_port, run_ranks
+
+import trainloom.comm as C
+from trainloom.comm import ReduceOp
+from trainloom.comm.env import LAUNCH_VARS, read_launch_env
+from trainloom.errors import CommError, ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for k in LAUNCH_VARS:
+        monkeypatch.delenv(k, raising=False)
+    return monkeypatch
+
+
+@pytest.fixture
+def world1(clean_env):
+    pg = C.init_process_group(timeout=10)
+    yield pg
+    C.destroy_process_group()
+
+
+def _torchrun(env, rank=1, world=2, lr=1, lws=2):
+    values = dict(
+        RANK=rank,
+        WORLD_SIZE=world,
+        LOCAL_RANK=lr,
+        LOCAL_WORLD_SIZE=lws,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=29500,
+    )
+    for k, v in values.items():
+        env.setenv(k, str(v))
+
+
+def test_launch_env_single_process_and_torchrun(clean_env):
+    e = read_launch_env()
+    assert (e.rank, e.world_size, e.local_rank, e.local_world_size, e.single_process) == (0, 1, 0, 1, True)
+    _torchrun(clean_env, rank=3, world=4, lr=1, lws=2)
+    e = read_launch_env()
+    assert (e.rank, e.world_size, e.local_rank, e.local_world_size, e.master_port) == (3, 4, 1, 2, 29500)
+    assert e.single_process is False
+
+
+def test_launch_env_errors_name_the_missing_variable(clean_env):
+    clean_env.setenv("RANK", "0")
+    clean_env.setenv("WORLD_SIZE", "2")
+    with pytest.raises(
+        ConfigError, match=r"LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT not set, but RANK"
+    ):
+        read_launch_env()
+    _torchrun(clean_env)
+    clean_env.delenv("MASTER_PORT")
+    with pytest.raises(ConfigError, match=r"^init_process_group: MASTER_PORT not set, but LOCAL_RANK"):
+        read_launch_env()
+    # a store replaces MASTER_ADDR/MASTER_PORT
+    assert read_launch_env(need_master=False).rank == 1
+    clean_env.setenv("MASTER_PORT", "http")
+    with pytest.raises(ConfigError, match=r"MASTER_PORT='http' is not an integer"):
+        read_launch_env()
+    clean_env.setenv("MASTER_PORT", "29500")
+    clean_env.setenv("RANK", "2")
+    with pytest.raises(ConfigError, match=r"rank 2 is outside the world 0..1"):
+        read_launch_env()
+
+
+def test_launch_env_explicit_overrides(clean_env):
+    e = read_launch_env(rank=0, world_size=1)
+    assert (e.rank, e.world_size, e.local_rank, e.local_world_size) == (0, 1, 0, 1)
+    with pytest.raises(ConfigError, match=r"MASTER_ADDR, MASTER_PORT not set"):
+        read_launch_env(rank=1, world_size=4)
+    e = read_launch_env(rank=5, world_size=8, local_world_size=4, need_master=False)
+    assert (e.local_rank, e.local_world_size) == (1, 4)
+    with pytest.raises(ConfigError, match=r"local_world_size must be in 1..8"):
+        read_launch_env(rank=5, world_size=8, local_world_size=9, need_master=False)
+    with pytest.raises(ConfigError, match=r"rank must be an int, got '1'"):
+        read_launch_env(rank="1", world_size=2)
+
+
+def test_env_getters_and_bucket_size(clean_env):
+    assert (C.get_rank(), C.get_world_size(), C.get_local_rank(), C.get_local_size()) == (0, 1, 0, 1)
+    assert C.get_default_bucket_size() == 10 * 1024 * 1024
+    clean_env.setenv("BAGUA_DEFAULT_BUCKET_SIZE", "4096")
+    assert C.get_default_bucket_size() == 4096
+    clean_env.setenv("TRAINLOOM_DEFAULT_BUCKET_SIZE", "-1")
+    with pytest.raises(ConfigError, match=r"TRAINLOOM_DEFAULT_BUCKET_SIZE='-1' must be a positive"):
+        C.get_default_bucket_size()
+
+
+def test_reduce_op_values():
+    assert {o.name: int(o) for o in ReduceOp} == dict(
+        SUM=0, PRODUCT=1, MIN=2, MAX=3, BOR=7, BAND=8, BXOR=9, AVG=10
+    )
+
+
+def test_not_initialized_repeated_and_after_destroy(clean_env):
+    assert C.is_initialized() is False
+    with pytest.raises(CommError, match=r"allreduce: the default process group is not initialized"):
+        C.allreduce_inplace(torch.ones(2))
+    pg = C.init_process_group(timeout=5)
+    assert C.is_initialized() is True
+    with pytest.raises(C.RepeatedInitializationError, match=r"already called"):
+        C.init_process_group()
+    comm = pg.get_global_communicator()
+    assert (comm.rank(), comm.nranks()) == (0, 1)
+    C.destroy_process_group()
+    C.destroy_process_group()  # idempotent
+    assert C.is_initialized() is False
+    with pytest.raises(CommError, match=r"allreduce: communicator default/global was used after destroy"):
+        C.allreduce_inplace(torch.ones(2), comm=comm)
+
+
+def test_world_size_one_every_collective(world1):
+    x = torch.arange(6, dtype=torch.float32)
+    out = torch.zeros(6)
+    C.allreduce(x, out, ReduceOp.AVG)
+    assert torch.equal(out, x)
+    t = x.clone()
+    C.allreduce_inplace(t)
+    C.reduce_inplace(t, 0)
+    C.broadcast(t, 0)
+    C.reduce_scatter_inplace(t)
+    C.allgather_inplace(t)
+    C.alltoall_inplace(t)
+    assert torch.equal(t, x)
+    out = torch.zeros(6)
+    for fn in (C.allgather, C.alltoall, C.reduce_scatter):
+        out.zero_()
+        fn(x, out)
+        assert torch.equal(out, x), fn.__name__
+    out.zero_()
+    C.gather(x, out, 0)
+    assert torch.equal(out, x)
+    out.zero_()
+    C.scatter(x, out, 0)
+    assert torch.equal(out, x)
+    out.zero_()
+    C.alltoall_v(x, [3], [1], out, [3], [2])
+    assert out.tolist() == [0, 0, 1, 2, 3, 0]
+    w = C.allreduce_inplace(torch.ones(0), async_op=True)
+    assert w.is_completed() and w.wait() and w.result().numel() == 0
+    C.barrier()
+    col = torch.zeros(3, 2)
+    C.allgather(torch.ones(3), col[:, 1])
+    assert col.tolist() == [[0, 1], [0, 1], [0, 1]]
+
+
+def test_bad_arguments_raise_before_any_engine(world1):
+    f32, f64 = torch.ones(4), torch.ones(4, dtype=torch.float64)
+    cases = [
+        (
+            lambda: C.allreduce([1, 2], f32),
+            TypeError,
+            r"allreduce: send_tensor must be a torch.Tensor, got list",
+        ),
+        (
+            lambda: C.allreduce(f32, f64),
+            TypeError,
+            r"allreduce: send_tensor has dtype torch.float32 but recv_tensor",
+        ),
+        (lambda: C.allreduce(f32, torch.ones(5)), ValueError, r"recv_tensor has 5 elements, expected 4"),
+        (lambda: C.allreduce_inplace(torch.ones(2, device="meta")), ValueError, r"tensor is on meta"),
+        (lambda: C.allreduce_inplace(torch.ones(2, dtype=torch.uint16)), TypeError, r"dtype torch.uint16"),
+        (lambda: C.allreduce_inplace(torch.ones(2).to_sparse()), TypeError, r"dense \(strided\) tensor"),
+        (lambda: C.allreduce_inplace(f32, 4), ValueError, r"op=4 is not a ReduceOp \(SUM=0"),
+        (lambda: C.allreduce_inplace(f32, "sum"), TypeError, r"op must be a trainloom.comm.ReduceOp"),
+        (
+            lambda: C.allreduce_inplace(f32, ReduceOp.BAND),
+            TypeError,
+            r"op=BAND needs an integer or bool dtype",
+        ),
+        (
+            lambda: C.allreduce_inplace(f32.to(torch.complex64), ReduceOp.MAX),
+            TypeError,
+            r"MAX is not defined",
+        ),
+        (
+            lambda: C.allreduce_inplace(torch.ones(2, dtype=torch.int32), ReduceOp.AVG),
+            TypeError,
+            r"AVG needs",
+        ),
+        (
+            lambda: C.broadcast(f32, 1),
+            ValueError,
+            r"broadcast: src=1 is outside the communicator's ranks 0..0",
+        ),
+        (lambda: C.broadcast(f32, True), TypeError, r"src must be an int rank, got True"),
+        (lambda: C.reduce(f32, f32.clone(), -1), ValueError, r"reduce: dst=-1 is outside"),
+        (
+            lambda: C.allgather(f32, torch.ones(5)),
+            ValueError,
+            r"allgather: recv_tensor has 5 elements, expected 4",
+        ),
+        (
+            lambda: C.gather(f32, torch.ones(3), 0),
+            ValueError,
+            r"gather: recv_tensor has 3 elements, expected 4",
+        ),
+        (
+            lambda: C.gather_inplace(f32, 3, 0),
+            ValueError,
+            r"gather_inplace: tensor has 4 elements, expected 3",
+        ),
+        (lambda: C.scatter_inplace(f32, -1, 0), ValueError, r"scatter_inplace: count=-1 must be >= 0"),
+        (lambda: C.scatter(torch.ones(3), f32, 0), ValueError, r"scatter: send_tensor has 3 elements"),
+        (
+            lambda: C.reduce_scatter(f32, torch.ones(3)),
+            ValueError,
+            r"reduce_scatter: send_tensor has 4 elements",
+        ),
+        (
+            lambda: C.alltoall(f32, torch.ones(3)),
+            ValueError,
+            r"alltoall: recv_tensor has 3 elements, expected 4",
+        ),
+        (
+            lambda: C.alltoall_v(f32, [1, 1], [0], f32, [1], [0]),
+            ValueError,
+            r"send_counts has 2 entries, expected 1",
+        ),
+        (
+            lambda: C.alltoall_v(f32, [-1], [0], f32, [1], [0]),
+            ValueError,
+            r"send_counts must be non-negative",
+        ),
+        (
+            lambda: C.alltoall_v(f32, [3], [2], f32, [3], [0]),
+            ValueError,
+            r"send_displs\[0\]=2 \+ send_counts\[0\]=3",
+        ),
+        (
+            lambda: C.alltoall_v(f32, [2], [0], f32, [3], [0]),
+            ValueError,
+            r"send_counts\[0\]=2 != recv_counts\[0\]=3",
+        ),
+        (
+            lambda: C.alltoall_v(f32, "ab", [0], f32, [1], [0]),
+            TypeError,
+            r"send_counts must be a sequence of 1 ints",
+        ),
+        (lambda: C.send(f32, 0), ValueError, r"send: dst=0 is this rank"),
+        (lambda: C.recv(f32, 0), ValueError, r"recv: src=0 is this rank"),
+        (lambda: C.allreduce_inplace(f32, comm="world"), TypeError, r"comm must be a trainloom Communicator"),
+        (lambda: C.new_group([1]), ValueError, r"new_group: rank 1 is outside the world 0..0"),
+        (lambda: C.new_group([0, 0]), ValueError, r"contain duplicates"),
+    ]
+    for fn, exc, pattern in cases:
+        with pytest.raises(exc, match=pattern):
+            fn()
+
+
+def test_validation_that_needs_two_ranks():
+    res = run_ranks(validation_two_ranks, 2, timeout=60)
+    for r in res:
+        assert (
+            r["rs_inplace"]
+            == "ValueError: reduce_scatter_inplace: tensor has 5 elements, not divisible by nranks=2"
+        )
+        assert r["alltoall"] == "ValueError: alltoall: send_tensor has 3 elements, not divisible by nranks=2"
+        assert r["allgather"] == (
+            "ValueError: allgather: recv_tensor has 4 elements, expected 6 (nranks=2 * send_tensor's 3)"
+        )
+        assert r["hierarchical_sub"].startswith("ValueError: allreduce(hierarchical=True): comm must be")
+        assert r["ok"] == [2.0, 2.0]
+
+
+def test_python_O_still_validates(tmp_path):
+    script = tmp_path / "check_O.py"
+    script.write_text(
+        "import sys, torch\n"
+        "assert False, 'asserts are stripped under -O'\n"
+        "import trainloom.comm as C\n"
+        "C.init_process_group()\n"
+        "try:\n"
+        "    C.allgather(torch.ones(4), torch.ones(5))\n"
+        "except ValueError as e:\n"
+        "    print('VALIDATED', e)\n"
+        "try:\n"
+        "    C.allreduce_inplace(torch.ones(4), C.ReduceOp.BXOR)\n"
+        "except TypeError as e:\n"
+        "    print('VALIDATED', e)\n"
+        "print('NCCL_MAPPED', 'libnccl' in open('/proc/self/maps').read())\n"
+        "C.destroy_process_group()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    out = subprocess.run(
+        [sys.executable, "-O", str(script)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert (
+        lines[0] == "VALIDATED allgather: recv_tensor has 5 elements, expected 4 (nranks=1 * send_tensor's 4)"
+    )
+    assert lines[1].startswith("VALIDATED allreduce: op=BXOR needs an integer or bool dtype")
+    assert lines[2] == "NCCL_MAPPED False"
+
+
+def test_bagua_example_script_runs_after_changing_its_import():
+    script = ROOT / "tools" / "examples" / "bagua_allreduce.py"
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+        env.update(
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=120))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert outs[0][0].strip() == (
+        "world=2 bucket=10485760 allreduce=[(4+4j), (6+6j)] avg_grad=[0.5, 0.5, 0.5, 0.5] gathered=[0.0, 1.0]"
+    )
