@@ -147,7 +147,7 @@ class LmdbStore(Store):
     def __init__(
         self,
         path: Optional[os.PathLike] = None,
-        namespace: str = "",
+        namespace: Optional[str] = "",
         map_size: int = _GIB,
         max_map_size: int = 1024 * _GIB,
         max_readers: int = 1024,
@@ -164,7 +164,8 @@ class LmdbStore(Store):
                 f"LmdbStore: max_map_size ({max_map_size}) is smaller than map_size ({map_size})"
             )
         self.path = Path(path) if path is not None else default_cache_dir() / "lmdb"
-        self.namespace = check_namespace(namespace)
+        # namespace=None (read-only only): no named database, for namespaces() / inspection.
+        self.namespace = None if (namespace is None and readonly) else check_namespace(namespace)
         self.map_size = int(map_size)
         self.max_map_size = int(max_map_size)
         self.max_readers = int(max_readers)
@@ -199,6 +200,9 @@ class LmdbStore(Store):
             raise StoreError(f"LmdbStore: no LMDB environment at {self.path}", backend="lmdb")
         env = _acquire_env(self)
         try:
+            if self.namespace is None:
+                self._env, self._pid = env, os.getpid()
+                return
             name = _DB_PREFIX + self.namespace.encode("utf-8")
             if self.readonly:
                 with env.begin() as txn:

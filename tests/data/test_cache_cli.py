@@ -1,0 +1,64 @@
+"""`trainloom cache info|clear` on real LMDB caches and a real Redis server."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import requires_redis
+
+from trainloom.cli import main
+from trainloom.data.cache import CacheLoader
+
+
+def test_cache_info_and_clear_lmdb(tmp_path, capsys):
+    for name, n in (("alpha", 3), ("beta", 5)):
+        loader = CacheLoader(path=tmp_path, dataset_name=name)
+        for i in range(n):
+            loader.get(i, lambda k: k)
+        loader.close()
+    assert main(["cache", "info", "--path", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "namespace 'alpha': 3 entries" in out and "namespace 'beta': 5 entries" in out
+    assert main(["cache", "clear", "--path", str(tmp_path), "--namespace", "alpha"]) == 0
+    assert "cleared 3 entries of namespace 'alpha'" in capsys.readouterr().out
+    assert CacheLoader(path=tmp_path, dataset_name="beta").num_keys() == 5
+    assert CacheLoader(path=tmp_path, dataset_name="alpha").num_keys() == 0
+    assert main(["cache", "clear", "--path", str(tmp_path), "--all"]) == 0
+    assert CacheLoader(path=tmp_path, dataset_name="beta").num_keys() == 0
+
+
+def test_cache_cli_errors(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TRAINLOOM_CACHE_DIR", str(tmp_path / "none"))
+    assert main(["cache", "info"]) == 1
+    assert f"no LMDB cache at {tmp_path / 'none' / 'lmdb'}" in capsys.readouterr().out
+    assert main(["cache", "clear"]) == 2
+    assert "name a --namespace, or pass --all" in capsys.readouterr().err
+    CacheLoader(path=tmp_path, dataset_name="x").get(1, lambda k: k)
+    assert main(["cache", "clear", "--path", str(tmp_path), "--namespace", "nope"]) == 1
+    assert "namespace 'nope' not found" in capsys.readouterr().err
+    assert main(["cache", "info", "--redis", "localhost"]) == 1
+    assert "--redis must be HOST:PORT" in capsys.readouterr().err
+    assert main(["cache"]) == 2
+
+
+@requires_redis
+def test_cache_info_and_clear_redis(redis_server, capsys):
+    addr = f"{redis_server.host}:{redis_server.port}"
+    loader = CacheLoader("redis", "cli", hosts=[redis_server.address()])
+    loader.clear()
+    for i in range(4):
+        loader.get(i, lambda k: k)
+    pw = ["--password", redis_server.password]
+    assert main(["cache", "info", "--redis", addr, *pw, "--namespace", "cli"]) == 0
+    assert "namespace 'cli': 4 entries" in capsys.readouterr().out
+    assert main(["cache", "clear", "--redis", addr, *pw]) == 2
+    assert main(["cache", "clear", "--redis", addr, *pw, "--namespace", "cli"]) == 0
+    assert loader.num_keys() == 0
+
+
+@pytest.mark.parametrize(
+    "cmd,expected", [(["cache", "--help"], "{info,clear}"), (["cache", "info", "--help"], "--namespace")]
+)
+def test_cache_help(cmd, expected, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(cmd)
+    assert exc.value.code == 0 and expected in capsys.readouterr().out

@@ -1,0 +1,148 @@
+"""Inspect or clear trainloom caches.
+
+trainloom cache info                       # the default LMDB cache: size, readers, namespaces
+trainloom cache info --path DIR            # another LMDB cache directory
+trainloom cache info --redis HOST:PORT --password PW --namespace NAME
+trainloom cache clear --namespace NAME     # drop one dataset's entries (others are kept)
+trainloom cache clear --all                # drop every namespace of the LMDB cache
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from trainloom.data.stores.base import StoreError
+from trainloom.data.stores.lmdb_store import LmdbStore, default_cache_dir
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``info`` and ``clear`` to the ``trainloom cache`` parser."""
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    sub = parser.add_subparsers(dest="cache_command", metavar="{info,clear}")
+    for name, help_text in (("info", "show caches and their sizes"), ("clear", "delete cached entries")):
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("--path", type=Path, default=None, help="LMDB cache directory (default: %(default)s)")
+        p.add_argument("--namespace", default=None, help="the dataset_name of the cache")
+        p.add_argument("--redis", default=None, metavar="HOST:PORT", help="a Redis server instead of LMDB")
+        p.add_argument("--password", default=None, help="the Redis server's password")
+        if name == "clear":
+            p.add_argument("--all", action="store_true", help="every namespace of the LMDB cache")
+    parser.set_defaults(cache_command=None)
+
+
+def _human(n: Optional[float]) -> str:
+    if n is None:
+        return "?"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _lmdb_namespaces(path: Path) -> List[str]:
+    with LmdbStore(path, namespace=None, readonly=True) as store:
+        return store.namespaces()
+
+
+def _redis_store(args: argparse.Namespace) -> Any:
+    from trainloom.data.stores.redis_store import RedisNodeStore
+
+    host, _, port = args.redis.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"--redis must be HOST:PORT, got {args.redis!r}")
+    return RedisNodeStore(host, int(port), args.password, namespace=args.namespace or "")
+
+
+def _info(args: argparse.Namespace) -> int:
+    if args.redis:
+        store = _redis_store(args)
+        info: Dict[str, Any] = store.info()
+        print(
+            f"redis {info['host']}: used {_human(info['used_memory'])} of maxmemory "
+            f"{_human(info['maxmemory']) if info['maxmemory'] else 'unlimited'} "
+            f"(policy {info['maxmemory_policy']})"
+        )
+        print(f"  namespace {info['namespace']!r}: {info['entries']} entries")
+        store.close()
+        return 0
+    path = args.path or default_cache_dir() / "lmdb"
+    if not (path / "data.mdb").exists():
+        print(f"no LMDB cache at {path}")
+        return 1
+    names = _lmdb_namespaces(path)
+    if args.namespace is not None:
+        if args.namespace not in names:
+            print(f"namespace {args.namespace!r} not found in {path} (have: {names})", file=sys.stderr)
+            return 1
+        names = [args.namespace]
+    first = True
+    for ns in names:
+        with LmdbStore(path, namespace=ns, readonly=True) as store:
+            i = store.info()
+        if first:
+            print(
+                f"LMDB cache {path}: {_human(i['used_bytes'])} used, map {_human(i['map_size'])}, "
+                f"{i['readers']}/{i['max_readers']} reader slots in use"
+            )
+            first = False
+        print(f"  namespace {ns!r}: {i['entries']} entries")
+    if first:
+        print(f"LMDB cache {path}: empty (no namespaces)")
+    return 0
+
+
+def _clear(args: argparse.Namespace) -> int:
+    if args.redis:
+        if args.namespace is None:
+            print(
+                "trainloom cache clear --redis needs --namespace (only that namespace is deleted)",
+                file=sys.stderr,
+            )
+            return 2
+        store = _redis_store(args)
+        n = store.num_keys()
+        store.clear()
+        store.close()
+        print(f"cleared {n} entries of namespace {args.namespace!r} on {args.redis}")
+        return 0
+    if args.namespace is None and not args.all:
+        print("trainloom cache clear: name a --namespace, or pass --all", file=sys.stderr)
+        return 2
+    path = args.path or default_cache_dir() / "lmdb"
+    if not (path / "data.mdb").exists():
+        print(f"no LMDB cache at {path}")
+        return 1
+    names = _lmdb_namespaces(path)
+    targets = names if args.all else [args.namespace]
+    for ns in targets:
+        if ns not in names:
+            print(f"namespace {ns!r} not found in {path} (have: {names})", file=sys.stderr)
+            return 1
+        with LmdbStore(path, namespace=ns) as store:
+            n = store.num_keys()
+            store.clear()
+        print(f"cleared {n} entries of namespace {ns!r} in {path}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``trainloom cache info|clear``; returns the exit code."""
+    try:
+        if args.cache_command == "info":
+            return _info(args)
+        if args.cache_command == "clear":
+            return _clear(args)
+    except (StoreError, ValueError) as exc:
+        print(f"trainloom cache {args.cache_command}: {exc}", file=sys.stderr)
+        return 1
+    print(
+        "usage: trainloom cache {info,clear} [--path DIR] [--namespace NAME] [--redis HOST:PORT]",
+        file=sys.stderr,
+    )
+    return 2
