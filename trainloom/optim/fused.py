@@ -197,6 +197,9 @@ def flat_buffers(optimizer: torch.optim.Optimizer, kind: str = "grad") -> List[t
     if kind not in ("grad", "param"):
         raise FuseError(f"flat_buffers: kind must be 'grad' or 'param', got {kind!r}")
     _sync(optimizer, info)
+    moved = _moved(info)
+    if moved is not None:
+        _sync(optimizer, info, moved)
     return [b.flat_grad if kind == "grad" else b.flat_param for b in info.buckets]
 
 
@@ -242,7 +245,16 @@ class _Bucket:
         self.index = {id(p): i for i, p in enumerate(params)}
         self.hooks: List[Any] = []
         self.plan_cache: Dict[Any, Any] = {}
-        self.steps_cache: Optional[Tuple[List[Any], np.ndarray]] = None
+        self.scratch: Optional[torch.Tensor] = None
+        # fuse_step's per-step check (see _K.scan) and the cached steady-state layout
+        self.ptr_arr = np.array(self.ptrs, dtype=np.int64)
+        self.status = np.zeros(len(params), dtype=np.uint8)
+        self.keys: Tuple[Any, ...] = ()
+        self.key_views: List[List[Optional[torch.Tensor]]] = []
+        self.step_objs: Optional[List[Any]] = None
+        self.n_extra = -1
+        self.fast_status = b""
+        self.cfg: Tuple[Any, ...] = ()
 
     def _view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         p = self.params[i]
@@ -276,7 +288,8 @@ class _FusedInfo:
         self.group_params: List[List[torch.Tensor]] = []
         self.state_obj: Any = None
         self.warned = False
-        self.kernel_warned = False
+        self.fast: Optional[List[Any]] = None
+        self.step_hook: Any = None
 
 
 def _dense_strides(p: torch.Tensor) -> Tuple[int, ...]:
@@ -385,9 +398,15 @@ def fuse_optimizer(
         info.groups = list(optimizer.param_groups)
         info.group_params = [list(g["params"]) for g in optimizer.param_groups]
         info.state_obj = optimizer.state
+    # A step() between two fuse_steps changes step counts and may create state: recheck then.
+    info.step_hook = optimizer.register_step_post_hook(lambda *_: _invalidate(info))
     # Bound on this instance only: no class-wide patching.
     optimizer.fuse_step = types.MethodType(fuse_step, optimizer)  # type: ignore[attr-defined]
     return optimizer
+
+
+def _invalidate(info: _FusedInfo) -> None:
+    info.fast = None
 
 
 def _fusable_param(p: torch.Tensor) -> bool:
@@ -496,11 +515,13 @@ def _install_hooks(bucket: _Bucket) -> None:
         bucket.hooks.append(p.register_post_accumulate_grad_hook(hook))
 
 
-def _sync(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> None:
-    """Detect changes made behind the fused layout's back and re-fuse."""
-    reason = None
+def _sync(optimizer: torch.optim.Optimizer, info: _FusedInfo, moved: Optional[str] = None) -> bool:
+    """Detect changes made behind the fused layout's back and re-fuse; True if it re-fused."""
+    reason = moved
     groups = optimizer.param_groups
-    if len(groups) != len(info.groups):
+    if reason is not None:
+        pass
+    elif len(groups) != len(info.groups):
         reason = f"param groups changed ({len(info.groups)} -> {len(groups)})"
     elif optimizer.state is not info.state_obj:
         reason = "optimizer state was replaced (load_state_dict)"
@@ -509,35 +530,35 @@ def _sync(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> None:
             if g is not info.groups[gi]:
                 reason = f"param group {gi} was replaced (load_state_dict)"
                 break
-            params = g["params"]
-            old = info.group_params[gi]
-            if len(params) != len(old) or any(a is not b for a, b in zip(params, old)):
+            if not _K.same_objects(g["params"], info.group_params[gi]):
                 reason = f"the parameters of param group {gi} changed"
                 break
-        if reason is None and info.do_flatten:
-            for b in info.buckets:
-                for i, p in enumerate(b.params):
-                    if p.data_ptr() != b.ptrs[i] or p.stride() != b.strides[i]:
-                        reason = (
-                            f"parameter {i} of param group {b.group_index} no longer lives in the flat "
-                            "buffer (p.data was replaced)"
-                        )
-                        break
-                if reason:
-                    break
     if reason is None:
-        return
+        return False
     if info.check_flatten and not info.warned:
-        warnings.warn(f"fuse_step: {reason}; re-fusing the optimizer's flat buffers", stacklevel=3)
+        warnings.warn(f"fuse_step: {reason}; re-fusing the optimizer's flat buffers", stacklevel=4)
         info.warned = True
     logger.info("re-fusing %s: %s", type(optimizer).__name__, reason)
     _check_supported(optimizer)
+    info.fast = None
     if info.do_flatten:
         _build(optimizer, info)
     else:
         info.groups = list(groups)
         info.group_params = [list(g["params"]) for g in groups]
         info.state_obj = optimizer.state
+    return True
+
+
+def _moved(info: _FusedInfo) -> Optional[str]:
+    for b in info.buckets:
+        for i, p in enumerate(b.params):
+            if p.data_ptr() != b.ptrs[i] or p.stride() != b.strides[i]:
+                return (
+                    f"parameter {i} of param group {b.group_index} no longer lives in the flat buffer "
+                    "(p.data was replaced)"
+                )
+    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -578,30 +599,97 @@ def fuse_step(optimizer: torch.optim.Optimizer, closure: Optional[Callable[[], A
         with torch.enable_grad():
             loss = closure()
     _sync(optimizer, info)
+    if info.do_flatten:
+        if info.fast is not None and _step_fast(optimizer, info):
+            return loss
+        _step_flat(optimizer, info)
+    else:
+        if not _sparse_fallback(optimizer, info):
+            _step_adjacent(optimizer, info)
+    return loss
+
+
+def _sparse_fallback(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> bool:
+    """Sparse gradients: torch's own step() (SGD and Adagrad update, the others raise)."""
     for group in optimizer.param_groups:
         for p in group["params"]:
             g = p.grad
             if g is not None and g.is_sparse:
-                # torch's own behaviour for sparse gradients: SGD/Adagrad update, others raise.
+                info.fast = None
                 optimizer.step()
-                if info.do_flatten:
-                    for b in info.buckets:
-                        _flatten_state(optimizer, b, range(len(b.params)))
-                return loss
-    if info.do_flatten:
-        _step_flat(optimizer, info)
-    else:
-        _step_adjacent(optimizer, info)
-    return loss
+                for b in info.buckets:
+                    _flatten_state(optimizer, b, range(len(b.params)))
+                return True
+    return False
+
+
+_CFG_KEYS = (
+    "fused",
+    "foreach",
+    "differentiable",
+    "capturable",
+    "amsgrad",
+    "maximize",
+    "nesterov",
+    "decoupled_weight_decay",
+    "lr",
+    "betas",
+    "weight_decay",
+    "eps",
+    "momentum",
+    "dampening",
+)
+
+
+def _cfg_key(group: Dict[str, Any]) -> Tuple[Any, ...]:
+    """What decides the kernel choice: flags by value, numbers by type (float vs Tensor)."""
+    out = []
+    for k in _CFG_KEYS:
+        v = group.get(k)
+        if v is None or isinstance(v, bool):
+            out.append(v)
+        elif isinstance(v, tuple):
+            out.append(tuple(type(x) for x in v))
+        else:
+            out.append(type(v))
+    return tuple(out)
+
+
+def _step_fast(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> bool:
+    """Repeat the previous step's kernel runs when nothing about the layout changed."""
+    state = optimizer.state
+    groups = optimizer.param_groups
+    for b in info.buckets:
+        # light: state is only re-checked on the slow path; step() and load_state_dict()
+        # invalidate info.fast (step post-hook, state identity in _sync).
+        _K.scan(
+            b.params,
+            b.grad_views,
+            b.ptr_arr,
+            state,
+            b.keys,
+            b.key_views,
+            b.step_objs,
+            b.n_extra,
+            b.status,
+            True,
+        )
+        if b.status.tobytes() != b.fast_status or _cfg_key(groups[b.group_index]) != b.cfg:
+            info.fast = None
+            return False
+    for kern, b, run in info.fast:
+        kern.run(optimizer, groups[b.group_index], b, run)
+    return True
 
 
 class _Run:
-    __slots__ = ("bucket", "idx", "sig")
+    __slots__ = ("bucket", "idx", "sig", "step_ptrs")
 
     def __init__(self, bucket: _Bucket, idx: List[int], sig: Any) -> None:
         self.bucket = bucket
         self.idx = idx
         self.sig = sig
+        self.step_ptrs: Optional[np.ndarray] = None
 
 
 def _scalar_sig(st: Dict[Any, Any], flat_keys: Iterable[Any]) -> Any:
@@ -619,47 +707,87 @@ def _scalar_sig(st: Dict[Any, Any], flat_keys: Iterable[Any]) -> Any:
     return tuple(items)
 
 
+def _scan_args(b: _Bucket, kern: Optional[_Kernel]) -> None:
+    b.keys = tuple(b.state_views)
+    b.key_views = [b.state_views[k] for k in b.keys]
+    if isinstance(kern, _AdamKernel):
+        if b.step_objs is None:
+            b.step_objs = [None] * len(b.params)
+        b.n_extra = 1
+    else:
+        b.step_objs = None
+        b.n_extra = 0 if isinstance(kern, _SgdKernel) else -1
+
+
 def _step_flat(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> None:
+    if _sparse_fallback(optimizer, info):
+        return
     state = optimizer.state
     groups = optimizer.param_groups
+    for _ in range(2):
+        moved = None
+        for b in info.buckets:
+            kern = _kernel_for(optimizer, groups[b.group_index], b)
+            _scan_args(b, kern)
+            _K.scan(
+                b.params,
+                b.grad_views,
+                b.ptr_arr,
+                state,
+                b.keys,
+                b.key_views,
+                b.step_objs,
+                b.n_extra,
+                b.status,
+            )
+            if (b.status == 4).any():
+                moved = _moved(info) or "a parameter no longer lives in the flat buffer"
+                break
+        if moved is None:
+            break
+        _sync(optimizer, info, moved)
     loose: Dict[int, List[torch.Tensor]] = {}
-    runs: List[_Run] = []
+    runs: List[Tuple[_Kernel, _Bucket, _Run]] = []
+    generic: List[_Run] = []
     for b in info.buckets:
         group = groups[b.group_index]
         kern = _kernel_for(optimizer, group, b)
-        flat_keys = b.state_flat.keys()
+        _scan_args(b, kern)
+        status = b.status
+        if (status == 2).any():
+            with torch.no_grad():
+                for i in np.flatnonzero(status == 2).tolist():
+                    p = b.params[i]
+                    g, view = p.grad, b.grad_views[i]
+                    if g.shape == view.shape and g.dtype == view.dtype and g.device == view.device:
+                        view.copy_(g)
+                        p.grad = view
+            _K.scan(
+                b.params, b.grad_views, b.ptr_arr, state, b.keys, b.key_views, b.step_objs, b.n_extra, status
+            )
         stateless = isinstance(optimizer, torch.optim.SGD) and group["momentum"] == 0
         # torch's fused=True CPU kernels round the last (numel % vector width) elements of each
         # tensor differently from the rest, so their math on a flat view is not bitwise equal to
         # their math per tensor. Without a compiled kernel that reproduces it, stay per tensor.
         per_tensor = kern is None and bool(group.get("fused"))
+        flat_keys = b.state_flat.keys()
         run_idx: List[int] = []
         run_sig: Any = None
-        for i, p in enumerate(b.params):
-            g = p.grad
-            eligible = False
+        for i, code in enumerate(status.tolist()):
             sig = None
-            if g is not None:
-                view = b.grad_views[i]
-                if g is not view:
-                    if g.shape == view.shape and g.dtype == view.dtype and g.device == view.device:
-                        with torch.no_grad():
-                            view.copy_(g)
-                        p.grad = view
-                        eligible = True
-                else:
-                    eligible = True
-                if eligible:
-                    st = state.get(p)
-                    if st:
-                        eligible = _state_is_flat(st, b, i)
-                    else:
-                        # SGD without momentum keeps no state at all; everything else creates
-                        # state on a parameter's first step (torch does that, per tensor).
+            eligible = False
+            if code != 1:
+                p = b.params[i]
+                st = state.get(p)
+                if code == 0 or (code == 3 and p.grad is b.grad_views[i]):
+                    if not st:
                         eligible = stateless
-                        st = {}
-                    if eligible:
-                        sig = kern.signature(st, b, i) if kern is not None else _scalar_sig(st, flat_keys)
+                        sig = 0
+                    elif _state_is_flat(st, b, i):
+                        if kern is not None:
+                            sig = kern.signature(st, b, i)
+                        else:
+                            sig = _scalar_sig(st, flat_keys)
                         eligible = sig is not None
                 if per_tensor:
                     eligible = False
@@ -669,22 +797,52 @@ def _step_flat(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> None:
                 run_idx.append(i)
                 continue
             if run_idx:
-                runs.append(_Run(b, run_idx, run_sig))
+                (runs if kern is not None else generic).append(_Run(b, run_idx, run_sig))  # type: ignore[arg-type]
                 run_idx = []
             if eligible:
                 run_idx = [i]
                 run_sig = sig
         if run_idx:
-            runs.append(_Run(b, run_idx, run_sig))
+            (runs if kern is not None else generic).append(_Run(b, run_idx, run_sig))  # type: ignore[arg-type]
+    kernel_runs = []
+    for run in runs:  # type: ignore[assignment]
+        b = run.bucket  # type: ignore[attr-defined]
+        kern = _kernel_for(optimizer, groups[b.group_index], b)
+        kernel_runs.append((kern, b, run))
+        kern.run(optimizer, groups[b.group_index], b, run)  # type: ignore[union-attr, arg-type]
+    if not loose and not generic:
+        # Steady state: remember this layout; the next fuse_step only re-checks it (_step_fast).
+        for b in info.buckets:
+            _K.scan(
+                b.params,
+                b.grad_views,
+                b.ptr_arr,
+                state,
+                b.keys,
+                b.key_views,
+                b.step_objs,
+                b.n_extra,
+                b.status,
+            )
+            b.fast_status = b.status.tobytes()
+            b.cfg = _cfg_key(groups[b.group_index])
+        info.fast = kernel_runs
+        return
+    _step_torch(optimizer, info, loose, generic)
+
+
+def _step_torch(
+    optimizer: torch.optim.Optimizer,
+    info: _FusedInfo,
+    loose: Dict[int, List[torch.Tensor]],
+    generic: List[_Run],
+) -> None:
+    """torch's own step over loose parameters and over flat views of the generic runs."""
+    state = optimizer.state
     shadow: Dict[int, List[torch.Tensor]] = {gi: list(ps) for gi, ps in loose.items()}
     shadow_states: List[Tuple[torch.Tensor, _Run, Dict[Any, Any]]] = []
-    for run in runs:
+    for run in generic:
         b = run.bucket
-        group = groups[b.group_index]
-        kern = _kernel_for(optimizer, group, b)
-        if kern is not None:
-            kern.run(optimizer, group, b, run)
-            continue
         # torch's own math on a flat view covering the run (alignment padding included: it is
         # zero in params, grads and state, and every elementwise update maps zeros to zeros).
         first, last = run.idx[0], run.idx[-1]
@@ -702,6 +860,7 @@ def _step_flat(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> None:
         shadow_states.append((sp, run, sst))
     if not shadow:
         return
+    info.fast = None
     saved_groups = optimizer.param_groups
     shadow_groups = []
     for gi, g in enumerate(saved_groups):
@@ -717,11 +876,6 @@ def _step_flat(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> None:
         optimizer.param_groups = saved_groups
         for sp, _, _ in shadow_states:
             state.pop(sp, None)
-        # Hyper-parameters the step itself may update (none of torch's do today) flow back.
-        for sg, g in zip(shadow_groups, saved_groups):
-            for k, v in sg.items():
-                if k != "params" and g.get(k) is not v:
-                    g[k] = v
     for _sp, run, sst in shadow_states:
         b = run.bucket
         for i in run.idx:
@@ -835,14 +989,14 @@ class _Kernel:
         raise NotImplementedError
 
 
-def _plan(b: _Bucket, run: _Run, body_mod: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _plan(b: _Bucket, run: _Run, body_mod: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     key = (run.idx[0], run.idx[-1], body_mod)
     plan = b.plan_cache.get(key)
     if plan is None:
         starts = np.array([b.offsets[i] for i in run.idx], dtype=np.int64)
         lens = np.array([b.numels[i] for i in run.idx], dtype=np.int64)
         bodies = lens - lens % body_mod if body_mod > 1 else lens.copy()
-        plan = _K.make_plan(starts, lens, bodies, _CHUNK)
+        plan = (*_K.make_plan(starts, lens, bodies, _CHUNK), int(lens.sum()))
         if len(b.plan_cache) > 64:
             b.plan_cache.clear()
         b.plan_cache[key] = plan
@@ -861,7 +1015,7 @@ class _SgdKernel(_Kernel):
         plan = _plan(b, run, 1)
         mom = float(group["momentum"])
         buf = b.state_flat.get("momentum_buffer") if mom != 0 else None
-        n = int(plan[1].sum())
+        n = plan[3]
         _K.sgd_step(
             _dtype_code(b.dtype),
             b.flat_param.data_ptr(),
@@ -897,13 +1051,17 @@ class _AdamKernel(_Kernel):
             return None
         if len(st) != (4 if self.amsgrad else 3):
             return None
+        if b.step_objs is not None:
+            b.step_objs[i] = s  # scan() then checks identity; run() bumps it through its pointer
         return s.item()
 
     def run(self, opt: Any, group: Dict[str, Any], b: _Bucket, run: _Run) -> None:
-        state = opt.state
-        steps = [state[b.params[i]]["step"] for i in run.idx]
-        step = float(run.sig) + 1.0
-        step = float(torch.tensor(step, dtype=torch.float32))  # torch keeps step in float32
+        if run.step_ptrs is None:
+            steps = [b.step_objs[i] for i in run.idx]  # type: ignore[index]
+            run.step_ptrs = np.fromiter((s.data_ptr() for s in steps), dtype=np.int64, count=len(steps))
+        # torch counts in a float32 tensor: step_t += 1, then item()
+        step = float(np.float32(run.sig) + np.float32(1.0))
+        run.sig = step
         beta1, beta2 = group["betas"]
         beta1 = float(beta1)
         beta2 = float(beta2)
@@ -914,13 +1072,62 @@ class _AdamKernel(_Kernel):
         bc2 = 1 - beta2**step
         # torch's fused kernel takes sqrt in C++; its for-loop/foreach paths use Python's ** 0.5.
         bc2s = math.sqrt(bc2) if self.fused else bc2**0.5
-        vl = _vector_len(b.dtype)
-        plan = _plan(b, run, vl if self.fused else 1)
-        n = int(plan[1].sum())
         sf = b.state_flat
         vmax = sf["max_exp_avg_sq"].data_ptr() if self.amsgrad else 0
+        code = _dtype_code(b.dtype)
+        decay = (1 - lr * wd) if self.decoupled else 1.0
+        if not self.fused:
+            # torch's for-loop and foreach paths: the same rounding sequence, but the square root
+            # comes from torch (MKL's vectorised sqrt is not correctly rounded): moments kernel,
+            # torch.sqrt over the run's flat range, then the update kernel.
+            plan = _plan(b, run, 1)
+            n = plan[3]
+            nt = _nthreads(n)
+            _K.adam_moments(
+                code,
+                b.flat_param.data_ptr(),
+                b.flat_grad.data_ptr(),
+                sf["exp_avg"].data_ptr(),
+                sf["exp_avg_sq"].data_ptr(),
+                vmax,
+                plan[0],
+                plan[1],
+                1 - beta1,
+                beta2,
+                1 - beta2,
+                wd if not self.decoupled else 0.0,
+                self.amsgrad,
+                bool(group["maximize"]),
+                (wd != 0 and not self.decoupled),
+                nt,
+            )
+            first, last = run.idx[0], run.idx[-1]
+            start, end = b.offsets[first], b.offsets[last] + b.numels[last]
+            if b.scratch is None:
+                b.scratch = torch.empty(b.length, dtype=b.dtype, device=b.device)
+            src = sf["max_exp_avg_sq"] if self.amsgrad else sf["exp_avg_sq"]
+            torch.sqrt(src[start:end], out=b.scratch[start:end])
+            _K.adam_apply(
+                code,
+                b.flat_param.data_ptr(),
+                sf["exp_avg"].data_ptr(),
+                b.scratch.data_ptr(),
+                plan[0],
+                plan[1],
+                bc2s,
+                eps,
+                -(lr / bc1),
+                decay,
+                (wd != 0 and self.decoupled),
+                nt,
+            )
+            _K.bump_steps(run.step_ptrs, 1.0)
+            return
+        vl = _vector_len(b.dtype)
+        plan = _plan(b, run, vl)
+        n = plan[3]
         _K.adam_step(
-            _dtype_code(b.dtype),
+            code,
             b.flat_param.data_ptr(),
             b.flat_grad.data_ptr(),
             sf["exp_avg"].data_ptr(),
@@ -936,7 +1143,7 @@ class _AdamKernel(_Kernel):
             eps,
             -(lr / bc1),
             wd if not self.decoupled else 0.0,
-            (1 - lr * wd) if self.decoupled else 1.0,
+            decay,
             self.amsgrad,
             bool(group["maximize"]),
             (wd != 0 and not self.decoupled),
@@ -945,8 +1152,7 @@ class _AdamKernel(_Kernel):
             1,
             _nthreads(n),
         )
-        ptrs = np.fromiter((s.data_ptr() for s in steps), dtype=np.int64, count=len(steps))
-        _K.bump_steps(ptrs, 1.0)
+        _K.bump_steps(run.step_ptrs, 1.0)
 
 
 _CAPABILITY: List[str] = []
@@ -980,8 +1186,6 @@ def _kernel_for(opt: Any, group: Dict[str, Any], b: _Bucket) -> Optional[_Kernel
             _is_float(x) for x in (group["lr"], betas[0], betas[1], group["weight_decay"], group["eps"])
         ):
             return None
-        if not group.get("fused"):
-            return None  # for-loop/foreach: torch's sqrt (MKL) is not reproducible in one pass
         decoupled = bool(group.get("decoupled_weight_decay", False)) or isinstance(opt, torch.optim.AdamW)
-        return _AdamKernel(True, decoupled, bool(group["amsgrad"]))
+        return _AdamKernel(bool(group.get("fused")), decoupled, bool(group["amsgrad"]))
     return None
