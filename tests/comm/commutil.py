@@ -529,26 +529,63 @@ def real_nccl(rank: int, ws: int) -> Dict[str, Any]:
     return out
 
 
-def gpu_allreduce(rank: int, ws: int) -> Dict[str, Any]:  # pragma: no cover - needs GPUs
+def local_reduce(stack: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+    """Reference reduction over dim 0 with trainloom's semantics (bool SUM = any, PRODUCT = all)."""
+    import functools
+
+    if stack.dtype == torch.bool:
+        table = {
+            ReduceOp.SUM: torch.any,
+            ReduceOp.MAX: torch.any,
+            ReduceOp.BOR: torch.any,
+            ReduceOp.PRODUCT: torch.all,
+            ReduceOp.MIN: torch.all,
+            ReduceOp.BAND: torch.all,
+        }
+        if op == ReduceOp.BXOR:
+            return functools.reduce(torch.bitwise_xor, stack.unbind(0))
+        return table[op](stack, dim=0)
+    if op in (ReduceOp.BOR, ReduceOp.BAND, ReduceOp.BXOR):
+        fn = {
+            ReduceOp.BOR: torch.bitwise_or,
+            ReduceOp.BAND: torch.bitwise_and,
+            ReduceOp.BXOR: torch.bitwise_xor,
+        }[op]
+        return functools.reduce(fn, stack.unbind(0))
+    if op == ReduceOp.SUM:
+        return stack.sum(0, dtype=stack.dtype)
+    if op == ReduceOp.PRODUCT:
+        return stack.prod(0, dtype=stack.dtype)
+    if op == ReduceOp.MIN:
+        return stack.amin(0)
+    if op == ReduceOp.MAX:
+        return stack.amax(0)
+    return stack.sum(0) / stack.shape[0]
+
+
+def gpu_collectives(rank: int, ws: int) -> List[str]:  # pragma: no cover - needs GPUs
+    """CUDA tensors through the NCCL engine, against a local reference of every rank's data."""
     torch.cuda.set_device(rank % torch.cuda.device_count())
     C.init_process_group(timeout=60)
-    out: Dict[str, Any] = {}
-    for dt in (torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.complex64):
+    bad: List[str] = []
+    for dt in (torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.bool, torch.complex64):
         x = data(rank, 12, dt).cuda()
+        stack = torch.stack([data(r, 12, dt) for r in range(ws)])
         for op in ops_for(dt):
-            want = torch.stack([data(r, 12, dt) for r in range(ws)])
             got = torch.zeros_like(x)
             C.allreduce(x, got, op)
-            out[f"{dt}-{op.name}"] = got.cpu().tolist()
-            del want
+            if not _same(got.cpu(), local_reduce(stack, op)):
+                bad.append(f"allreduce {dt} {op.name}: {got.cpu().tolist()}")
+        g = torch.zeros(12 * ws, dtype=dt, device="cuda")
+        C.allgather(x, g)
+        if not _same(g.cpu(), stack.reshape(-1)):
+            bad.append(f"allgather {dt}")
     w = C.allreduce_inplace(torch.ones(4, device="cuda"), async_op=True)
-    w.wait()
-    out["async"] = w.result().cpu().tolist()
-    g = torch.zeros(4 * ws, device="cuda")
-    C.allgather(torch.full((4,), float(rank), device="cuda"), g)
-    out["allgather"] = g.cpu().tolist()
+    w.wait(timeout=30)
+    if w.result().cpu().tolist() != [float(ws)] * 4:
+        bad.append("async allreduce")
     C.destroy_process_group()
-    return out
+    return bad
 
 
 def shm_segments() -> List[str]:

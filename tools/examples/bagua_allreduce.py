@@ -12,7 +12,7 @@ import lines read ``import bagua.torch_api as bagua`` and
 import torch
 
 import trainloom.comm as bagua  # was: import bagua.torch_api as bagua
-from trainloom.comm import ReduceOp  # was: from bagua.torch_api.communication import ReduceOp
+from trainloom.comm.communication import ReduceOp  # was: from bagua.torch_api.communication import ReduceOp
 
 
 def main() -> None:

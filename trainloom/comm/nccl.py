@@ -150,7 +150,8 @@ class NcclEngine:
         self.device = device
         self.timeout = float(timeout)
         self._stream = stream
-        key = f"{prefix}/nccl_uid/{device.index}"
+        # One key per communicator, not per device: ranks of one communicator use different devices.
+        key = f"{prefix}/nccl_uid"
         if rank == 0:
             uid = get_unique_id()
             store.set(key, uid)
