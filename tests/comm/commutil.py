@@ -297,6 +297,18 @@ def features(rank: int, ws: int, engine: str) -> Dict[str, Any]:
     w = C.allreduce_inplace(x, async_op=True, hierarchical=True)
     w.wait()
     out["hier_async"] = x.tolist()
+    # the other dtypes the engines take (gloo has no int16: reduced in int32 and wrapped back)
+    extra = []
+    for dt in (torch.float16, torch.int8, torch.int16, torch.complex128):
+        x = data(rank, 9, dt)
+        got = torch.zeros_like(x)
+        C.allreduce(x, got, ReduceOp.SUM)
+        want = local_reduce(torch.stack([data(r, 9, dt) for r in range(ws)]), ReduceOp.SUM)
+        extra.append(_same(got, want))
+    big = torch.full((3,), 30000, dtype=torch.int16)
+    C.allreduce_inplace(big)
+    extra.append(big.tolist() == [(90000 + 2**15) % 2**16 - 2**15] * 3)  # int16 wraps around
+    out["extra_dtypes"] = extra
     out["env"] = (C.get_rank(), C.get_world_size(), C.get_local_rank(), C.get_local_size())
     C.destroy_process_group()
     try:
@@ -349,6 +361,9 @@ def mismatches(rank: int, ws: int, engine: str) -> Dict[str, str]:
         [0, 2],
         comm=fresh(),
     )
+    # an asynchronous call reports the mismatch from Work.wait()
+    w = C.allreduce_inplace(torch.ones(2 if rank == 0 else 3), comm=fresh(), async_op=True)
+    out["async"] = _expect(w.wait, CommError)
     # the default communicator still works afterwards
     t = torch.ones(3)
     C.allreduce_inplace(t)

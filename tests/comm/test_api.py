@@ -346,3 +346,24 @@ def test_bagua_example_script_runs_after_changing_its_import():
     assert outs[0][0].strip() == (
         "world=2 bucket=10485760 allreduce=[(4+4j), (6+6j)] avg_grad=[0.5, 0.5, 0.5, 0.5] gathered=[0.0, 1.0]"
     )
+
+
+def test_work_wait_timeout_and_result():
+    import concurrent.futures
+
+    from trainloom.comm.work import FutureWork
+    from trainloom.errors import CommTimeoutError
+
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+    done = []
+    w = FutureWork("allreduce", fut, torch.ones(2), finish=lambda: done.append(1))
+    assert w.is_completed() is False
+    with pytest.raises(CommTimeoutError, match=r"allreduce: Work.wait\(timeout=0.01\) expired"):
+        w.wait(timeout=0.01)
+    fut.set_result(None)
+    assert w.wait() is True and w.is_completed() and done == [1]
+    assert w.result().tolist() == [1.0, 1.0] and done == [1]  # finish runs once
+    bad: concurrent.futures.Future = concurrent.futures.Future()
+    bad.set_exception(CommError("allreduce #3: ranks disagree"))
+    with pytest.raises(CommError, match=r"ranks disagree"):
+        FutureWork("allreduce", bad, None).wait()

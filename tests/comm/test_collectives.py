@@ -37,6 +37,7 @@ def test_async_views_empty_groups_hierarchical(engine):
             assert r[f"hier_{op}"] is True, op
         assert r["hier_async"] == res[0]["hier_async"]
         assert r["env"] == (rank, 3, rank, 3)
+        assert r["extra_dtypes"] == [True] * 5
         assert "used after destroy_process_group()" in r["after_destroy"]
     assert res[0]["subgroup"] == (0, 2, [2.0, 2.0, 2.0]) and res[2]["subgroup"] == (1, 2, [2.0, 2.0, 2.0])
     assert "rank 1 is not a member of process group" in res[1]["subgroup"]
@@ -59,6 +60,7 @@ def test_cross_rank_mismatch_raises_on_every_rank(engine):
         assert "op=SUM" in r["op"] and "op=MAX" in r["op"]
         assert "root" in r["root"] or "src" in r["root"]
         assert "CommError" in r["alltoall_v"]
+        assert "numel=2" in r["async"] and "numel=3" in r["async"]
         assert r["after"] == "[2.0, 2.0, 2.0]"
     assert "rank 0" in res[0]["numel"] and "rank 1" in res[0]["numel"]
     assert "rank 0" in res[1]["numel"] and "rank 1" in res[1]["numel"]
