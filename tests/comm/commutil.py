@@ -252,11 +252,29 @@ def features(rank: int, ws: int, engine: str) -> Dict[str, Any]:
         t.zero_()
     C.broadcast(t, 0)
     out["transposed"] = t.tolist()
-    # empty tensors
+    # more non-contiguous outputs: a column gathered into, a column reduce-scattered in place
+    m2 = torch.full((3 * ws, 2), -1.0)
+    C.allgather(torch.full((3,), float(rank)), m2[:, 0])
+    out["allgather_column"] = m2.tolist()
+    m3 = torch.ones(2 * ws, 2)
+    C.reduce_scatter_inplace(m3[:, 1])
+    out["rs_column"] = m3.tolist()
+    # empty tensors, every collective
     e = torch.empty(0)
     C.allreduce_inplace(e)
+    C.reduce(e, torch.empty(0), 0)
     C.broadcast(e, 0)
     C.allgather(e, torch.empty(0))
+    C.gather(e, torch.empty(0), 1)
+    C.scatter(torch.empty(0), e, 2)
+    C.reduce_scatter(e, torch.empty(0))
+    C.alltoall(e, torch.empty(0))
+    C.alltoall_v(e, [0] * ws, [0] * ws, torch.empty(0), [0] * ws, [0] * ws)
+    if rank == 0:
+        C.send(e, 1)
+    elif rank == 1:
+        C.recv(torch.empty(0), 0)
+    C.barrier()
     out["empty"] = True
     # groups
     sub = C.new_group([0, 2])

@@ -33,6 +33,9 @@ def test_async_views_empty_groups_hierarchical(engine):
         assert r["gather_into_row"] == [[0.0] * 9, [0.0] * 3 + [1.0] * 3 + [2.0] * 3]
         assert r["transposed"] == [[0.0, 3.0], [1.0, 4.0], [2.0, 5.0]]
         assert r["empty"] is True
+        assert r["allgather_column"] == [[float(i // 3), -1.0] for i in range(9)]
+        rs_col = [[1.0, 3.0 if i // 2 == rank else 1.0] for i in range(6)]
+        assert r["rs_column"] == rs_col
         for op in ("SUM", "MAX", "AVG"):
             assert r[f"hier_{op}"] is True, op
         assert r["hier_async"] == res[0]["hier_async"]

@@ -125,6 +125,7 @@ class GlooEngine:
         self._prefix = prefix
         self._store = store
         self._seq = 0
+        self._p2p_seq = 0
         self._broken: Optional[str] = None
         self._closed = False
         self._check = _check_enabled()
@@ -136,7 +137,7 @@ class GlooEngine:
         )
 
     # ----------------------------------------------------------------- plumbing
-    def _begin(self, opname: str) -> int:
+    def _begin(self, opname: str, p2p: bool = False) -> int:
         if self._closed:
             raise CommError(f"{opname}: gloo communicator used after close()/destroy_process_group()")
         if self._broken is not None:
@@ -144,6 +145,9 @@ class GlooEngine:
                 f"{opname}: this communicator is unusable after an earlier failure ({self._broken}); "
                 "destroy the process group and create a new one"
             )
+        if p2p:  # only two ranks take part: a separate count keeps collective numbers equal everywhere
+            self._p2p_seq += 1
+            return self._p2p_seq
         self._seq += 1
         return self._seq
 
@@ -465,7 +469,7 @@ class GlooEngine:
             off += c * es
 
     def send(self, tensor: torch.Tensor, dst: int, timeout: Optional[float] = None) -> None:
-        seq = self._begin("send")
+        seq = self._begin("send", p2p=True)
         if self._check:
             hdr = self._header("send", 0, tensor)
             self._run("send", seq, timeout, lambda: self._pg.send([hdr], dst, 1))
@@ -477,7 +481,7 @@ class GlooEngine:
             self._run("send", seq, timeout, lambda: self._pg.send([b], dst, 0))
 
     def recv(self, tensor: torch.Tensor, src: int, timeout: Optional[float] = None) -> None:
-        seq = self._begin("recv")
+        seq = self._begin("recv", p2p=True)
         if self._check:
             hdr = self._header("recv", 0, tensor)
             peer = torch.empty(_HDR, dtype=torch.int64)
