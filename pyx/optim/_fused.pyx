@@ -788,7 +788,8 @@ def scan(list params, list grad_views, const int64_t[::1] ptrs, object state, tu
             code = 0
         else:
             code = 2
-        if code != 1 and not light:
+        # A foreign gradient (2) is reported first: the caller copies it, then scans again.
+        if code == 0 and not light:
             st = state.get(p)
             if st is None or len(<dict>st) == 0:
                 if nk != 0 or n_extra > 0 or step_objs is not None:

@@ -1,4 +1,4 @@
-"""Shared helpers for the fused-optimizer tests: twin parameter sets and bitwise comparison."""
+"""Shared helpers for the fused-optimizer tests: twin parameter sets, bitwise comparison, ranks."""
 
 from __future__ import annotations
 
@@ -105,3 +105,37 @@ def run_pair(
 def groups(params: Sequence[torch.Tensor], kw1: dict, kw2: dict) -> list:
     """Two param groups with different hyper-parameters."""
     return [dict(params=list(params[:5]), **kw1), dict(params=list(params[5:]), **kw2)]
+
+
+def ddp_rank(rank: int, world_size: int, steps: int) -> bool:
+    """A DDP-style flow: gradients of the fused model are averaged by one all_reduce on the flat
+    gradient buffer; a per-tensor twin averages per parameter. Returns bitwise equality."""
+    import torch.distributed as dist
+
+    from trainloom.optim import flat_buffers, fuse_optimizer
+
+    dist.init_process_group("gloo")
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+        twin_model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+        twin_model.load_state_dict(model.state_dict())
+        opt = fuse_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
+        ref = torch.optim.AdamW(twin_model.parameters(), lr=1e-2, weight_decay=0.1)
+        gen = torch.Generator().manual_seed(100 + rank)
+        for _ in range(steps):
+            x = torch.randn(5, 8, generator=gen)
+            for m, o in ((model, opt), (twin_model, ref)):
+                o.zero_grad()  # set_to_none=True: the hook must re-point grads at the flat buffer
+                m(x).pow(2).sum().backward()
+            for flat in flat_buffers(opt, "grad"):
+                dist.all_reduce(flat)  # one collective writes every gradient
+                flat.div_(world_size)
+            for p in twin_model.parameters():
+                dist.all_reduce(p.grad)
+                p.grad.div_(world_size)
+            opt.fuse_step()
+            ref.step()
+        return all(torch.equal(bits(a), bits(b)) for a, b in zip(model.parameters(), twin_model.parameters()))
+    finally:
+        dist.destroy_process_group()
