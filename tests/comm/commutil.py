@@ -559,6 +559,10 @@ def real_nccl(rank: int, ws: int) -> Dict[str, Any]:
         _nccl.Communicator(1, a, 0)
     except NcclError as exc:
         out["init"] = (exc.status, exc.where, str(exc))
+    import trainloom
+
+    cfg = trainloom.config()["nccl"]
+    out["config"] = (cfg["available"], cfg.get("version"), cfg.get("path"))
     return out
 
 
