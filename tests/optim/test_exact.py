@@ -6,14 +6,14 @@ import pytest
 import torch
 from optimutil import assert_bitwise, groups, run_pair
 
-O = torch.optim
+optim = torch.optim
 
 # (name, constructor over params); two param groups with different hyper-parameters each.
 CONFIGS = [
-    ("sgd", lambda ps: O.SGD(groups(ps, dict(lr=0.1), dict(lr=0.01, momentum=0.9, weight_decay=1e-2)))),
+    ("sgd", lambda ps: optim.SGD(groups(ps, dict(lr=0.1), dict(lr=0.01, momentum=0.9, weight_decay=1e-2)))),
     (
         "sgd-nesterov-dampening",
-        lambda ps: O.SGD(
+        lambda ps: optim.SGD(
             groups(
                 ps,
                 dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3),
@@ -21,48 +21,59 @@ CONFIGS = [
             )
         ),
     ),
-    ("sgd-foreach", lambda ps: O.SGD(groups(ps, dict(lr=0.1, momentum=0.9), dict(lr=0.01)), foreach=True)),
+    (
+        "sgd-foreach",
+        lambda ps: optim.SGD(groups(ps, dict(lr=0.1, momentum=0.9), dict(lr=0.01)), foreach=True),
+    ),
     (
         "sgd-fused",
-        lambda ps: O.SGD(groups(ps, dict(lr=0.1, momentum=0.9), dict(lr=0.01, momentum=0.5)), fused=True),
+        lambda ps: optim.SGD(groups(ps, dict(lr=0.1, momentum=0.9), dict(lr=0.01, momentum=0.5)), fused=True),
     ),
-    ("adam", lambda ps: O.Adam(groups(ps, dict(lr=1e-3), dict(lr=1e-2, weight_decay=0.1, amsgrad=True)))),
+    ("adam", lambda ps: optim.Adam(groups(ps, dict(lr=1e-3), dict(lr=1e-2, weight_decay=0.1, amsgrad=True)))),
     (
         "adam-foreach",
-        lambda ps: O.Adam(
+        lambda ps: optim.Adam(
             groups(ps, dict(lr=1e-3, maximize=True), dict(lr=1e-2, betas=(0.3, 0.9))), foreach=True
         ),
     ),
     (
         "adam-fused",
-        lambda ps: O.Adam(
+        lambda ps: optim.Adam(
             groups(ps, dict(lr=1e-3), dict(lr=1e-2, weight_decay=0.1, amsgrad=True)), fused=True
         ),
     ),
-    ("adamw", lambda ps: O.AdamW(groups(ps, dict(lr=1e-3), dict(lr=1e-2, weight_decay=0.1, amsgrad=True)))),
+    (
+        "adamw",
+        lambda ps: optim.AdamW(groups(ps, dict(lr=1e-3), dict(lr=1e-2, weight_decay=0.1, amsgrad=True))),
+    ),
     (
         "adamw-fused",
-        lambda ps: O.AdamW(groups(ps, dict(lr=1e-3, maximize=True), dict(lr=1e-2, amsgrad=True)), fused=True),
+        lambda ps: optim.AdamW(
+            groups(ps, dict(lr=1e-3, maximize=True), dict(lr=1e-2, amsgrad=True)), fused=True
+        ),
     ),
-    ("rmsprop", lambda ps: O.RMSprop(groups(ps, dict(lr=1e-3, centered=True), dict(lr=1e-2, momentum=0.9)))),
-    ("rprop", lambda ps: O.Rprop(groups(ps, dict(lr=1e-3), dict(lr=1e-2, etas=(0.4, 1.3))))),
-    ("asgd", lambda ps: O.ASGD(groups(ps, dict(lr=1e-2, t0=3), dict(lr=1e-3, weight_decay=1e-2)))),
-    ("adamax", lambda ps: O.Adamax(groups(ps, dict(lr=1e-2), dict(lr=1e-3, weight_decay=0.1)))),
-    ("adadelta", lambda ps: O.Adadelta(groups(ps, dict(lr=1.0), dict(lr=0.5, weight_decay=1e-2)))),
+    (
+        "rmsprop",
+        lambda ps: optim.RMSprop(groups(ps, dict(lr=1e-3, centered=True), dict(lr=1e-2, momentum=0.9))),
+    ),
+    ("rprop", lambda ps: optim.Rprop(groups(ps, dict(lr=1e-3), dict(lr=1e-2, etas=(0.4, 1.3))))),
+    ("asgd", lambda ps: optim.ASGD(groups(ps, dict(lr=1e-2, t0=3), dict(lr=1e-3, weight_decay=1e-2)))),
+    ("adamax", lambda ps: optim.Adamax(groups(ps, dict(lr=1e-2), dict(lr=1e-3, weight_decay=0.1)))),
+    ("adadelta", lambda ps: optim.Adadelta(groups(ps, dict(lr=1.0), dict(lr=0.5, weight_decay=1e-2)))),
     (
         "adagrad",
-        lambda ps: O.Adagrad(
+        lambda ps: optim.Adagrad(
             groups(ps, dict(lr=1e-2), dict(lr=1e-1, lr_decay=0.01, initial_accumulator_value=0.1))
         ),
     ),
-    ("adagrad-fused", lambda ps: O.Adagrad(groups(ps, dict(lr=1e-2), dict(lr=1e-1)), fused=True)),
+    ("adagrad-fused", lambda ps: optim.Adagrad(groups(ps, dict(lr=1e-2), dict(lr=1e-1)), fused=True)),
     (
         "nadam",
-        lambda ps: O.NAdam(
+        lambda ps: optim.NAdam(
             groups(ps, dict(lr=1e-2), dict(lr=1e-3, decoupled_weight_decay=True, weight_decay=0.1))
         ),
     ),
-    ("radam", lambda ps: O.RAdam(groups(ps, dict(lr=1e-2), dict(lr=1e-3, weight_decay=0.1)))),
+    ("radam", lambda ps: optim.RAdam(groups(ps, dict(lr=1e-2), dict(lr=1e-3, weight_decay=0.1)))),
 ]
 
 

@@ -290,6 +290,9 @@ class _FusedInfo:
         self.warned = False
         self.fast: Optional[List[Any]] = None
         self.step_hook: Any = None
+        self.in_shadow = False
+        # per param group: parameters that stay outside the flat buffers (0-d, complex, ...)
+        self.outside: List[List[torch.Tensor]] = []
 
 
 def _dense_strides(p: torch.Tensor) -> Tuple[int, ...]:
@@ -406,7 +409,8 @@ def fuse_optimizer(
 
 
 def _invalidate(info: _FusedInfo) -> None:
-    info.fast = None
+    if not info.in_shadow:  # our own calls of torch's step() do not count
+        info.fast = None
 
 
 def _fusable_param(p: torch.Tensor) -> bool:
@@ -449,6 +453,17 @@ def _build(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> None:
     info.groups = list(optimizer.param_groups)
     info.group_params = [list(g["params"]) for g in optimizer.param_groups]
     info.state_obj = optimizer.state
+    bucketed = {id(p) for b in info.buckets for p in b.params}
+    info.outside = [[p for p in g["params"] if id(p) not in bucketed] for g in optimizer.param_groups]
+
+
+def _outside_with_grad(info: _FusedInfo) -> Dict[int, List[torch.Tensor]]:
+    out: Dict[int, List[torch.Tensor]] = {}
+    for gi, ps in enumerate(info.outside):
+        with_grad = [p for p in ps if p.grad is not None]
+        if with_grad:
+            out[gi] = with_grad
+    return out
 
 
 def _flatten_state(optimizer: torch.optim.Optimizer, bucket: _Bucket, indices: Iterable[int]) -> None:
@@ -679,6 +694,9 @@ def _step_fast(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> bool:
             return False
     for kern, b, run in info.fast:
         kern.run(optimizer, groups[b.group_index], b, run)
+    outside = _outside_with_grad(info)
+    if outside:
+        _step_torch(optimizer, info, outside, [], keep_fast=True)
     return True
 
 
@@ -810,6 +828,7 @@ def _step_flat(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> None:
         kern = _kernel_for(optimizer, groups[b.group_index], b)
         kernel_runs.append((kern, b, run))
         kern.run(optimizer, groups[b.group_index], b, run)  # type: ignore[union-attr, arg-type]
+    outside = _outside_with_grad(info)
     if not loose and not generic:
         # Steady state: remember this layout; the next fuse_step only re-checks it (_step_fast).
         for b in info.buckets:
@@ -827,7 +846,11 @@ def _step_flat(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> None:
             b.fast_status = b.status.tobytes()
             b.cfg = _cfg_key(groups[b.group_index])
         info.fast = kernel_runs
+        if outside:
+            _step_torch(optimizer, info, outside, [], keep_fast=True)
         return
+    for gi, ps in outside.items():
+        loose.setdefault(gi, []).extend(ps)
     _step_torch(optimizer, info, loose, generic)
 
 
@@ -836,6 +859,7 @@ def _step_torch(
     info: _FusedInfo,
     loose: Dict[int, List[torch.Tensor]],
     generic: List[_Run],
+    keep_fast: bool = False,
 ) -> None:
     """torch's own step over loose parameters and over flat views of the generic runs."""
     state = optimizer.state
@@ -860,7 +884,8 @@ def _step_torch(
         shadow_states.append((sp, run, sst))
     if not shadow:
         return
-    info.fast = None
+    if not keep_fast:
+        info.fast = None
     saved_groups = optimizer.param_groups
     shadow_groups = []
     for gi, g in enumerate(saved_groups):
@@ -870,9 +895,11 @@ def _step_torch(
     for sp, _, sst in shadow_states:
         state[sp] = sst
     optimizer.param_groups = shadow_groups
+    info.in_shadow = True
     try:
         type(optimizer).step(optimizer)
     finally:
+        info.in_shadow = False
         optimizer.param_groups = saved_groups
         for sp, _, _ in shadow_states:
             state.pop(sp, None)

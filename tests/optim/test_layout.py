@@ -1,0 +1,210 @@
+"""Flattening: alignment, shapes, memory formats, values, 0-d state, where gradients land, re-fusing."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from optimutil import assert_bitwise, make_grads, make_params, set_grads, twin
+
+from trainloom.optim import FuseError, flat_buffers, fuse_optimizer, fuse_step, is_fused_optimizer
+
+
+def _in(t: torch.Tensor, flat: torch.Tensor) -> bool:
+    lo = flat.data_ptr()
+    hi = lo + flat.numel() * flat.element_size()
+    return lo <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= hi
+
+
+def test_params_become_aligned_views_keeping_shape_strides_and_values():
+    params = make_params()
+    before = [(p.shape, p.stride(), p.detach().clone()) for p in params]
+    opt = fuse_optimizer(torch.optim.SGD(params, lr=0.1))
+    assert is_fused_optimizer(opt)
+    (flat,) = flat_buffers(opt, "param")
+    for i, (p, (shape, stride, value)) in enumerate(zip(params, before)):
+        assert _in(p, flat)
+        assert p.data_ptr() % 64 == 0  # every view starts on a cache line
+        assert p.shape == shape
+        assert torch.equal(p.detach(), value)
+        if i != 4:  # the slice with gaps becomes dense; everything else keeps its strides
+            assert p.stride() == stride
+    assert params[4].is_contiguous() and before[4][1] == (8, 2)
+    conv = params[2]
+    assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()
+    assert params[3].stride() == (1, 5)  # the transposed parameter is still transposed
+
+
+def test_one_buffer_per_group_and_dtype_and_zero_d_step_never_flattened():
+    p32 = [torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(3, 3))]
+    p64 = [torch.nn.Parameter(torch.randn(4, dtype=torch.float64))]
+    scalar = torch.nn.Parameter(torch.tensor(1.5))  # a 0-d parameter stays as it is
+    opt = fuse_optimizer(torch.optim.Adam([{"params": p32 + p64}, {"params": [scalar], "lr": 0.1}], lr=1e-2))
+    grads = flat_buffers(opt, "grad")
+    assert sorted(str(g.dtype) for g in grads) == ["torch.float32", "torch.float64"]
+    for p in p32 + p64 + [scalar]:
+        p.grad = torch.ones_like(p)
+    for _ in range(3):
+        opt.fuse_step()
+    for p in p32 + p64:
+        st = opt.state[p]
+        assert st["step"].dim() == 0 and float(st["step"]) == 3.0
+        assert not any(_in(st["step"], f) for f in flat_buffers(opt, "param") + grads)
+        assert any(_in(st["exp_avg"], f) for f in opt._trainloom_fused.buckets[0].state_flat.values()) or any(
+            _in(st["exp_avg"], f) for b in opt._trainloom_fused.buckets for f in b.state_flat.values()
+        )
+    assert float(opt.state[scalar]["step"]) == 3.0 and scalar.dim() == 0
+
+
+def test_grads_land_in_flat_buffer_after_zero_grad_and_backward():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.ReLU(), torch.nn.Linear(7, 2))
+    ref = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.ReLU(), torch.nn.Linear(7, 2))
+    ref.load_state_dict(model.state_dict())
+    opt = fuse_optimizer(torch.optim.Adam(model.parameters(), lr=1e-2, fused=True))
+    opt_r = torch.optim.Adam(ref.parameters(), lr=1e-2, fused=True)
+    (gflat,) = flat_buffers(opt, "grad")
+    for _ in range(6):
+        x = torch.randn(4, 6)
+        for m, o in ((model, opt), (ref, opt_r)):
+            o.zero_grad()  # torch 2 default: set_to_none=True
+            m(x).square().sum().backward()
+        assert all(_in(p.grad, gflat) for p in model.parameters())
+        opt.fuse_step()
+        opt_r.step()
+    assert_bitwise(list(model.parameters()), list(ref.parameters()))
+    assert opt._trainloom_fused.fast is not None  # every fuse_step after the first is fused
+
+
+def test_accumulating_backward_keeps_using_the_flat_buffer():
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(3, 3)
+    opt = fuse_optimizer(torch.optim.SGD(lin.parameters(), lr=0.1))
+    (gflat,) = flat_buffers(opt, "grad")
+    x = torch.randn(2, 3)
+    lin(x).sum().backward()
+    first = lin.weight.grad.clone()
+    lin(x).sum().backward()  # accumulates in place into the view
+    assert _in(lin.weight.grad, gflat)
+    assert torch.equal(lin.weight.grad, first * 2)
+
+
+def test_param_without_grad_is_skipped_like_torch():
+    params = make_params()
+    ref = twin(params)
+    opt = fuse_optimizer(torch.optim.Adam(params, lr=0.1))
+    opt_r = torch.optim.Adam(ref, lr=0.1)
+    frozen = params[4].detach().clone()
+    for s in range(4):
+        grads = make_grads(params, s, none_every=0)
+        grads[4] = None
+        set_grads(params, grads)
+        set_grads(ref, grads)
+        opt.fuse_step()
+        opt_r.step()
+    assert torch.equal(params[4].detach(), frozen)
+    assert len(opt.state[params[4]]) == 0 and len(opt_r.state[ref[4]]) == 0
+    assert_bitwise(params, ref)
+
+
+def _step_both(opt, opt_r, params, ref, s):
+    grads = make_grads(params, s, none_every=0)
+    set_grads(params, grads)
+    set_grads(ref, grads)
+    opt.fuse_step()
+    opt_r.step()
+
+
+def test_param_group_added_after_fusing_is_fused_with_one_warning():
+    params, ref = make_params(), None
+    ref = twin(params)
+    opt = fuse_optimizer(torch.optim.SGD(params[:5], lr=0.1, momentum=0.9))
+    opt_r = torch.optim.SGD(ref[:5], lr=0.1, momentum=0.9)
+    _step_both(opt, opt_r, params, ref, 0)
+    opt.add_param_group({"params": params[5:], "lr": 0.01})
+    opt_r.add_param_group({"params": ref[5:], "lr": 0.01})
+    with pytest.warns(UserWarning, match="param groups changed"):
+        _step_both(opt, opt_r, params, ref, 1)
+    (_, gflat) = flat_buffers(opt, "grad")
+    assert all(_in(p, flat_buffers(opt, "param")[1]) for p in params[5:])
+    assert gflat.numel() > 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once only
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(2))]})
+        for s in range(2, 5):
+            _step_both(opt, opt_r, params, ref, s)
+    assert_bitwise(params, ref)
+
+
+def test_replaced_param_data_is_refused_in_place_and_refused():
+    params = make_params()
+    ref = twin(params)
+    opt = fuse_optimizer(torch.optim.Adam(params, lr=0.1))
+    opt_r = torch.optim.Adam(ref, lr=0.1)
+    _step_both(opt, opt_r, params, ref, 0)
+    new = torch.randn(params[1].shape)
+    params[1].data = new.clone()
+    ref[1].data = new.clone()
+    with pytest.warns(UserWarning, match="no longer lives in the flat buffer"):
+        _step_both(opt, opt_r, params, ref, 1)
+    assert _in(params[1], flat_buffers(opt, "param")[0])
+    for s in range(2, 5):
+        _step_both(opt, opt_r, params, ref, s)
+    assert_bitwise(params, ref)
+
+
+def test_check_flatten_false_refuses_silently():
+    params = make_params()
+    opt = fuse_optimizer(torch.optim.SGD(params, lr=0.1), check_flatten=False)
+    params[0].data = torch.zeros(7)
+    params[0].grad = torch.ones(7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.fuse_step()
+    assert torch.equal(params[0].detach(), torch.full((7,), -0.1))
+    assert _in(params[0], flat_buffers(opt, "param")[0])
+
+
+def test_fuse_step_function_form_and_closure_returns_loss():
+    lin = torch.nn.Linear(3, 1)
+    opt = fuse_optimizer(torch.optim.SGD(lin.parameters(), lr=0.1))
+    x = torch.ones(2, 3)
+
+    def closure():
+        opt.zero_grad()
+        loss = lin(x).sum()
+        loss.backward()
+        return loss
+
+    loss = fuse_step(opt, closure)
+    assert isinstance(loss, torch.Tensor) and loss.requires_grad
+    assert opt.fuse_step(closure) is not None
+
+
+def test_do_flatten_false_fuses_adjacent_params_only_and_stays_exact():
+    base = torch.randn(40)
+    params = [torch.nn.Parameter(base[0:10].clone()), torch.nn.Parameter(base[10:25].clone())]
+    # two parameters that already are adjacent views of one buffer
+    store = torch.randn(30)
+    a = torch.nn.Parameter(store[:12])
+    b = torch.nn.Parameter(store[12:])
+    a.data = store[:12]
+    b.data = store[12:]
+    all_p = params + [a, b]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in all_p]
+    opt = fuse_optimizer(torch.optim.SGD(all_p, lr=0.1), do_flatten=False)
+    opt_r = torch.optim.SGD(ref, lr=0.1)
+    gstore = torch.randn(30)
+    for _ in range(3):
+        g = torch.randn(25)
+        for p, q, gg in zip(all_p[:2], ref[:2], (g[:10], g[10:])):
+            p.grad, q.grad = gg.clone(), gg.clone()
+        a.grad, b.grad = gstore[:12], gstore[12:]
+        ref[2].grad, ref[3].grad = gstore[:12].clone(), gstore[12:].clone()
+        opt.fuse_step()
+        opt_r.step()
+    assert_bitwise(all_p, ref)
+    assert a.data_ptr() == store.data_ptr()  # nothing moved
+    with pytest.raises(FuseError, match="do_flatten=False"):
+        flat_buffers(opt)
