@@ -660,3 +660,18 @@ def validation_two_ranks(rank: int, ws: int) -> Dict[str, Any]:
     out["ok"] = t.tolist()
     C.destroy_process_group()
     return out
+
+
+def absent_rank(rank: int, ws: int) -> Dict[str, Any]:
+    """Rank 1 never makes the first CPU collective: connecting the gloo engine times out, naming rank 1."""
+    os.environ["TRAINLOOM_CPU_ENGINE"] = "gloo"
+    C.init_process_group(timeout=2)
+    store = C.group._STATE.store
+    res: Dict[str, Any] = {}
+    if rank != 1:
+        res["error"] = _expect(C.allreduce_inplace, CommError, torch.ones(2))
+        store.set(f"absent_done/{rank}", "1")
+    else:
+        store.wait([f"absent_done/{r}" for r in range(ws) if r != 1], datetime.timedelta(seconds=30))
+    C.destroy_process_group()
+    return res

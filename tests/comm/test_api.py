@@ -367,3 +367,48 @@ def test_work_wait_timeout_and_result():
     bad.set_exception(CommError("allreduce #3: ranks disagree"))
     with pytest.raises(CommError, match=r"ranks disagree"):
         FutureWork("allreduce", bad, None).wait()
+
+
+def test_unreachable_master_is_a_timeout_not_a_hang(clean_env):
+    from trainloom.errors import CommTimeoutError
+
+    _torchrun(clean_env, rank=1, world=2)
+    clean_env.setenv("MASTER_PORT", str(free_port()))  # nobody listens there
+    with pytest.raises(CommTimeoutError, match=r"rank 1 of 2\): could not reach the TCPStore at 127.0.0.1:"):
+        C.init_process_group(timeout=1)
+    assert C.is_initialized() is False
+
+
+def test_nccl_enum_tables_match_the_installed_header():
+    import re
+
+    import nvidia.nccl
+
+    from trainloom.comm import nccl
+
+    header = (Path(list(nvidia.nccl.__path__)[0]) / "include" / "nccl.h").read_text()
+    values = {
+        m.group(1): int(m.group(2)) for m in re.finditer(r"\b(nccl[A-Z][A-Za-z0-9]*)\s*=\s*(\d+)", header)
+    }
+    names = {
+        torch.int8: "ncclInt8",
+        torch.uint8: "ncclUint8",
+        torch.int32: "ncclInt32",
+        torch.int64: "ncclInt64",
+        torch.float16: "ncclFloat16",
+        torch.float32: "ncclFloat32",
+        torch.float64: "ncclFloat64",
+        torch.bfloat16: "ncclBfloat16",
+        torch.bool: "ncclUint8",
+    }
+    for dtype, name in names.items():
+        assert nccl.NCCL_DTYPES[dtype] == values[name], name
+    ops = {
+        ReduceOp.SUM: "ncclSum",
+        ReduceOp.PRODUCT: "ncclProd",
+        ReduceOp.MIN: "ncclMin",
+        ReduceOp.MAX: "ncclMax",
+        ReduceOp.AVG: "ncclAvg",
+    }
+    for op, name in ops.items():
+        assert nccl._OPS[int(op)] == values[name], name

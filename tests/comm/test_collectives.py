@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from commutil import dying_peer, engines, features, late_rank, mismatches, shm_segments, sweep
+from commutil import absent_rank, dying_peer, engines, features, late_rank, mismatches, shm_segments, sweep
 from multiproc import run_ranks
 
 ENGINES = engines()
@@ -94,3 +94,10 @@ def test_dead_peer_raises_instead_of_hanging(engine):
     assert res[0]["error"].startswith("Comm"), res[0]["error"]
     assert res[0]["seconds"] < 30
     assert shm_segments() == before
+
+
+def test_member_that_never_connects_times_out_naming_it():
+    res = run_ranks(absent_rank, 3, timeout=60)
+    for rank in (0, 2):
+        assert res[rank]["error"].startswith("CommTimeoutError: gloo communicator"), res[rank]
+        assert "ranks [1] never joined" in res[rank]["error"]

@@ -129,12 +129,23 @@ class GlooEngine:
         self._broken: Optional[str] = None
         self._closed = False
         self._check = _check_enabled()
-        self._pg = dist.ProcessGroupGloo(
-            dist.PrefixStore(prefix + "/pg", store),
-            rank,
-            world_size,
-            datetime.timedelta(seconds=self.timeout),
-        )
+        # Mark arrival first: if connecting times out, the store tells which members never came.
+        store.set(f"{prefix}/joined/{rank}", "1")
+        try:
+            self._pg = dist.ProcessGroupGloo(
+                dist.PrefixStore(prefix + "/pg", store),
+                rank,
+                world_size,
+                datetime.timedelta(seconds=self.timeout),
+            )
+        except RuntimeError as exc:  # DistStoreError / DistNetworkError / gloo's connect errors
+            missing = [r for r in range(world_size) if not store.check([f"{prefix}/joined/{r}"])]
+            who = f"ranks {missing} never joined" if missing else "every rank joined but could not connect"
+            err = CommTimeoutError if "timeout" in str(exc).lower() else CommError
+            raise err(
+                f"gloo communicator {prefix} (rank {rank} of {world_size}): connecting failed after "
+                f"{self.timeout:g}s; {who} ({str(exc).splitlines()[0][:160]})"
+            ) from None
 
     # ----------------------------------------------------------------- plumbing
     def _begin(self, opname: str, p2p: bool = False) -> int:

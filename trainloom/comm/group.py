@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from trainloom.comm.env import LaunchEnv, read_launch_env
 from trainloom.comm.work import CudaWork, FutureWork, Work
-from trainloom.errors import CommError, ConfigError
+from trainloom.errors import CommError, CommTimeoutError, ConfigError
 
 logger = logging.getLogger("trainloom.comm")
 
@@ -493,9 +493,17 @@ def init_process_group(
         elif launch.world_size == 1:
             base = dist.HashStore()
         else:
-            base = dist.TCPStore(
-                launch.master_addr, launch.master_port, launch.world_size, launch.rank == 0, timeout=td
-            )
+            try:
+                base = dist.TCPStore(
+                    launch.master_addr, launch.master_port, launch.world_size, launch.rank == 0, timeout=td
+                )
+            except (RuntimeError, TimeoutError) as exc:  # DistNetworkError/DistStoreError are RuntimeErrors
+                role = "host" if launch.rank == 0 else "reach"
+                raise CommTimeoutError(
+                    f"init_process_group (rank {launch.rank} of {launch.world_size}): could not {role} the "
+                    f"TCPStore at {launch.master_addr}:{launch.master_port} within {t:g}s "
+                    f"({str(exc).splitlines()[0][:160]}). Check MASTER_ADDR/MASTER_PORT and that rank 0 runs"
+                ) from None
         dist.init_process_group(
             "gloo",
             store=dist.PrefixStore("tl/torch", base),
