@@ -26,11 +26,11 @@ import pickle
 import numpy as np
 import torch
 
-from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBUF_C_CONTIGUOUS
+from cpython.buffer cimport PyBUF_FORMAT, PyBUF_ND, PyBUF_SIMPLE, PyBUF_WRITABLE
 from cpython.buffer cimport PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
-from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
+from cpython.mem cimport PyMem_Free, PyMem_RawFree, PyMem_RawMalloc, PyMem_Realloc
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy, memset
@@ -215,6 +215,10 @@ cdef extern from *:
     static inline void tl_accumulate(uint64_t* acc, const uint8_t* p, uint8_t* dst, const uint64_t* key) {
     #if defined(__SSE2__)
         __m128i* a = (__m128i*)acc;
+        /* Values come from LMDB's memory map, usually not in cache: ask for the data ~1 KiB ahead so
+           the loads overlap (measured 27 -> ~15 us for a 150 KB value read from DRAM). */
+        __builtin_prefetch(p + 1024);
+        __builtin_prefetch(p + 1024 + 64);
         for (int i = 0; i < 4; i++) {
             __m128i d = _mm_loadu_si128((const __m128i*)(p + 16 * i));
             if (dst) _mm_storeu_si128((__m128i*)(dst + 16 * i), d);
@@ -668,6 +672,114 @@ cdef inline uint64_t _gu64(Cursor* c) except? 0xFFFFFFFFFFFFFFFF:
     return v
 
 
+# ---------------------------------------------------------------------------------------------------
+# Destination blocks for large decoded values, recycled through a small pool.
+#
+# A 150 KB bytearray per decoded image goes to glibc's mmap path: every allocation is a fresh mapping
+# (37 page faults, kernel zeroing) and every free an munmap. With a DataLoader batch of 32 images alive
+# at once, that cost was ~3x the copy itself (bench: 95 us vs 30 us per image). Blocks freed by the
+# last tensor viewing them go back to this pool instead and are reused for the next batch.
+# ---------------------------------------------------------------------------------------------------
+cdef enum:
+    POOL_SLOTS = 128                 # enough for a few batches of 32 in flight
+    BLOCK_GRAIN = 65536              # capacities are rounded up to 64 KiB so blocks are interchangeable
+cdef size_t POOL_MAX_BYTES = 64 << 20    # bound of idle memory kept per process
+cdef void* _pool_ptr[POOL_SLOTS]
+cdef size_t _pool_cap[POOL_SLOTS]
+cdef int _pool_n = 0
+cdef size_t _pool_bytes = 0
+
+
+cdef void* _pool_take(size_t cap) noexcept:
+    # Called with the GIL held (from decode), so the pool needs no lock.
+    global _pool_n, _pool_bytes
+    cdef int i
+    cdef void* p
+    for i in range(_pool_n - 1, -1, -1):
+        if _pool_cap[i] == cap:
+            p = _pool_ptr[i]
+            _pool_n -= 1
+            _pool_ptr[i] = _pool_ptr[_pool_n]
+            _pool_cap[i] = _pool_cap[_pool_n]
+            _pool_bytes -= cap
+            return p
+    return PyMem_RawMalloc(cap)
+
+
+cdef void _pool_give(void* p, size_t cap) noexcept:
+    # Called from _Block.__dealloc__, which runs with the GIL held.
+    global _pool_n, _pool_bytes
+    if _pool_n < POOL_SLOTS and _pool_bytes + cap <= POOL_MAX_BYTES:
+        _pool_ptr[_pool_n] = p
+        _pool_cap[_pool_n] = cap
+        _pool_n += 1
+        _pool_bytes += cap
+    else:
+        PyMem_RawFree(p)
+
+
+cdef char* _FMT_B = b"B"   # a literal: lives as long as the module
+
+
+def pool_stats():
+    """(idle blocks, idle bytes) of the decode block pool of this process."""
+    return _pool_n, _pool_bytes
+
+
+cdef class _Block:
+    """A writable buffer from the pool; tensors/arrays decoded from a large value view it."""
+    cdef char* ptr
+    cdef size_t cap
+    cdef Py_ssize_t size
+    cdef Py_ssize_t shape[1]
+
+    def __cinit__(self):
+        self.ptr = NULL
+        self.cap = 0
+        self.size = 0
+
+    @staticmethod
+    cdef _Block make(size_t size):
+        cdef _Block b = _Block.__new__(_Block)
+        cdef size_t cap = (size + BLOCK_GRAIN - 1) // BLOCK_GRAIN * BLOCK_GRAIN
+        b.ptr = <char*>_pool_take(cap)
+        if b.ptr == NULL:
+            raise MemoryError()
+        b.cap = cap
+        b.size = <Py_ssize_t>size
+        b.shape[0] = b.size
+        return b
+
+    def __getbuffer__(self, Py_buffer* view, int flags):
+        view.buf = self.ptr
+        view.obj = self
+        view.len = self.size
+        view.readonly = 0
+        view.itemsize = 1
+        view.format = NULL
+        if flags & PyBUF_FORMAT:
+            view.format = _FMT_B
+        view.ndim = 1
+        view.shape = NULL
+        if flags & PyBUF_ND:
+            view.shape = self.shape
+        view.strides = NULL
+        view.suboffsets = NULL
+        view.internal = NULL
+
+    def __releasebuffer__(self, Py_buffer* view):
+        pass
+
+    def __len__(self):
+        return self.size
+
+    def __dealloc__(self):
+        # The last exporter (tensor/array) is gone: hand the memory back to the pool (GIL held here).
+        if self.ptr != NULL:
+            _pool_give(self.ptr, self.cap)
+            self.ptr = NULL
+
+
 cdef class _Decoder:
     cdef object arena          # bytearray (or the caller's writable buffer) the arrays view
     cdef uint64_t arena_off    # where the data section starts inside arena
@@ -854,7 +966,12 @@ def decode(buf, bint copy=True):
         if data_start > total or total - data_start != data_len:
             raise ChecksumError(
                 f"damaged value: header says {meta_len}+{data_len} bytes, buffer holds {total}")
-        if copy and data_len:
+        if copy and data_len >= NOGIL_MIN:
+            blk = _Block.make(<size_t>data_len)
+            dst = <uint8_t*>(<_Block>blk).ptr
+            dec.arena = blk
+            dec.arena_off = 0
+        elif copy and data_len:
             dec.arena = PyByteArray_FromStringAndSize(NULL, <Py_ssize_t>data_len)
             dst = <uint8_t*>PyByteArray_AS_STRING(dec.arena)
             dec.arena_off = 0
@@ -895,3 +1012,35 @@ def is_encoded(buf):
         return view.len >= HEADER and memcmp4(<const uint8_t*>view.buf, <const char*>MAGIC) == 0
     finally:
         PyBuffer_Release(&view)
+
+
+def decode_many_get(get, keys):
+    """``[decode(get(k)) or None for k in keys]`` and the total bytes read, in one C loop.
+
+    ``get`` is e.g. an LMDB transaction's ``get`` (buffers valid inside the transaction only: each
+    value is decoded, i.e. copied out, before the next is fetched). Raises CodecError/ChecksumError
+    on the first damaged value; the caller then retries item by item.
+    """
+    cdef list out = []
+    cdef Py_ssize_t nbytes = 0
+    for k in keys:
+        v = get(k)
+        if v is None:
+            out.append(None)
+        else:
+            nbytes += len(v)
+            out.append(decode(v, True))
+    return out, nbytes
+
+
+def decode_list(values):
+    """``[decode(v) or None for v in values]`` and the total bytes, in one C loop (Redis MGET results)."""
+    cdef list out = []
+    cdef Py_ssize_t nbytes = 0
+    for v in values:
+        if v is None:
+            out.append(None)
+        else:
+            nbytes += len(v)
+            out.append(decode(v, True))
+    return out, nbytes

@@ -143,9 +143,9 @@ def test_dataloader_no_workers_and_batched_reads(tmp_path):
     class CountingStore(LmdbStore):
         calls = 0
 
-        def mget_apply(self, keys, fn):
+        def mget_decode(self, keys):
             CountingStore.calls += 1
-            return super().mget_apply(keys, fn)
+            return super().mget_decode(keys)
 
     base = CountingDataset(30, tmp_path / "log")
     ds = CachedDataset(base, CountingStore(tmp_path / "db", namespace="n"), "n", writer_buffer_size=7)

@@ -8,7 +8,7 @@ LMDB file or one Redis server never see or delete each other's entries.
 from __future__ import annotations
 
 import abc
-from typing import Any, Callable, List, Mapping, Optional, Sequence, TypeVar, Union
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union
 
 from trainloom.errors import StoreError
 
@@ -97,6 +97,17 @@ class Store(abc.ABC):
         """Release this process's handles (idempotent). The data stays; see :meth:`shutdown`."""
 
     # -- derived ------------------------------------------------------------------------------
+    def mget_decode(self, keys: Sequence[Key]) -> Tuple[List[Any], int]:
+        """Values of ``keys`` decoded with :func:`trainloom.data.codec.decode` (``None`` when missing),
+        and the number of bytes read. Backends override this with a batched loop in C.
+
+        Raises:
+            CodecError: a value is damaged or not an encoded value (the caller retries per item).
+        """
+        from trainloom.data.codec import _codec
+
+        return _codec.decode_list(self.mget_apply(keys, bytes))
+
     def get(self, key: Key) -> Optional[bytes]:
         """The value of ``key`` as ``bytes``, or ``None`` if it does not exist."""
         return self.mget([key])[0]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, TypeVar
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar
 
 from trainloom.data.codec import hash64
 from trainloom.data.stores.base import Key, Store, Value, key_bytes
@@ -58,6 +58,21 @@ class ClusterStore(Store):
             for i, v in zip(idx, vals):
                 out[i] = v
         return out
+
+    def mget_decode(self, keys: Sequence[Key]) -> Tuple[List[Any], int]:
+        if len(self.stores) == 1:
+            return self.stores[0].mget_decode(keys)
+        groups: Dict[int, List[int]] = {}
+        for i, k in enumerate(keys):
+            groups.setdefault(self._shard(k), []).append(i)
+        out: List[Any] = [None] * len(keys)
+        total = 0
+        for shard, idx in groups.items():
+            vals, n = self.stores[shard].mget_decode([keys[i] for i in idx])
+            total += n
+            for i, v in zip(idx, vals):
+                out[i] = v
+        return out, total
 
     def mset(self, dictionary: Mapping[Key, Value]) -> None:
         if len(self.stores) == 1:

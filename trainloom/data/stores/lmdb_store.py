@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, TypeVar
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, TypeVar
 
 from trainloom.data.stores.base import (
     Key,
@@ -303,6 +303,19 @@ class LmdbStore(Store):
                     v = get(k)
                     out.append(None if v is None else fn(v))
                 return out
+
+        return self._call("mget", run)
+
+    def mget_decode(self, keys: Sequence[Key]) -> Tuple[List[Any], int]:
+        from trainloom.data.codec import _codec
+
+        kb = [k if type(k) is bytes else key_bytes(k) for k in keys]
+
+        def run(env: Any) -> Tuple[List[Any], int]:
+            # One C loop inside the read transaction: each map buffer is decoded (copied) before the
+            # next get, and no buffer outlives the transaction.
+            with env.begin(db=self._db, buffers=True) as txn:
+                return _codec.decode_many_get(txn.get, kb)
 
         return self._call("mget", run)
 

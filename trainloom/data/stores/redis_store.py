@@ -17,7 +17,7 @@ import json
 import logging
 import os
 import threading
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, TypeVar
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar
 
 from trainloom.data.stores.base import (
     Key,
@@ -58,6 +58,10 @@ def _import_redis() -> Any:
             "(redis, hiredis and a bundled redis-server)"
         ) from exc
     return redis
+
+
+def _identity(x: Any) -> Any:
+    return x
 
 
 def _glob_escape(b: bytes) -> bytes:
@@ -179,6 +183,11 @@ class RedisNodeStore(Store):
 
         vals = self._run("mget", run)
         return [None if v is None else fn(v) for v in vals]
+
+    def mget_decode(self, keys: Sequence[Key]) -> Tuple[List[Any], int]:
+        from trainloom.data.codec import _codec
+
+        return _codec.decode_list(self.mget_apply(keys, _identity))
 
     def mset(self, dictionary: Mapping[Key, Value]) -> None:
         if not dictionary:

@@ -1,0 +1,281 @@
+"""trainloom bench cache: warm-epoch samples/s of CachedDataset against raw py-lmdb and redis-py loops.
+
+Two workloads, each read in a shuffled order in batches of 32:
+  small  -- a tuple of two small numpy arrays (32 float32 + 8 int64);
+  image  -- a 3x224x224 uint8 tensor and an int label.
+
+Measured side by side in one run, on the same values:
+  CachedDataset (LMDB)      ds.__getitems__(batch): one read transaction per batch, decode, checksum
+  raw py-lmdb get           txn.get(key) per key (bytes copy, no decoding, value dropped at once)
+  raw py-lmdb get, kept     the same, keeping the batch's 32 values alive (as a loader must)
+  CachedDataset (Redis)     one MGET per batch, decode, checksum
+  raw redis-py pipeline     pipelined GETs per batch (bytes only)
+  Redis 1 RTT/sample        client.get(key) + pickle.loads per sample (what Bagua's cache does)
+  miss epoch                first epoch of a fresh CachedDataset (encode + write), LMDB
+  DataLoader, 2 workers     batch 32, persistent workers: CachedDataset (LMDB) vs the uncached
+                            in-memory dataset
+
+Usage: trainloom bench cache [--quick] [--out DIR] [--no-redis]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from benchutil import bench_lock, machine_line, markdown_table, median, write_report
+from torch.utils.data import DataLoader, Dataset
+
+from trainloom.data.cache import CachedDataset
+from trainloom.data.codec import encode
+
+BATCH = 32
+
+
+class MemDataset(Dataset):
+    """The uncached dataset: samples already in memory."""
+
+    def __init__(self, samples):
+        self.samples = samples
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, i):
+        return self.samples[i]
+
+
+def make_samples(kind: str, n: int):
+    g = np.random.default_rng(0)
+    if kind == "small":
+        return [(g.random(32, dtype=np.float32), np.arange(i, i + 8, dtype=np.int64)) for i in range(n)]
+    return [(torch.from_numpy(g.integers(0, 255, (3, 224, 224), dtype=np.uint8)), i) for i in range(n)]
+
+
+def batches(order):
+    return [order[i : i + BATCH] for i in range(0, len(order), BATCH)]
+
+
+def rate(fn, n: int, repeat: int) -> float:
+    """Median samples/s of fn() processing n samples (one untimed warm-up call first)."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return n / median(times)
+
+
+def bench_kind(kind: str, n: int, repeat: int, tmp: Path, redis_hosts, rows: list, notes: list) -> dict:
+    import lmdb
+
+    samples = make_samples(kind, n)
+    order = np.random.default_rng(1).permutation(n).tolist()
+    bs = batches(order)
+    out = {}
+
+    # Miss epoch: fresh cache, every sample encoded and written.
+    def miss():
+        ds = CachedDataset(
+            MemDataset(samples), path=tmp / f"miss-{kind}-{time.monotonic_ns()}", dataset_name=kind
+        )
+        for b in bs:
+            ds.__getitems__(b)
+        ds.close()
+
+    out["miss epoch (LMDB)"] = rate(miss, n, max(1, repeat // 2))
+
+    ds = CachedDataset(MemDataset(samples), path=tmp / "lmdb", dataset_name=kind)
+    ds.warmup(progress=False, batch_size=256)
+
+    def cached():
+        for b in bs:
+            ds.__getitems__(b)
+
+    out["CachedDataset (LMDB)"] = rate(cached, n, repeat)
+
+    # Raw py-lmdb on the same encoded values, one read transaction per batch, bytes copied out.
+    env = lmdb.open(str(tmp / f"raw-{kind}"), map_size=1 << 34, readahead=False, sync=False)
+    keys = [f"{kind}_{i}".encode() for i in range(n)]
+    values = [encode(s) for s in samples]
+    with env.begin(write=True) as t:
+        for k, v in zip(keys, values):
+            t.put(k, v)
+    kb = [[keys[i] for i in b] for b in bs]
+
+    def raw_lmdb():
+        for b in kb:
+            with env.begin() as t:
+                for k in b:
+                    t.get(k)
+
+    out["raw py-lmdb get"] = rate(raw_lmdb, n, repeat)
+
+    def raw_lmdb_kept():  # the batch is kept until the next one, as a data loader must
+        for b in kb:
+            with env.begin() as t:
+                batch = [t.get(k) for k in b]
+        return batch
+
+    out["raw py-lmdb get, batch kept"] = rate(raw_lmdb_kept, n, repeat)
+    env.close()
+
+    if redis_hosts is not None:
+        import redis
+
+        rds = CachedDataset(MemDataset(samples), "redis", f"bench-{kind}", hosts=redis_hosts)
+        rds.cache_loader.clear()
+        rds.warmup(progress=False, batch_size=256)
+
+        def cached_redis():
+            for b in bs:
+                rds.__getitems__(b)
+
+        out["CachedDataset (Redis)"] = rate(cached_redis, n, repeat)
+        h = redis_hosts[0]
+        client = redis.Redis(host=h["host"], port=h["port"], password=h["password"])
+        pkeys = [b"pickled:" + k for k in keys]
+        pipe = client.pipeline(transaction=False)
+        for k, v, s in zip(keys, values, samples):
+            pipe.set(b"raw:" + k, v)
+            pipe.set(b"pickled:" + k, pickle.dumps(s, protocol=5))
+        pipe.execute()
+        rkb = [[b"raw:" + keys[i] for i in b] for b in bs]
+
+        def raw_redis():
+            for b in rkb:
+                p = client.pipeline(transaction=False)
+                for k in b:
+                    p.get(k)
+                p.execute()
+
+        out["raw redis-py pipeline"] = rate(raw_redis, n, repeat)
+        porder = [pkeys[i] for i in order]
+
+        def per_sample():
+            for k in porder:
+                pickle.loads(client.get(k))
+
+        out["Redis 1 RTT/sample + pickle"] = rate(per_sample, n, max(1, repeat // 2))
+        rds.cache_loader.clear()
+        client.delete(*[b"raw:" + k for k in keys], *pkeys)
+        client.close()
+
+    # Through a DataLoader with 2 workers (persistent, so worker start-up is not counted).
+    def loader_rate(dataset) -> float:
+        holder = [
+            DataLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=2, persistent_workers=True,
+                       multiprocessing_context="fork")
+        ]  # fmt: skip
+
+        def epoch():
+            for _ in holder[0]:
+                pass
+
+        r = rate(epoch, n, repeat)
+        holder.clear()  # stops the persistent workers
+        return r
+
+    out["DataLoader 2 workers: uncached"] = loader_rate(MemDataset(samples))
+    out["DataLoader 2 workers: CachedDataset (LMDB)"] = loader_rate(ds)
+    ds.close()
+
+    for name, v in out.items():
+        rows.append([kind, name, v])
+    lm = out["CachedDataset (LMDB)"] / out["raw py-lmdb get"]
+    lk = out["CachedDataset (LMDB)"] / out["raw py-lmdb get, batch kept"]
+    notes.append(f"- {kind}: CachedDataset(LMDB) / raw py-lmdb get = {lm:.2f} (batch kept: {lk:.2f})")
+    if redis_hosts is not None:
+        rr = out["CachedDataset (Redis)"] / out["Redis 1 RTT/sample + pickle"]
+        notes.append(f"- {kind}: CachedDataset(Redis) / Redis 1 RTT per sample = {rr:.1f}x")
+    dl_ratio = out["DataLoader 2 workers: CachedDataset (LMDB)"] / out["DataLoader 2 workers: uncached"]
+    notes.append(f"- {kind}: DataLoader(2 workers) cached / uncached = {dl_ratio:.2f}")
+    return out
+
+
+def plot(path: Path, results: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(7 * len(results), 4.5))
+    axes = np.atleast_1d(axes)
+    for ax, (kind, out) in zip(axes, results.items()):
+        names = list(out)
+        ax.barh(names, [out[k] for k in names])
+        ax.set_xscale("log")
+        ax.set_title(f"{kind}: warm samples/s (higher is better)")
+        ax.grid(True, axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (smoke test)")
+    ap.add_argument("--out", default=None, help="write cache.md and cache.png here")
+    ap.add_argument("--no-redis", action="store_true", help="skip the Redis measurements")
+    ap.add_argument("--small", type=int, default=None, help="number of small samples (default 20000)")
+    ap.add_argument("--images", type=int, default=None, help="number of images (default 1000)")
+    args = ap.parse_args(argv)
+    n_small = args.small or (1000 if args.quick else 20000)
+    n_img = args.images or (64 if args.quick else 1000)
+    repeat = 1 if args.quick else 3
+    tmp = Path(tempfile.mkdtemp(prefix="trainloom-bench-cache-"))
+    store = None
+    rows: list = []
+    notes: list = []
+    results = {}
+    try:
+        with bench_lock():
+            redis_hosts = None
+            if not args.no_redis:
+                from trainloom._locate import find_redis_server
+
+                if find_redis_server() is None:
+                    notes.append("- Redis skipped: no redis-server binary")
+                else:
+                    from trainloom.data.stores.redis_store import RedisStore
+
+                    store = RedisStore(namespace="bench-probe", capacity_per_node=8 << 30)
+                    redis_hosts = store.hosts
+            results["small"] = bench_kind("small", n_small, repeat, tmp, redis_hosts, rows, notes)
+            results["image"] = bench_kind("image", n_img, repeat, tmp, redis_hosts, rows, notes)
+    finally:
+        if store is not None:
+            store.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+    md = "\n".join(
+        [
+            "# trainloom bench cache",
+            "",
+            f"{machine_line()}; small n={n_small}, image n={n_img}, batch {BATCH}, median of {repeat}.",
+            "Other processes may be loading the CPUs: read ratios, not absolute figures.",
+            "",
+            markdown_table(["workload", "reader", "samples/s"], rows),
+            "",
+            *notes,
+        ]
+    )
+    print(md)
+    path = write_report(args.out, "cache", md)
+    if path is not None:
+        plot(path.parent / "cache.png", results)
+        print(f"wrote {path} and {path.parent / 'cache.png'}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())
