@@ -38,18 +38,23 @@ _LITERAL = re.compile(r"(\"\"\"|''')(.*?)\1", re.S)
 _TOKEN = re.compile(r"\w+|[^\w\s]")
 
 
-def docstring_lengths() -> np.ndarray:
-    """Token counts of every triple-quoted literal of the stdlib and site-packages (cached)."""
-    if CACHE.exists():
-        return np.load(CACHE)
+def docstring_lengths(cache: Path, quick: bool = False) -> np.ndarray:
+    """Token counts of every triple-quoted literal of the stdlib and site-packages (cached).
+
+    With ``quick``, only the stdlib's top-level modules are read (a second or so, for smoke tests).
+    """
+    if cache.exists():
+        return np.load(cache)
     paths = sysconfig.get_paths()
     stdlib = os.path.realpath(paths["stdlib"])
-    roots = [stdlib, *{os.path.realpath(paths[k]) for k in ("purelib", "platlib")}]
+    roots = [stdlib] if quick else [stdlib, *{os.path.realpath(paths[k]) for k in ("purelib", "platlib")}]
     seen_files = set()
     lens: List[int] = []
     for root in roots:
         for d, dirs, files in os.walk(root):
-            if root == stdlib:
+            if quick:
+                dirs[:] = []
+            elif root == stdlib:
                 dirs[:] = [x for x in dirs if x not in ("site-packages", "dist-packages")]
             for f in files:
                 if not f.endswith(".py"):
@@ -64,9 +69,9 @@ def docstring_lengths() -> np.ndarray:
                     continue
                 lens.extend(len(_TOKEN.findall(m.group(2))) for m in _LITERAL.finditer(text))
     arr = np.asarray(lens, dtype=np.int64)
-    tmp = CACHE.with_suffix(".tmp.npy")
+    tmp = cache.with_name(cache.name + ".tmp.npy")
     np.save(tmp, arr)
-    os.replace(tmp, CACHE)
+    os.replace(tmp, cache)
     return arr
 
 
@@ -84,6 +89,7 @@ def torch_baseline(lens: np.ndarray, world: int, batch: int, budget: float) -> D
         ds = DistributedSampler(range(n), num_replicas=world, rank=r, shuffle=True, seed=0)
         per_rank.append(np.fromiter(iter(ds), dtype=np.int64, count=len(ds)))
     idx = np.stack(per_rank)  # (world, samples)
+    batch = min(batch, idx.shape[1])  # tiny --quick sizes
     steps = idx.shape[1] // batch
     b = lens[idx[:, : steps * batch]].reshape(world, steps, batch).astype(np.float64)
     s_len = b.sum(axis=2).T
@@ -118,10 +124,12 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write sampler.md and PNGs here")
     ap.add_argument("--budget", type=float, default=16384.0, help="max_complexity (tokens per rank per step)")
     ap.add_argument("--max-len", type=int, default=8192, help="leave out literals longer than this")
+    ap.add_argument("--cache", type=Path, default=None, help=f"length cache file (default {CACHE})")
     args = ap.parse_args()
 
     t0 = time.perf_counter()
-    corpus = docstring_lengths()
+    cache = args.cache or (CACHE.with_name(CACHE.stem + "-quick.npy") if args.quick else CACHE)
+    corpus = docstring_lengths(cache, args.quick)
     corpus = corpus[corpus <= args.max_len]
     load_s = time.perf_counter() - t0
     sizes = [2_000, 20_000] if args.quick else [100_000, 2_000_000]

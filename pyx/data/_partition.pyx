@@ -446,9 +446,10 @@ cdef inline int _try_place(int64_t it, double c, double budget, Bin* heap, int64
     if size[0] == 0:
         return 1
     if c == 0.0:
-        # Zero-cost items change no load: deal them round robin so that they spread over the
-        # bins instead of all landing on the heap's root.
-        bin_ = rr[0] % world
+        # Zero-cost items change no load: deal them round robin over the open bins so that they
+        # spread out instead of all landing on the heap's root (closed bins hold an item over
+        # budget alone and must stay alone).
+        bin_ = heap[rr[0] % size[0]].id
         rr[0] += 1
         cnt[bin_] += 1
         slot_of[it] = slot_base + bin_

@@ -79,7 +79,7 @@ def _check_finite(c: np.ndarray, who: str) -> None:
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         raise ConfigError(
-            f"{who}: complexities[{i}] is {c[i]!r}; every complexity must be a finite number "
+            f"{who}: complexities[{i}] is {float(c[i])!r}; every complexity must be a finite number "
             f"({int(bad.sum())} are not)"
         )
 
@@ -398,7 +398,7 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
         .. warning::
             A DataLoader with workers draws indices ahead of the training loop (prefetching).
             Pass ``consumed=`` (batches seen times batch size) in that case, or use
-            :class:`LoadBalancingDistributedBatchSampler` and its :meth:`~LoadBalancingDistributedBatchSampler.track`.
+            :class:`LoadBalancingDistributedBatchSampler` and its ``track()``.
 
         Returns:
             dict: epoch, seed, consumed, num_replicas, rank, dataset size and digest.
@@ -591,7 +591,7 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
             if neg.size:
                 i = int(neg[0])
                 raise ConfigError(
-                    f"{who}: complexities[{i}] = {c[i]!r} is negative; budget mode (max_complexity) "
+                    f"{who}: complexities[{i}] = {float(c[i])!r} is negative; budget mode (max_complexity) "
                     "needs complexities >= 0"
                 )
             if drop_last and n < sampler.num_replicas:
@@ -673,17 +673,20 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         duplicates = dropped = 0
         if p < n:
             tail = _cut_tail(cs, p, n, w, budget)
-            if len(tail) == w:
-                bounds += tail
-            elif self.drop_last:
-                dropped = n - p
-                order = order[:p]
-            else:
-                bounds += tail
-                dup = [order[n - 1 - (i % (n - p))] for i in range(w - len(tail))]
-                duplicates = len(dup)
-                order = np.concatenate([order, np.asarray(dup, dtype=np.int64)])
-                bounds += list(range(n + 1, n + 1 + duplicates))
+            whole = len(tail) // w * w
+            bounds += tail[:whole]
+            if whole < len(tail):
+                last = bounds[-1]  # where the incomplete last step starts
+                if self.drop_last:
+                    dropped = n - last
+                    order = order[:last]
+                else:
+                    bounds += tail[whole:]
+                    k = w - (len(tail) - whole)
+                    dup = [order[n - 1 - (i % (n - last))] for i in range(k)]
+                    duplicates = k
+                    order = np.concatenate([order, np.asarray(dup, dtype=np.int64)])
+                    bounds += list(range(n + 1, n + 1 + k))
         if len(bounds) == 1:
             raise ConfigError(
                 "LoadBalancingDistributedBatchSampler: the plan has no complete step (drop_last=True)"
@@ -704,6 +707,7 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         per_bin = budget / (eff / n) if eff > 0 else float(n)
         fill = min(0.999, max(0.5, 1.0 - 0.5 / per_bin))
         nsteps = max(1, math.ceil(eff / (w * budget * fill))) if eff > 0 else 1
+        nsteps = min(nsteps, max(1, n // w))  # a step needs >= w items, or a rank goes empty
         seed = _seed64(s.seed, s.epoch, "stream") if s.shuffle else None
         items, bounds, steps = _P.packed_plan(cs, s._desc_order(), w, budget, nsteps, seed)
         items, bounds, duplicates, dropped = _fix_empty(items, bounds, w, self.drop_last)
@@ -727,7 +731,8 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
             out = self.batch_fn(given.tolist())  # type: ignore[misc]
             if isinstance(out, (str, bytes)) or not isinstance(out, Iterable):
                 raise ConfigError(
-                    f"batch_fn returned {type(out).__name__} for rank {r}; it must return a list of index lists"
+                    f"batch_fn returned {type(out).__name__} for rank {r}; "
+                    "it must return a list of index lists"
                 )
             batches = []
             for j, batch in enumerate(out):
@@ -963,25 +968,32 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
 
 
 def _cut_tail(cs: np.ndarray, p: int, q: int, world: int, budget: float) -> List[int]:
-    """Cut cs[p:q] (longest first) into exactly ``world`` batches of similar padded cost.
+    """Cut cs[p:q] (longest first) into whole steps of ``world`` batches of similar padded cost.
 
-    Returns fewer (one item each) only when there are fewer than ``world`` items.
+    Returns the batch ends: a multiple of ``world`` of them, except when the items cannot fill
+    whole steps (fewer items than batches needed), where the last step is left incomplete for the
+    caller to pad or drop.
     """
     n = q - p
     if n <= world:
         return list(range(p + 1, q + 1))
-    ends = np.empty(world, dtype=np.int64)
-    # The batch count falls as the target rises: find the smallest target giving <= world batches.
+    ends = np.empty(n, dtype=np.int64)
+    need = _P.greedy_cut(cs, p, q, budget, budget, ends, n)  # fewest batches the cap allows
+    steps = -(-need // world)
+    if steps * world > n:
+        return ends[:need].tolist()  # degenerate: not enough items for whole steps
+    want = steps * world
+    # The batch count falls as the target rises: find the smallest target giving <= want batches.
     lo, hi = 0.0, budget
     for _ in range(60):
         mid = 0.5 * (lo + hi)
-        if _P.greedy_cut(cs, p, q, mid, budget, ends, world) <= world:
+        if _P.greedy_cut(cs, p, q, mid, budget, ends, want) <= want:
             hi = mid
         else:
             lo = mid
-    k = _P.greedy_cut(cs, p, q, hi, budget, ends, world)
+    k = _P.greedy_cut(cs, p, q, hi, budget, ends, want)
     cuts = [p, *ends[:k].tolist()]
-    while len(cuts) - 1 < world:
+    while len(cuts) - 1 < want:
         # Split the batch with the most items (any part of a batch is within the cap).
         sizes = [cuts[i + 1] - cuts[i] for i in range(len(cuts) - 1)]
         i = int(np.argmax(sizes))
@@ -1015,6 +1027,9 @@ def _fix_empty(
                 break
             bins[empty[0]].append(bins[full].pop())
         empty = [j for j in range(world) if not bins[j]]
+        if len(empty) == world:
+            keep[st] = False  # the equal-cost cut can leave a step with no item at all
+            continue
         if empty:
             if drop_last:
                 keep[st] = False

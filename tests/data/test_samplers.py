@@ -1,0 +1,447 @@
+"""Load-balancing samplers: compiled kernels against slow oracles, behaviour, resume, bad input."""
+
+from __future__ import annotations
+
+import heapq
+import re
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from trainloom.data import samplers as S
+from trainloom.data.samplers import LoadBalancingDistributedBatchSampler, LoadBalancingDistributedSampler
+from trainloom.errors import ConfigError
+
+P = S._P
+
+
+def _lens(n: int, seed: int = 0, hi: int = 300) -> np.ndarray:
+    return np.random.default_rng(seed).integers(1, hi, n)
+
+
+def _ranks(lens, world, **kw):
+    return [
+        LoadBalancingDistributedSampler(None, complexities=lens, num_replicas=world, rank=r, **kw)
+        for r in range(world)
+    ]
+
+
+def _batch_ranks(lens, world, skw=None, **kw):
+    return [LoadBalancingDistributedBatchSampler(s, **kw) for s in _ranks(lens, world, **(skw or {}))]
+
+
+# --------------------------------------------------------------------------- compiled kernels
+@pytest.mark.parametrize("kind", ["int", "float", "negative", "sparse"])
+@pytest.mark.parametrize("descending", [False, True])
+def test_argsort_is_a_stable_sort(kind, descending):
+    rng = np.random.default_rng(1)
+    keys = {
+        "int": rng.integers(0, 50, 3000).astype(np.float64),  # counting-sort path
+        "float": rng.standard_normal(3000),  # radix path
+        "negative": rng.integers(-20, 20, 3000).astype(np.float64),
+        "sparse": rng.integers(0, 2**40, 3000).astype(np.float64),  # too sparse for counting
+    }[kind]
+    keys[:5] = [0.0, -0.0, 0.0, 1.5, -1.5] if kind != "int" else [0, 0, 0, 1, 1]
+    order_in = np.concatenate([rng.permutation(3000), rng.integers(0, 3000, 100)]).astype(np.int64)
+    got = P.argsort(keys, order_in, descending)
+    k = keys[order_in]
+    ref = order_in[np.argsort(-k if descending else k, kind="stable")]
+    assert np.array_equal(got, ref)
+
+
+def test_permutation_is_seeded_and_complete():
+    a = P.permutation(1000, 7)
+    assert np.array_equal(np.sort(a), np.arange(1000))
+    assert np.array_equal(a, P.permutation(1000, 7))
+    assert not np.array_equal(a, P.permutation(1000, 8))
+
+
+def test_shuffle_runs_only_permutes_ties():
+    keys = np.repeat(np.arange(10.0), 50)
+    order = np.arange(500, dtype=np.int64)
+    P.shuffle_runs(keys, order, 3)
+    assert np.array_equal(keys[order], keys)  # still sorted
+    assert not np.array_equal(order, np.arange(500))
+    assert np.array_equal(np.sort(order), np.arange(500))
+
+
+def _lpt_oracle(costs_desc, world):
+    heap = [(0.0, j) for j in range(world)]
+    for c in costs_desc:
+        load, j = heapq.heappop(heap)
+        heapq.heappush(heap, (load + c, j))
+    return sorted(load for load, _ in heap)
+
+
+def test_packed_plan_matches_a_python_longest_first_deal():
+    lens = np.sort(_lens(500, 4).astype(np.float64))[::-1].copy()
+    desc = np.arange(500, dtype=np.int64)
+    items, bounds, steps = P.packed_plan(lens, desc, 7, 1e12, 1, None)
+    assert steps == 1
+    loads = sorted(lens[items[bounds[j] : bounds[j + 1]]].sum() for j in range(7))
+    assert np.allclose(loads, _lpt_oracle(lens, 7))
+
+
+def test_packed_plan_respects_the_budget_and_places_every_item():
+    rng = np.random.default_rng(5)
+    lens = np.sort(rng.integers(1, 120, 4000).astype(np.float64))[::-1].copy()
+    lens[:3] = [500, 400, 300]  # over the budget: a bin of their own
+    desc = rng.permutation(4000).astype(np.int64)
+    cost = np.empty(4000)
+    cost[desc] = lens
+    items, bounds, steps = P.packed_plan(lens, desc, 5, 200.0, 30, 11)
+    assert np.array_equal(np.sort(items), np.arange(4000))
+    for j in range(steps * 5):
+        c = cost[items[bounds[j] : bounds[j + 1]]]
+        assert c.sum() <= 200.0 or c.shape[0] == 1
+
+
+def test_padded_steps_cap_and_contiguity():
+    cs = np.sort(_lens(3000, 6).astype(np.float64))[::-1].copy()
+    ends = np.empty(3000, dtype=np.int64)
+    nb, p = P.padded_steps(cs, 4, 1000.0, ends)
+    assert nb % 4 == 0 and 0 < p <= 3000
+    starts = np.concatenate([[0], ends[: nb - 1]])
+    assert np.all(ends[:nb] > starts)
+    assert np.all((ends[:nb] - starts) * cs[starts] <= 1000.0)
+
+
+def test_kernels_reject_bad_arrays():
+    with pytest.raises(ValueError, match=r"argsort: order_in\[1\] = 9 is outside \[0, 3\)"):
+        P.argsort(np.zeros(3), np.array([0, 9], dtype=np.int64))
+    with pytest.raises(ValueError, match="cs is negative, NaN or not non-increasing"):
+        P.packed_plan(np.array([1.0, 2.0]), np.array([0, 1], dtype=np.int64), 2, 10.0, 1, None)
+    with pytest.raises(ValueError, match=r"rank_stream: rank 2 outside \[0, 2\)"):
+        P.rank_stream(np.zeros(4, dtype=np.int64), np.arange(2), np.zeros(2, dtype=np.int64), 2, 2)
+
+
+# --------------------------------------------------------------------------- plain sampler
+def test_bagua_style_construction_with_complexity_fn():
+    n = 24
+    ds = torch.utils.data.TensorDataset(torch.randn(n, 2), torch.randperm(n))
+    samplers = [
+        LoadBalancingDistributedSampler(ds, complexity_fn=lambda x: x[1], num_replicas=3, rank=r)
+        for r in range(3)
+    ]
+    outs = [list(s) for s in samplers]
+    assert [len(o) for o in outs] == [8, 8, 8]
+    assert sorted(sum(outs, [])) == list(range(n))
+    # Position by position, the ranks hold neighbours in complexity order.
+    comp = ds.tensors[1].numpy()
+    spread = [np.ptp(comp[[o[i] for o in outs]]) for i in range(8)]
+    assert max(spread) <= 2
+
+
+def test_complexities_tensor_fast_path_and_defaults_without_distributed():
+    s = LoadBalancingDistributedSampler(None, complexities=torch.arange(10))
+    assert (s.num_replicas, s.rank, len(s)) == (1, 0, 10)
+    assert sorted(s) == list(range(10))
+
+
+def test_padding_duplicates_are_documented_and_balanced():
+    lens = _lens(10, 2)
+    outs = [list(s) for s in _ranks(lens, 4)]
+    assert [len(o) for o in outs] == [3, 3, 3, 3]
+    flat = sum(outs, [])
+    assert set(flat) == set(range(10)) and len(flat) - 10 == 2
+    stats = _ranks(lens, 4)[0].plan_stats()
+    assert stats["duplicates"] == 2 and stats["dropped"] == 0
+
+
+def test_drop_last_drops_fewer_than_world():
+    outs = [list(s) for s in _ranks(_lens(10, 2), 4, drop_last=True)]
+    assert [len(o) for o in outs] == [2, 2, 2, 2]
+    assert len(set(sum(outs, []))) == 8
+
+
+def test_world_larger_than_dataset_gives_equal_lengths():
+    outs = [list(s) for s in _ranks([3.0, 1.0, 2.0], 5)]
+    assert [len(o) for o in outs] == [1] * 5
+    assert set(sum(outs, [])) == {0, 1, 2}
+
+
+def test_no_shuffle_is_sorted_and_epoch_independent():
+    lens = _lens(40, 3)
+    s = _ranks(lens, 2, shuffle=False)[0]
+    a = list(s)
+    s.set_epoch(5)
+    assert list(s) == a
+    assert np.all(np.diff(lens[a]) >= 0)
+
+
+def test_set_epoch_changes_order_and_reuse_warns_once():
+    s = _ranks(_lens(200, 3), 2)[0]
+    first = list(s)
+    with pytest.warns(
+        UserWarning, match="iterated a second time in epoch 0: the order repeats. Call set_epoch"
+    ):
+        again = list(s)
+    assert again == first
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        list(s)  # warned once only
+        s.set_epoch(1)
+        assert list(s) != first
+
+
+def test_random_level_one_is_close_to_random():
+    lens = np.arange(2000)
+    s0 = _ranks(lens, 2, random_level=0)[0]
+    s1 = _ranks(lens, 2, random_level=1)[0]
+    assert s0.plan_stats(batch_size=8)["straggler_mean"] < s1.plan_stats(batch_size=8)["straggler_mean"]
+    assert sorted(
+        list(_ranks(lens, 2, random_level=1)[0]) + list(_ranks(lens, 2, random_level=1)[1])
+    ) == list(range(2000))
+
+
+def test_plain_sampler_resume_equals_uninterrupted():
+    lens = _lens(101, 8)
+    ref = list(_ranks(lens, 3)[1])
+    s = _ranks(lens, 3)[1]
+    s.set_epoch(0)
+    it = iter(s)
+    head = [next(it) for _ in range(10)]
+    state = s.state_dict()
+    assert state["consumed"] == 10
+    t = _ranks(lens, 3, seed=99)[1]  # the state's seed wins
+    t.load_state_dict(state)
+    assert len(t) == len(ref) - 10
+    assert head + list(t) == ref
+
+
+# --------------------------------------------------------------------------- batch sampler
+@pytest.mark.parametrize("mode", ["padded", "packed"])
+def test_budget_mode_hard_cap_and_exact_coverage(mode):
+    lens = _lens(3000, 9, hi=400)
+    lens[7] = 5000  # over the budget: a batch of its own
+    bss = _batch_ranks(lens, 4, max_complexity=2000, mode=mode)
+    outs = [list(b) for b in bss]
+    assert len({len(o) for o in outs}) == 1 and len(outs[0]) == len(bss[0])
+    flat = [i for o in outs for b in o for i in b]
+    assert sorted(flat) == list(range(3000))
+    for o in outs:
+        for b in o:
+            cost = len(b) * max(lens[b]) if mode == "padded" else sum(lens[b])
+            assert cost <= 2000 or b == [7]
+    st = bss[0].plan_stats()
+    assert st["duplicates"] == st["dropped"] == st["empty_rank_steps"] == 0
+    assert st["straggler_mean"] >= 1.0 and st["max_batch_cost"] >= 5000
+
+
+def test_packed_balances_the_quadratic_cost_model():
+    lens = _lens(20000, 10, hi=500).astype(float)
+    bs = _batch_ranks(lens, 8, max_complexity=4e6, mode="packed", cost=(0.0, 1.0))[0]
+    st = bs.plan_stats()
+    assert st["straggler_len2_mean"] < 1.01
+    assert st["max_batch_cost"] <= 4e6
+
+
+def test_padded_mode_wastes_little():
+    lens = _lens(20000, 11, hi=200)
+    st = _batch_ranks(lens, 4, max_complexity=4096)[0].plan_stats()
+    assert st["padding_waste"] < 0.01
+    assert st["max_batch_cost_ratio"] <= 1.0
+
+
+@pytest.mark.parametrize("mode", ["padded", "packed"])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_tiny_dataset_tail(mode, drop_last):
+    lens = [5, 4, 3]
+    bss = _batch_ranks(lens, 2 if drop_last else 5, max_complexity=100, mode=mode, drop_last=drop_last)
+    outs = [list(b) for b in bss]
+    assert len({len(o) for o in outs}) == 1
+    assert all(len(b) > 0 for o in outs for b in o)
+    st = bss[0].plan_stats()
+    flat = [i for o in outs for b in o for i in b]
+    assert len(flat) == 3 + st["duplicates"] - st["dropped"]
+    if not drop_last:
+        assert set(flat) == {0, 1, 2} and st["duplicates"] == 2
+
+
+def test_batch_fn_mode_equalises_batch_counts():
+    lens = _lens(50, 12)
+
+    def batch_fn(indices):  # uneven on purpose: Bagua yielded [2, 4] batches here and hung DDP
+        size = 3 if indices[0] % 2 else 5
+        return [indices[i : i + size] for i in range(0, len(indices), size)]
+
+    for drop_last in (False, True):
+        outs = [list(b) for b in _batch_ranks(lens, 3, batch_fn=batch_fn, drop_last=drop_last)]
+        assert len({len(o) for o in outs}) == 1
+
+
+def test_set_epoch_on_batch_sampler_reshuffles_steps():
+    bs = _batch_ranks(_lens(2000, 13), 2, max_complexity=1500)[0]
+    a = list(bs)
+    bs.set_epoch(1)
+    assert bs.sampler.epoch == 1
+    b = list(bs)
+    assert a != b and sorted(map(tuple, a)) != sorted(map(tuple, b)) or a != b
+
+
+@pytest.mark.parametrize("mode", ["padded", "packed"])
+def test_batch_resume_equals_uninterrupted(mode):
+    lens = _lens(3000, 14)
+    ref_bs = _batch_ranks(lens, 4, max_complexity=2000, mode=mode)[2]
+    ref_bs.set_epoch(3)
+    ref = list(ref_bs)
+    bs = _batch_ranks(lens, 4, max_complexity=2000, mode=mode)[2]
+    bs.set_epoch(3)
+    it = iter(bs)
+    head = [next(it) for _ in range(7)]
+    state = bs.state_dict()
+    assert (state["epoch"], state["consumed"]) == (3, 7)
+    new = _batch_ranks(lens, 4, max_complexity=2000, mode=mode)[2]
+    new.load_state_dict(state)
+    new.set_epoch(3)  # a resume loop calls set_epoch(start_epoch) again: the position is kept
+    assert len(new) == len(ref) - 7
+    assert head + list(new) == ref
+    new.set_epoch(4)
+    assert len(new) == len(list(new))
+
+
+# --------------------------------------------------------------------------- bad input
+def test_empty_dataset():
+    with pytest.raises(ConfigError, match=r"the dataset is empty \(0 samples\); there is nothing to sample"):
+        LoadBalancingDistributedSampler(None, complexities=[])
+
+
+def test_world_larger_than_dataset_with_drop_last():
+    with pytest.raises(
+        ConfigError, match=r"num_replicas=4 is larger than the dataset \(3 samples\) and drop_last=True"
+    ):
+        LoadBalancingDistributedSampler(None, complexities=[1, 2, 3], num_replicas=4, rank=0, drop_last=True)
+    s = LoadBalancingDistributedSampler(None, complexities=[1, 2, 3], num_replicas=4, rank=0)
+    with pytest.raises(
+        ConfigError, match=r"num_replicas=4 is larger than the dataset \(3 samples\) and drop_last"
+    ):
+        LoadBalancingDistributedBatchSampler(s, max_complexity=10, drop_last=True)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_complexities_name_the_first_index(bad):
+    c = [1.0, 2.0, 3.0, bad, bad]
+    with pytest.raises(
+        ConfigError, match=rf"complexities\[3\] is {re.escape(repr(bad))}; every complexity must be a finite"
+    ):
+        LoadBalancingDistributedSampler(None, complexities=c)
+
+
+def test_negative_complexities_ok_for_plain_sampler_error_in_budget_mode():
+    s = LoadBalancingDistributedSampler(
+        None, complexities=[3, -1, 2, -5], num_replicas=2, rank=0, shuffle=False
+    )
+    assert list(s) == [3, 2]  # sorted: -5, -1 | 2, 3
+    with pytest.raises(ConfigError, match=r"complexities\[1\] = -1.0 is negative; budget mode"):
+        LoadBalancingDistributedBatchSampler(s, max_complexity=10)
+    LoadBalancingDistributedBatchSampler(s, batch_fn=lambda idx: [idx])  # batch_fn mode: order only
+
+
+def test_complexity_fn_that_raises_names_the_index():
+    ds = list(range(5))
+
+    def fn(x):
+        if x == 3:
+            raise KeyError("no length")
+        return x
+
+    with pytest.raises(ConfigError, match=r"complexity_fn raised KeyError at index 3: 'no length'"):
+        LoadBalancingDistributedSampler(ds, complexity_fn=fn)
+
+
+@pytest.mark.parametrize("value, name", [("7", "str"), (None, "NoneType"), ([1], "list"), (True, "bool")])
+def test_complexity_fn_non_number_names_index_and_type(value, name):
+    ds = list(range(4))
+    with pytest.raises(
+        ConfigError, match=rf"complexity_fn returned {name} at index 2; it must return a real number"
+    ):
+        LoadBalancingDistributedSampler(ds, complexity_fn=lambda x: value if x == 2 else 1)
+
+
+@pytest.mark.parametrize("rank", [-1, 4, 9])
+def test_rank_outside_range(rank):
+    with pytest.raises(ConfigError, match=rf"rank {rank} is outside \[0, 4\) for num_replicas=4"):
+        LoadBalancingDistributedSampler(None, complexities=[1, 2], num_replicas=4, rank=rank)
+
+
+def test_bad_num_replicas_and_arguments():
+    with pytest.raises(ConfigError, match="num_replicas must be an integer >= 1, got 0"):
+        LoadBalancingDistributedSampler(None, complexities=[1], num_replicas=0, rank=0)
+    with pytest.raises(ConfigError, match="pass complexity_fn or complexities, not both"):
+        LoadBalancingDistributedSampler([1], complexity_fn=len, complexities=[1])
+    with pytest.raises(ConfigError, match="pass complexities="):
+        LoadBalancingDistributedSampler([1])
+    with pytest.raises(ConfigError, match=r"complexities has 2 entries but the dataset has 3 samples"):
+        LoadBalancingDistributedSampler([1, 2, 3], complexities=[1, 2])
+    with pytest.raises(
+        ConfigError, match=r"complexities must be 1-D \(one number per sample\), got shape \(2, 2\)"
+    ):
+        LoadBalancingDistributedSampler(None, complexities=[[1, 2], [3, 4]])
+    with pytest.raises(ConfigError, match=r"random_level must be in \[0, 1\], got 2"):
+        LoadBalancingDistributedSampler(None, complexities=[1], random_level=2)
+    with pytest.raises(ConfigError, match="complexities must be a 1-D array of real numbers, got dtype <U1"):
+        LoadBalancingDistributedSampler(None, complexities=["a"])
+
+
+def test_bad_batch_sampler_arguments():
+    s = LoadBalancingDistributedSampler(None, complexities=[1, 2, 3])
+    with pytest.raises(ConfigError, match="pass max_complexity= .budget per rank per step. or batch_fn="):
+        LoadBalancingDistributedBatchSampler(s)
+    with pytest.raises(ConfigError, match="pass batch_fn or max_complexity, not both"):
+        LoadBalancingDistributedBatchSampler(s, batch_fn=lambda i: [i], max_complexity=3)
+    with pytest.raises(ConfigError, match=r"mode must be one of \('padded', 'packed'\), got 'pad'"):
+        LoadBalancingDistributedBatchSampler(s, max_complexity=3, mode="pad")
+    for bad in (0, -1, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="max_complexity must be finite and > 0"):
+            LoadBalancingDistributedBatchSampler(s, max_complexity=bad)
+    with pytest.raises(ConfigError, match=r"cost=\(a, b\) needs finite a >= 0 and b >= 0, not both 0"):
+        LoadBalancingDistributedBatchSampler(s, max_complexity=3, cost=(0, 0))
+    with pytest.raises(ConfigError, match=r"cost=\(a, b\) needs finite a >= 0 and b >= 0"):
+        LoadBalancingDistributedBatchSampler(s, max_complexity=3, cost=(1, -1))
+    with pytest.raises(ConfigError, match="sampler must be a LoadBalancingDistributedSampler, got list"):
+        LoadBalancingDistributedBatchSampler([1, 2], max_complexity=3)
+
+
+def test_batch_fn_empty_or_out_of_range_batches():
+    s = LoadBalancingDistributedSampler(None, complexities=list(range(10)), num_replicas=2, rank=0)
+    with pytest.raises(
+        ConfigError, match=r"batch_fn returned an empty or malformed batch \(batch 1, rank 0\): \[\]"
+    ):
+        list(LoadBalancingDistributedBatchSampler(s, batch_fn=lambda idx: [idx, []]))
+    with pytest.raises(
+        ConfigError, match=r"batch_fn returned index 99 \(batch 0, rank 0\) that is not among the 5"
+    ):
+        list(LoadBalancingDistributedBatchSampler(s, batch_fn=lambda idx: [idx + [99]]))
+    with pytest.raises(ConfigError, match=r"batch_fn returned index -1 \(batch 0, rank 0\)"):
+        list(LoadBalancingDistributedBatchSampler(s, batch_fn=lambda idx: [[-1]]))
+    other = LoadBalancingDistributedSampler(None, complexities=list(range(10)), num_replicas=2, rank=1)
+    theirs = other.rank_indices(1)[0]  # in range, but another rank's index
+    with pytest.raises(
+        ConfigError, match=rf"batch_fn returned index {theirs} \(batch 0, rank 0\) that is not among"
+    ):
+        list(LoadBalancingDistributedBatchSampler(s, batch_fn=lambda idx: [[int(theirs)]]))
+    with pytest.raises(ConfigError, match="batch_fn returned no batches for rank 0"):
+        len(LoadBalancingDistributedBatchSampler(s, batch_fn=lambda idx: []))
+
+
+def test_load_state_dict_rejects_other_world_dataset_or_config():
+    lens = _lens(100, 15)
+    state = _batch_ranks(lens, 4, max_complexity=500)[0].state_dict()
+    with pytest.raises(
+        ConfigError, match="saved with num_replicas=4, this sampler has num_replicas=2; resuming needs"
+    ):
+        _batch_ranks(lens, 2, max_complexity=500)[0].load_state_dict(state)
+    other = lens.copy()
+    other[0] += 1
+    with pytest.raises(ConfigError, match=r"saved for another dataset \(100 samples, complexities digest"):
+        _batch_ranks(other, 4, max_complexity=500)[0].load_state_dict(state)
+    with pytest.raises(ConfigError, match=r"saved with mode='padded', this batch sampler has 'packed'"):
+        _batch_ranks(lens, 4, max_complexity=500, mode="packed")[0].load_state_dict(state)
+    with pytest.raises(ConfigError, match="the state is a LoadBalancingDistributedBatchSampler's, not a"):
+        _ranks(lens, 4)[0].load_state_dict(state)
+    with pytest.raises(ConfigError, match=r"the state lacks \['kind'"):
+        _ranks(lens, 4)[0].load_state_dict({})
+    with pytest.raises(ConfigError, match=r"state_dict: consumed=999 is outside \[0, "):
+        _batch_ranks(lens, 4, max_complexity=500)[0].state_dict(consumed=999)
