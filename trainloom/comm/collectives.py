@@ -334,10 +334,24 @@ def allreduce_inplace(
 ) -> Optional[Work]:
     """The in-place version of :func:`allreduce`.
 
+    Args:
+        tensor: input and output.
+        op: a :class:`ReduceOp`.
+        comm: the communicator; None means the default group's global communicator.
+        async_op: return a :class:`~trainloom.comm.work.Work` instead of blocking.
+        hierarchical: see :func:`allreduce`.
+
+    Returns:
+        None, or a Work when ``async_op`` (its ``result()`` is the output tensor).
+
+    Raises:
+        TypeError, ValueError: a bad argument on this rank (named in the message).
+        CommError: the ranks disagree (raised on every rank) or a peer failed; CommTimeoutError on timeout.
+
     Example::
 
         t = torch.ones(4) * (get_rank() + 1)
-        allreduce_inplace(t, ReduceOp.MAX)
+        allreduce_inplace(t, ReduceOp.MAX)  # every rank: [world, ...]
     """
     return allreduce(tensor, tensor, op, comm, async_op, hierarchical)
 
@@ -385,11 +399,24 @@ def reduce(
 
     Args:
         send_tensor: input.
-        recv_tensor: output on ``dst`` (same size as ``send_tensor``); not written on other ranks.
+        recv_tensor: output on ``dst`` (same number of elements as ``send_tensor``); not written on
+            other ranks.
         dst: destination rank in the communicator.
         op: a :class:`ReduceOp`.
-        comm: the communicator (None: default group).
-        async_op: return a Work.
+        comm: the communicator; None means the default group's global communicator.
+        async_op: return a :class:`~trainloom.comm.work.Work` instead of blocking.
+
+    Returns:
+        None, or a Work when ``async_op`` (its ``result()`` is the output tensor).
+
+    Raises:
+        TypeError, ValueError: a bad argument on this rank (named in the message).
+        CommError: the ranks disagree (raised on every rank) or a peer failed; CommTimeoutError on timeout.
+
+    Example::
+
+        out = torch.zeros(4)
+        reduce(torch.ones(4), out, dst=0)  # rank 0: [world] * 4; others: unchanged
     """
     name = "reduce"
     c = _comm(comm, name)
@@ -422,7 +449,27 @@ def reduce_inplace(
     comm: Optional[Communicator] = None,
     async_op: bool = False,
 ) -> Optional[Work]:
-    """The in-place version of :func:`reduce` (the input of non-``dst`` ranks is left unchanged)."""
+    """The in-place version of :func:`reduce` (the tensor of non-``dst`` ranks is left unchanged).
+
+    Args:
+        tensor: input, and output on ``dst``.
+        dst: destination rank.
+        op: a :class:`ReduceOp`.
+        comm: the communicator; None means the default group's global communicator.
+        async_op: return a :class:`~trainloom.comm.work.Work` instead of blocking.
+
+    Returns:
+        None, or a Work when ``async_op`` (its ``result()`` is the output tensor).
+
+    Raises:
+        TypeError, ValueError: a bad argument on this rank (named in the message).
+        CommError: the ranks disagree (raised on every rank) or a peer failed; CommTimeoutError on timeout.
+
+    Example::
+
+        t = torch.ones(4)
+        reduce_inplace(t, dst=0, op=ReduceOp.SUM)
+    """
     return reduce(tensor, tensor, dst, op, comm, async_op)
 
 
@@ -439,6 +486,20 @@ def reduce_scatter(
         send_tensor: input, ``nranks * recv_tensor.numel()`` elements.
         recv_tensor: output chunk.
         op: a :class:`ReduceOp`.
+        comm: the communicator; None means the default group's global communicator.
+        async_op: return a :class:`~trainloom.comm.work.Work` instead of blocking.
+
+    Returns:
+        None, or a Work when ``async_op`` (its ``result()`` is the output tensor).
+
+    Raises:
+        TypeError, ValueError: a bad argument on this rank (named in the message).
+        CommError: the ranks disagree (raised on every rank) or a peer failed; CommTimeoutError on timeout.
+
+    Example::
+
+        out = torch.zeros(2)
+        reduce_scatter(torch.ones(2 * get_world_size()), out)  # [world, world]
     """
     name = "reduce_scatter"
     c = _comm(comm, name)
@@ -464,8 +525,22 @@ def reduce_scatter_inplace(
 ) -> Optional[Work]:
     """In-place :func:`reduce_scatter`: rank ``i``'s result lands in chunk ``i`` of ``tensor``.
 
+    Args:
+        tensor: input, and output at chunk ``rank``; ``numel`` divisible by ``nranks``.
+        op: a :class:`ReduceOp`.
+        comm: the communicator; None means the default group's global communicator.
+        async_op: return a :class:`~trainloom.comm.work.Work` instead of blocking.
+
+    Returns:
+        None, or a Work when ``async_op`` (its ``result()`` is the output tensor).
+
     Raises:
         ValueError: ``tensor.numel()`` is not divisible by ``nranks``.
+
+    Example::
+
+        t = torch.ones(2 * get_world_size())
+        reduce_scatter_inplace(t)  # t[2*rank : 2*rank+2] == world
     """
     name = "reduce_scatter_inplace"
     c = _comm(comm, name)
@@ -529,6 +604,20 @@ def broadcast(
     Args:
         tensor: data on ``src``, output elsewhere; same number of elements on every rank.
         src: source rank. Default 0.
+        comm: the communicator; None means the default group's global communicator.
+        async_op: return a :class:`~trainloom.comm.work.Work` instead of blocking.
+
+    Returns:
+        None, or a Work when ``async_op`` (its ``result()`` is the output tensor).
+
+    Raises:
+        TypeError, ValueError: a bad argument on this rank (named in the message).
+        CommError: the ranks disagree (raised on every rank) or a peer failed; CommTimeoutError on timeout.
+
+    Example::
+
+        w = torch.randn(3) if get_rank() == 0 else torch.zeros(3)
+        broadcast(w, src=0)
     """
     name = "broadcast"
     c = _comm(comm, name)
@@ -547,11 +636,25 @@ def allgather(
     comm: Optional[Communicator] = None,
     async_op: bool = False,
 ) -> Optional[Work]:
-    """Gather every rank's ``send_tensor`` into ``recv_tensor`` (rank order) on every rank.
+    """Gather every rank's ``send_tensor`` into ``recv_tensor`` (in rank order) on every rank.
 
     Args:
         send_tensor: input.
         recv_tensor: output with ``nranks * send_tensor.numel()`` elements.
+        comm: the communicator; None means the default group's global communicator.
+        async_op: return a :class:`~trainloom.comm.work.Work` instead of blocking.
+
+    Returns:
+        None, or a Work when ``async_op`` (its ``result()`` is the output tensor).
+
+    Raises:
+        TypeError, ValueError: a bad argument on this rank (named in the message).
+        CommError: the ranks disagree (raised on every rank) or a peer failed; CommTimeoutError on timeout.
+
+    Example::
+
+        out = torch.zeros(3 * get_world_size())
+        allgather(torch.full((3,), float(get_rank())), out)  # [0,0,0, 1,1,1, ...]
     """
     name = "allgather"
     c = _comm(comm, name)
@@ -584,8 +687,22 @@ def allgather_inplace(
 ) -> Optional[Work]:
     """In-place :func:`allgather`: rank ``i``'s input is chunk ``i`` of ``tensor``.
 
+    Args:
+        tensor: input at chunk ``rank``, output everywhere; ``numel`` divisible by ``nranks``.
+        comm: the communicator; None means the default group's global communicator.
+        async_op: return a :class:`~trainloom.comm.work.Work` instead of blocking.
+
+    Returns:
+        None, or a Work when ``async_op`` (its ``result()`` is the output tensor).
+
     Raises:
         ValueError: ``tensor.numel()`` is not divisible by ``nranks``.
+
+    Example::
+
+        t = torch.zeros(2 * get_world_size())
+        t[2 * get_rank() : 2 * get_rank() + 2] = get_rank()
+        allgather_inplace(t)
     """
     name = "allgather_inplace"
     c = _comm(comm, name)
@@ -611,6 +728,20 @@ def gather(
         send_tensor: input.
         recv_tensor: output on ``dst`` with ``nranks * send_tensor.numel()`` elements (ignored elsewhere).
         dst: destination rank.
+        comm: the communicator; None means the default group's global communicator.
+        async_op: return a :class:`~trainloom.comm.work.Work` instead of blocking.
+
+    Returns:
+        None, or a Work when ``async_op`` (its ``result()`` is the output tensor).
+
+    Raises:
+        TypeError, ValueError: a bad argument on this rank (named in the message).
+        CommError: the ranks disagree (raised on every rank) or a peer failed; CommTimeoutError on timeout.
+
+    Example::
+
+        out = torch.zeros(get_world_size())
+        gather(torch.tensor([float(get_rank())]), out, dst=0)  # rank 0: [0, 1, ...]
     """
     name = "gather"
     c = _comm(comm, name)
@@ -644,6 +775,20 @@ def gather_inplace(
             ``count`` elements.
         count: elements per rank.
         dst: destination rank.
+        comm: the communicator; None means the default group's global communicator.
+        async_op: return a :class:`~trainloom.comm.work.Work` instead of blocking.
+
+    Returns:
+        None, or a Work when ``async_op`` (its ``result()`` is the output tensor).
+
+    Raises:
+        TypeError, ValueError: a bad argument on this rank (named in the message).
+        CommError: the ranks disagree (raised on every rank) or a peer failed; CommTimeoutError on timeout.
+
+    Example::
+
+        t = torch.zeros(2 * get_world_size()) if get_rank() == 0 else torch.ones(2)
+        gather_inplace(t, count=2, dst=0)
     """
     name = "gather_inplace"
     c = _comm(comm, name)
@@ -672,6 +817,20 @@ def scatter(
         send_tensor: on ``src``, ``nranks * recv_tensor.numel()`` elements (ignored elsewhere).
         recv_tensor: output.
         src: source rank.
+        comm: the communicator; None means the default group's global communicator.
+        async_op: return a :class:`~trainloom.comm.work.Work` instead of blocking.
+
+    Returns:
+        None, or a Work when ``async_op`` (its ``result()`` is the output tensor).
+
+    Raises:
+        TypeError, ValueError: a bad argument on this rank (named in the message).
+        CommError: the ranks disagree (raised on every rank) or a peer failed; CommTimeoutError on timeout.
+
+    Example::
+
+        out = torch.zeros(2)
+        scatter(torch.arange(2.0 * get_world_size()), out, src=0)  # rank r: [2r, 2r+1]
     """
     name = "scatter"
     c = _comm(comm, name)
@@ -704,6 +863,20 @@ def scatter_inplace(
             elsewhere ``count`` elements, the output.
         count: elements per rank.
         src: source rank.
+        comm: the communicator; None means the default group's global communicator.
+        async_op: return a :class:`~trainloom.comm.work.Work` instead of blocking.
+
+    Returns:
+        None, or a Work when ``async_op`` (its ``result()`` is the output tensor).
+
+    Raises:
+        TypeError, ValueError: a bad argument on this rank (named in the message).
+        CommError: the ranks disagree (raised on every rank) or a peer failed; CommTimeoutError on timeout.
+
+    Example::
+
+        t = torch.arange(2.0 * get_world_size()) if get_rank() == 0 else torch.zeros(2)
+        scatter_inplace(t, count=2, src=0)
     """
     name = "scatter_inplace"
     c = _comm(comm, name)
@@ -728,8 +901,22 @@ def alltoall(
     """Send chunk ``j`` of ``send_tensor`` to rank ``j``; receive from rank ``i`` into chunk ``i``.
 
     Args:
-        send_tensor: input, size divisible by ``nranks``.
-        recv_tensor: output, same size.
+        send_tensor: input, ``numel`` divisible by ``nranks``.
+        recv_tensor: output, same number of elements.
+        comm: the communicator; None means the default group's global communicator.
+        async_op: return a :class:`~trainloom.comm.work.Work` instead of blocking.
+
+    Returns:
+        None, or a Work when ``async_op`` (its ``result()`` is the output tensor).
+
+    Raises:
+        TypeError, ValueError: a bad argument on this rank (named in the message).
+        CommError: the ranks disagree (raised on every rank) or a peer failed; CommTimeoutError on timeout.
+
+    Example::
+
+        out = torch.zeros(get_world_size())
+        alltoall(torch.full((get_world_size(),), float(get_rank())), out)  # [0, 1, ...]
     """
     name = "alltoall"
     c = _comm(comm, name)
@@ -753,7 +940,25 @@ def alltoall(
 def alltoall_inplace(
     tensor: torch.Tensor, comm: Optional[Communicator] = None, async_op: bool = False
 ) -> Optional[Work]:
-    """The in-place version of :func:`alltoall`."""
+    """The in-place version of :func:`alltoall`.
+
+    Args:
+        tensor: input and output, ``numel`` divisible by ``nranks``.
+        comm: the communicator; None means the default group's global communicator.
+        async_op: return a :class:`~trainloom.comm.work.Work` instead of blocking.
+
+    Returns:
+        None, or a Work when ``async_op`` (its ``result()`` is the output tensor).
+
+    Raises:
+        TypeError, ValueError: a bad argument on this rank (named in the message).
+        CommError: the ranks disagree (raised on every rank) or a peer failed; CommTimeoutError on timeout.
+
+    Example::
+
+        t = torch.full((get_world_size(),), float(get_rank()))
+        alltoall_inplace(t)
+    """
     _tensor(tensor, "tensor", "alltoall_inplace")
     return alltoall(tensor.detach().clone(), tensor, comm, async_op)
 
@@ -777,6 +982,22 @@ def alltoall_v(
         recv_tensor: output.
         recv_counts: elements received from each rank; must equal what that rank sends here.
         recv_displs: where each rank's data lands in ``recv_tensor``.
+        comm: the communicator; None means the default group's global communicator.
+        async_op: return a :class:`~trainloom.comm.work.Work` instead of blocking.
+
+    Returns:
+        None, or a Work when ``async_op`` (its ``result()`` is the output tensor).
+
+    Raises:
+        TypeError, ValueError: a bad argument on this rank (named in the message).
+        CommError: the ranks disagree (raised on every rank) or a peer failed; CommTimeoutError on timeout.
+
+    Example::
+
+        # 2 ranks: rank 0 sends 1 element to itself and 2 to rank 1; rank 1 sends 2 and 1
+        sc = [1, 2] if get_rank() == 0 else [2, 1]
+        rc = [1, 2] if get_rank() == 0 else [2, 1]
+        alltoall_v(send, sc, [0, sc[0]], recv, rc, [0, rc[0]])
     """
     name = "alltoall_v"
     c = _comm(comm, name)
@@ -819,7 +1040,26 @@ def alltoall_v_inplace(
     comm: Optional[Communicator] = None,
     async_op: bool = False,
 ) -> Optional[Work]:
-    """The in-place version of :func:`alltoall_v` (the same counts and displacements both ways)."""
+    """The in-place version of :func:`alltoall_v` (the same counts and displacements both ways).
+
+    Args:
+        tensor: input and output.
+        counts: elements exchanged with each rank.
+        displs: where each rank's block starts.
+        comm: the communicator; None means the default group's global communicator.
+        async_op: return a :class:`~trainloom.comm.work.Work` instead of blocking.
+
+    Returns:
+        None, or a Work when ``async_op`` (its ``result()`` is the output tensor).
+
+    Raises:
+        TypeError, ValueError: a bad argument on this rank (named in the message).
+        CommError: the ranks disagree (raised on every rank) or a peer failed; CommTimeoutError on timeout.
+
+    Example::
+
+        alltoall_v_inplace(t, [2] * get_world_size(), [2 * j for j in range(get_world_size())])
+    """
     _tensor(tensor, "tensor", "alltoall_v_inplace")
     return alltoall_v(tensor.detach().clone(), counts, displs, tensor, counts, displs, comm, async_op)
 
@@ -830,8 +1070,24 @@ def send(
 ) -> Optional[Work]:
     """Send ``tensor`` to rank ``dst``, which must call :func:`recv` with the same dtype and size.
 
+    Args:
+        tensor: the data.
+        dst: destination rank (not this rank).
+        comm: the communicator; None means the default group's global communicator.
+        async_op: return a :class:`~trainloom.comm.work.Work` instead of blocking.
+
+    Returns:
+        None, or a Work when ``async_op``.
+
     Raises:
         ValueError: ``dst`` is this rank or outside the communicator.
+
+    Example::
+
+        if get_rank() == 0:
+            send(torch.ones(3), dst=1)
+        elif get_rank() == 1:
+            recv(buf, src=0)
     """
     name = "send"
     c = _comm(comm, name)
@@ -849,8 +1105,22 @@ def recv(
 ) -> Optional[Work]:
     """Receive into ``tensor`` from rank ``src``.
 
+    Args:
+        tensor: output; dtype and size must match the sender's tensor.
+        src: source rank (not this rank).
+        comm: the communicator; None means the default group's global communicator.
+        async_op: return a :class:`~trainloom.comm.work.Work` instead of blocking.
+
+    Returns:
+        None, or a Work when ``async_op`` (its ``result()`` is the output tensor).
+
     Raises:
         ValueError: ``src`` is this rank or outside the communicator.
+
+    Example::
+
+        buf = torch.zeros(3)
+        recv(buf, src=0)
     """
     name = "recv"
     c = _comm(comm, name)
@@ -864,7 +1134,23 @@ def recv(
 
 
 def barrier(comm: Optional[Communicator] = None, async_op: bool = False) -> Optional[Work]:
-    """Block until every rank of the communicator reached the barrier (CPU engine)."""
+    """Block until every rank of the communicator reached the barrier (runs on the CPU engine).
+
+    Args:
+        comm: the communicator; None means the default group's global communicator.
+        async_op: return a :class:`~trainloom.comm.work.Work` instead of blocking.
+
+    Returns:
+        None, or a Work when ``async_op``.
+
+    Raises:
+        TypeError, ValueError: a bad argument on this rank (named in the message).
+        CommError: the ranks disagree (raised on every rank) or a peer failed; CommTimeoutError on timeout.
+
+    Example::
+
+        barrier()
+    """
     name = "barrier"
     c = _comm(comm, name)
     if c.nranks() == 1:

@@ -172,7 +172,15 @@ def get_rank() -> int:
 
 
 def get_world_size() -> int:
-    """The number of processes in the default process group (from the environment before init)."""
+    """The number of processes in the default process group (from the environment before init).
+
+    Returns:
+        The world size (WORLD_SIZE, or 1 when nothing is set).
+
+    Example::
+
+        shard = len(dataset) // get_world_size()
+    """
     pg = _default_group()
     if pg is not None:
         return pg.world_size
@@ -180,7 +188,15 @@ def get_world_size() -> int:
 
 
 def get_local_rank() -> int:
-    """This process's index on its node (LOCAL_RANK), ``0 <= local_rank < get_local_size()``."""
+    """This process's index on its node (LOCAL_RANK), ``0 <= local_rank < get_local_size()``.
+
+    Returns:
+        The local rank.
+
+    Example::
+
+        torch.cuda.set_device(get_local_rank())  # before init_process_group(), as in Bagua
+    """
     from trainloom.comm import group
 
     if group._STATE.launch is not None:
@@ -189,7 +205,15 @@ def get_local_rank() -> int:
 
 
 def get_local_size() -> int:
-    """The number of processes on this node (LOCAL_WORLD_SIZE)."""
+    """The number of processes on this node (LOCAL_WORLD_SIZE).
+
+    Returns:
+        The local world size.
+
+    Example::
+
+        per_node = get_local_size()
+    """
     from trainloom.comm import group
 
     if group._STATE.launch is not None:
@@ -202,8 +226,15 @@ def get_default_bucket_size() -> int:
 
     Read from TRAINLOOM_DEFAULT_BUCKET_SIZE, else BAGUA_DEFAULT_BUCKET_SIZE, else 10 MiB.
 
+    Returns:
+        The bucket size in bytes.
+
     Raises:
         ConfigError: the variable is not a positive integer.
+
+    Example::
+
+        bucket_bytes = get_default_bucket_size()
     """
     for name in ("TRAINLOOM_DEFAULT_BUCKET_SIZE", "BAGUA_DEFAULT_BUCKET_SIZE"):
         value = os.environ.get(name)

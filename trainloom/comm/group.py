@@ -540,15 +540,31 @@ def _destroy_at_exit() -> None:
 
 
 def is_initialized() -> bool:
-    """Whether :func:`init_process_group` ran (and :func:`destroy_process_group` did not since)."""
+    """Whether :func:`init_process_group` ran (and :func:`destroy_process_group` did not since).
+
+    Returns:
+        True when a default process group exists.
+
+    Example::
+
+        if not is_initialized():
+            init_process_group()
+    """
     return _STATE.default is not None
 
 
 def get_default_group() -> ProcessGroup:
     """The default process group.
 
+    Returns:
+        The group :func:`init_process_group` created.
+
     Raises:
         CommError: not initialized.
+
+    Example::
+
+        comm = get_default_group().get_global_communicator()
     """
     if _STATE.default is None:
         raise CommError(
@@ -628,6 +644,10 @@ def from_torch_group(group: Any, stream: Optional[Any] = None) -> ProcessGroup:
     Raises:
         CommError: not initialized.
         ValueError: this rank is not a member of ``group``.
+
+    Example::
+
+        g = from_torch_group(torch.distributed.new_group([0, 1]))
     """
     if _STATE.default is None:
         raise CommError("from_torch_group: call init_process_group() first")
@@ -643,7 +663,17 @@ def from_torch_group(group: Any, stream: Optional[Any] = None) -> ProcessGroup:
 def destroy_process_group() -> None:
     """Close every group's engines and forget the default group (and torch's, if we created it).
 
-    Communicators of the destroyed groups raise CommError when used. Safe to call twice.
+    Communicators of the destroyed groups raise CommError when used. Safe to call twice; also
+    runs at interpreter exit.
+
+    Returns:
+        None.
+
+    Example::
+
+        init_process_group()
+        ...
+        destroy_process_group()
     """
     st = _STATE
     for pg in st.groups:
