@@ -61,7 +61,11 @@ def _worker(cfg: Dict[str, Any]) -> None:
     if "shm" in cfg["backends"]:
         from trainloom.comm.shm import ReduceOp, ShmCommunicator
 
-        comm = ShmCommunicator(store, rank, world, prefix="bench/shm", timeout=300.0)
+        comm = ShmCommunicator(
+            store, rank, world, prefix="bench/shm", timeout=300.0, slot_bytes=cfg["slot_bytes"]
+        )
+        if cfg["small_bytes"] is not None:
+            comm.small_bytes = cfg["small_bytes"]
     dt = getattr(torch, cfg["dtype"])
     es = torch.empty((), dtype=dt).element_size()
 
@@ -223,6 +227,8 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds per size (median reported)")
     ap.add_argument("--target", type=float, default=0.05, help="seconds per round (sets iterations)")
     ap.add_argument("--pin", action="store_true", help="pin rank r to CPU r %% ncpu")
+    ap.add_argument("--slot-bytes", default=None, help="shm slot size (default: the engine's, 1M)")
+    ap.add_argument("--small-bytes", default=None, help="shm one-shot allreduce limit (default 32K)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, few rounds (smoke test)")
     ap.add_argument("--out", default=None, help="directory for comm.md and PNG plots")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -254,6 +260,8 @@ def main(argv: List[str] | None = None) -> int:
         "target": target,
         "max_iters": max_iters,
         "pin": args.pin,
+        "slot_bytes": benchutil.parse_size(args.slot_bytes) if args.slot_bytes else None,
+        "small_bytes": benchutil.parse_size(args.small_bytes) if args.small_bytes else None,
     }
     load = os.getloadavg()
     md = [

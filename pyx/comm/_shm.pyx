@@ -7,13 +7,13 @@ that waits releases the GIL and returns a status code (0 = done); on failure the
 back with :meth:`Engine.error_info`.
 
 Protocol in one paragraph. Each rank owns a control block (an ``arrive`` step counter and a
-``sleepers`` count, each on its own cache line, plus two op descriptors) and two slots of
+``sleepers`` count, each on its own cache line, plus two op descriptors) and three slots of
 ``slot_bytes``. A *step* is: write my data into my slot, publish ``arrive = s``, wait until every
 peer's ``arrive >= s``, then read the peers' slots. Every op's first step also carries the op
 descriptor, which every rank compares with every other rank's, so a size/dtype/op mismatch is seen
-(and raised) by all ranks at the same step. Slots alternate per use ("double buffering"): a slot is
-written again only two uses later, by which time the full barrier of the step in between guarantees
-that every reader is done with it. Send/recv use separate per-pair channels with their own counters.
+(and raised) by all ranks at the same step. Slots rotate per use: a slot is written again only three
+uses later, by which time the full barriers of the steps in between guarantee that every reader is
+done with it. Send/recv use separate per-pair channels with their own counters.
 """
 
 cimport cython
@@ -144,6 +144,13 @@ cdef double PID_CHECK_EVERY = 0.2
 cdef double MAX_SLEEP = 0.05
 
 
+# Slots per rank, used round-robin ("use" u goes to slot u % NSLOTS). Two would do for ops with one
+# step per chunk; the pipelined two-shot allreduce reads chunk k's slot one step later than it was
+# written (its gather overlaps chunk k+1's reduce), so a slot may be rewritten only three uses later.
+cdef enum:
+    NSLOTS = 3
+
+
 cdef inline size_t _round_up(size_t x, size_t a) noexcept nogil:
     return (x + a - 1) // a * a
 
@@ -170,6 +177,10 @@ cdef struct State:
     char* missing        # per rank: filled on timeout
     double spin_s     # longest spin before sleeping in futex (configured ceiling)
     double spin_cur   # current adaptive spin budget, between 0 and spin_s
+    uint64_t n_waits      # statistics: waits that found the counter not yet there
+    uint64_t n_spun       # ... satisfied while spinning
+    uint64_t n_sleeps     # futex sleeps
+    double t_waited       # seconds spent in waits that did not succeed at once
     int local_closing # set by close() from another thread: waiters give up
     # error details
     int err_peer
@@ -182,7 +193,7 @@ cdef struct State:
 
 
 cdef inline char* _slot(State* st, int r, uint64_t use) noexcept nogil:
-    return st.slots + (<size_t>r * 2 + <size_t>(use & 1)) * st.S
+    return st.slots + (<size_t>r * NSLOTS + <size_t>(use % NSLOTS)) * st.S
 
 
 cdef inline char* _pslot(State* st, int src, int dst, uint32_t chunk) noexcept nogil:
@@ -207,6 +218,7 @@ cdef int _wait_word(State* st, uint32_t* word, uint32_t* sleepers, uint32_t targ
     if tl_reached(tl_load(word), target):
         return 0
     t0 = tl_now()
+    st.n_waits += 1
     lim = st.spin_cur
     if lim > 0:
         while True:
@@ -215,6 +227,8 @@ cdef int _wait_word(State* st, uint32_t* word, uint32_t* sleepers, uint32_t targ
                     # the spin paid off: allow a longer one next time (up to the ceiling)
                     lim = lim * 2
                     st.spin_cur = lim if lim < st.spin_s else st.spin_s
+                    st.n_spun += 1
+                    st.t_waited += tl_now() - t0
                     return 0
                 tl_pause()
             if tl_now() - t0 > lim:
@@ -229,7 +243,9 @@ cdef int _wait_word(State* st, uint32_t* word, uint32_t* sleepers, uint32_t targ
         if tl_reached(v, target):
             # Woken quickly: a spin of this length would have caught it, so probe spinning again
             # (lets the budget recover once the machine or the peer is fast again).
-            if st.spin_s > 0 and tl_now() - t0 < st.spin_s:
+            t = tl_now()
+            st.t_waited += t - t0
+            if st.spin_s > 0 and t - t0 < st.spin_s:
                 lim = st.spin_cur * 2 if st.spin_cur >= 0.5e-6 else 1e-6
                 st.spin_cur = lim if lim < st.spin_s else st.spin_s
             return 0
@@ -267,6 +283,7 @@ cdef int _wait_word(State* st, uint32_t* word, uint32_t* sleepers, uint32_t targ
         tl_add(sleepers, 1)
         v = tl_load(word)
         if not tl_reached(v, target):
+            st.n_sleeps += 1
             tl_futex_wait(word, v, nap)
         tl_sub(sleepers, 1)
 
@@ -343,12 +360,13 @@ cdef int _allreduce(State* st, const tl_desc_t* d, const char* send, char* recv,
 
     Small (n * esz <= small_bytes): one-shot, one barrier: every rank copies its vector into its
     slot and every (receiving) rank reduces all slots in rank order. Large: per chunk of one slot,
-    two-shot: after the first barrier rank r reduces part r of the chunk over all slots (rank
-    order) into its own slot, after the second barrier everyone copies every part out. The part a
-    rank reduces is read by no one else during the reduce phase, so reducing in place is safe.
+    two-shot: after a barrier rank r reduces part r of the chunk over all slots (rank order) into
+    its own slot, and after the next barrier everyone copies every part out. The part a rank
+    reduces is read by no one else during the reduce phase, so reducing in place is safe. The
+    gather of chunk j-1 shares its barrier with the reduce of chunk j (one barrier per chunk).
     """
-    cdef int W = st.world, me = st.rank, p, rc, first = 1
-    cdef size_t nbytes = n * esz, off = 0, c, pl, lo, hi, chunk_elems, align
+    cdef int W = st.world, me = st.rank, p, rc
+    cdef size_t nbytes = n * esz, off = 0, c, pl, lo, hi, chunk_elems, align, nchunks, j
     cdef const void* srcs[256]
     cdef const void** sp = srcs
     cdef uint64_t use
@@ -371,37 +389,29 @@ cdef int _allreduce(State* st, const tl_desc_t* d, const char* send, char* recv,
     chunk_elems = st.S // esz
     # parts start on cache-line boundaries so two reducers never write the same line
     align = 64 // esz if esz < 64 else 1
+    nchunks = (n + chunk_elems - 1) // chunk_elems
+    # Pipelined two-shot, one barrier per chunk (plus one): after the barrier that follows the
+    # copy-in of chunk j, every rank gathers the reduced parts of chunk j-1 and reduces its part of
+    # chunk j; then it copies in chunk j+1 and publishes the next step.
     rc = 0
-    while off < n:
-        c = n - off
-        if c > chunk_elems:
-            c = chunk_elems
-        pl = _round_up((c + W - 1) // W, align)
-        use = st.nbuf
-        st.nbuf += 1
-        mys = _slot(st, me, use)
-        memcpy(mys, send + off * esz, c * esz)
-        if first:
+    use = st.nbuf
+    for j in range(nchunks + 1):
+        if j < nchunks:
+            off = j * chunk_elems
+            c = n - off if n - off < chunk_elems else chunk_elems
+            memcpy(_slot(st, me, use + j), send + off * esz, c * esz)
+            st.nbuf += 1
+        if j == 0:
             rc = _first_step(st, d, deadline)
-            first = 0
         else:
             rc = _step(st, deadline)
         if rc != 0:
             break
-        lo = <size_t>me * pl
-        if lo > c:
-            lo = c
-        hi = lo + pl
-        if hi > c:
-            hi = c
-        if hi > lo:
-            for p in range(W):
-                sp[p] = _slot(st, p, use) + lo * esz
-            fn(mys + lo * esz, sp, W, hi - lo, div)
-        rc = _step(st, deadline)
-        if rc != 0:
-            break
-        if dst < 0 or dst == me:
+        if j >= 1 and (dst < 0 or dst == me):
+            # gather chunk j-1: every part from its owner's slot
+            off = (j - 1) * chunk_elems
+            c = n - off if n - off < chunk_elems else chunk_elems
+            pl = _round_up((c + W - 1) // W, align)
             for p in range(W):
                 lo = <size_t>p * pl
                 if lo > c:
@@ -410,8 +420,23 @@ cdef int _allreduce(State* st, const tl_desc_t* d, const char* send, char* recv,
                 if hi > c:
                     hi = c
                 if hi > lo:
-                    memcpy(recv + (off + lo) * esz, _slot(st, p, use) + lo * esz, (hi - lo) * esz)
-        off += c
+                    memcpy(recv + (off + lo) * esz, _slot(st, p, use + j - 1) + lo * esz, (hi - lo) * esz)
+        if j < nchunks:
+            # reduce my part of chunk j over every rank's slot, in rank order, into my slot
+            off = j * chunk_elems
+            c = n - off if n - off < chunk_elems else chunk_elems
+            pl = _round_up((c + W - 1) // W, align)
+            lo = <size_t>me * pl
+            if lo > c:
+                lo = c
+            hi = lo + pl
+            if hi > c:
+                hi = c
+            if hi > lo:
+                mys = _slot(st, me, use + j)
+                for p in range(W):
+                    sp[p] = _slot(st, p, use + j) + lo * esz
+                fn(mys + lo * esz, sp, W, hi - lo, div)
     if sp != srcs:
         free(sp)
     return rc
@@ -687,7 +712,7 @@ def layout(int world, size_t slot_bytes, size_t pair_bytes, size_t heap_bytes):
     cdef size_t ranks_off = _round_up(sizeof(tl_hdr_t), 4096)
     cdef size_t pairs_off = ranks_off + <size_t>world * sizeof(tl_rank_t)
     cdef size_t slots_off = _round_up(pairs_off + <size_t>world * world * sizeof(tl_pair_t), 4096)
-    cdef size_t pslots_off = slots_off + <size_t>world * 2 * slot_bytes
+    cdef size_t pslots_off = slots_off + <size_t>world * NSLOTS * slot_bytes
     cdef size_t heap_off = pslots_off + <size_t>world * world * 2 * pair_bytes
     cdef size_t total = heap_off + <size_t>world * heap_bytes
     return ranks_off, pairs_off, slots_off, pslots_off, heap_off, total
@@ -916,6 +941,17 @@ cdef class Engine:
     @property
     def spin_cur(self):
         return self.st.spin_cur
+
+    def stats(self):
+        """Wait statistics of this rank: steps, waits, waits won by spinning, futex sleeps,
+        seconds spent waiting."""
+        return {
+            "steps": self.st.step,
+            "waits": self.st.n_waits,
+            "spun": self.st.n_spun,
+            "sleeps": self.st.n_sleeps,
+            "wait_s": self.st.t_waited,
+        }
 
     @property
     def step(self):

@@ -148,6 +148,11 @@ static inline int tl_pid_dead(int pid) {
 static inline float tl_f32_from_bits(uint32_t w) { float f; memcpy(&f, &w, 4); return f; }
 static inline uint32_t tl_f32_to_bits(float f) { uint32_t w; memcpy(&w, &f, 4); return w; }
 
+/* Selects are written as bit masks (not ?: or if) so that gcc if-converts and vectorizes them. */
+static inline uint32_t tl_sel(uint32_t cond, uint32_t a, uint32_t b) {
+    uint32_t m = (uint32_t)0 - cond; /* cond is 0 or 1 */
+    return (a & m) | (b & ~m);
+}
 static inline float tl_h2f(uint16_t h) {
     const uint32_t w = (uint32_t)h << 16;
     const uint32_t sign = w & 0x80000000u;
@@ -158,7 +163,7 @@ static inline float tl_h2f(uint16_t h) {
     const uint32_t magic_mask = 126u << 23;
     const float denormalized = tl_f32_from_bits((two_w >> 17) | magic_mask) - 0.5f;
     const uint32_t cutoff = 1u << 27;
-    const uint32_t r = sign | (two_w < cutoff ? tl_f32_to_bits(denormalized) : tl_f32_to_bits(normalized));
+    const uint32_t r = sign | tl_sel(two_w < cutoff, tl_f32_to_bits(denormalized), tl_f32_to_bits(normalized));
     return tl_f32_from_bits(r);
 }
 static inline uint16_t tl_f2h(float f) {
@@ -169,20 +174,20 @@ static inline uint16_t tl_f2h(float f) {
     const uint32_t shl1_w = w + w;
     const uint32_t sign = w & 0x80000000u;
     uint32_t bias = shl1_w & 0xFF000000u;
-    if (bias < 0x71000000u) bias = 0x71000000u;
+    bias = tl_sel(bias < 0x71000000u, 0x71000000u, bias);
     base = tl_f32_from_bits((bias >> 1) + 0x07800000u) + base;
     const uint32_t bits = tl_f32_to_bits(base);
     const uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
     const uint32_t mantissa_bits = bits & 0x00000FFFu;
     const uint32_t nonsign = exp_bits + mantissa_bits;
-    return (uint16_t)((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+    return (uint16_t)((sign >> 16) | tl_sel(shl1_w > 0xFF000000u, 0x7E00u, nonsign));
 }
 static inline float tl_b2f(uint16_t b) { return tl_f32_from_bits((uint32_t)b << 16); }
 static inline uint16_t tl_f2b(float f) {
     uint32_t u = tl_f32_to_bits(f);
-    if (f != f) return 0x7FC0;
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+    uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    /* NaN (exponent all ones, mantissa non-zero) becomes the canonical quiet NaN, like c10 */
+    return (uint16_t)tl_sel((u & 0x7FFFFFFFu) > 0x7F800000u, 0x7FC0u, r);
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -216,19 +221,25 @@ enum { TL_SUM = 0, TL_PROD = 1, TL_MIN = 2, TL_MAX = 3, TL_BOR = 7, TL_BAND = 8,
     static void NAME(void *out_, const void *const *src, int nsrc, size_t n, int div) {         \
         A acc[TL_BLK];                                                                         \
         T *out = (T *)out_;                                                                    \
+        const A d = (A)div;                                                                    \
         for (size_t b = 0; b < n; b += TL_BLK) {                                               \
             size_t m = n - b < TL_BLK ? n - b : TL_BLK;                                        \
             const T *s0 = (const T *)src[0] + b;                                               \
-            for (size_t i = 0; i < m; i++) acc[i] = LD(s0[i]);                                 \
-            for (int r = 1; r < nsrc; r++) {                                                   \
+            if (nsrc > 1) {                                                                    \
+                const T *s1 = (const T *)src[1] + b;                                           \
+                for (size_t i = 0; i < m; i++) acc[i] = OP(LD(s0[i]), LD(s1[i]));              \
+            } else {                                                                           \
+                for (size_t i = 0; i < m; i++) acc[i] = LD(s0[i]);                             \
+            }                                                                                  \
+            for (int r = 2; r < nsrc; r++) {                                                   \
                 const T *s = (const T *)src[r] + b;                                            \
                 for (size_t i = 0; i < m; i++) acc[i] = OP(acc[i], LD(s[i]));                  \
             }                                                                                  \
             if (DIV) {                                                                         \
-                const A d = (A)div;                                                            \
-                for (size_t i = 0; i < m; i++) acc[i] = acc[i] / d;                            \
+                for (size_t i = 0; i < m; i++) out[b + i] = ST(acc[i] / d);                    \
+            } else {                                                                           \
+                for (size_t i = 0; i < m; i++) out[b + i] = ST(acc[i]);                        \
             }                                                                                  \
-            for (size_t i = 0; i < m; i++) out[b + i] = ST(acc[i]);                            \
         }                                                                                      \
     }
 
