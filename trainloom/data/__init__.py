@@ -1,1 +1,3 @@
 """trainloom.data."""
+
+from trainloom.data.samplers import LoadBalancingDistributedBatchSampler, LoadBalancingDistributedSampler  # noqa: E402,F401
