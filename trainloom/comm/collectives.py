@@ -14,7 +14,7 @@ result is in place (CPU) or ordered before the current stream (CUDA).
 from __future__ import annotations
 
 import enum
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -88,6 +88,7 @@ SUPPORTED_DTYPES = (
     torch.complex64,
     torch.complex128,
 )
+_SUPPORTED_SET = frozenset(SUPPORTED_DTYPES)
 _BITWISE = (ReduceOp.BOR, ReduceOp.BAND, ReduceOp.BXOR)
 
 
@@ -110,23 +111,27 @@ def _comm(comm: Optional[Communicator], opname: str) -> Communicator:
     return comm
 
 
+# The checks below run on every call: they use the cheap tensor properties (is_cpu, is_cuda,
+# get_device) rather than building torch.device objects, and cache op validation per (op, dtype).
 def _tensor(t: Any, arg: str, opname: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{opname}: {arg} must be a torch.Tensor, got {type(t).__name__}")
-    if t.layout != torch.strided:
+    if t.layout is not torch.strided:
         raise TypeError(f"{opname}: {arg} must be a dense (strided) tensor, got layout {t.layout}")
-    if t.device.type not in ("cpu", "cuda"):
+    if not (t.is_cpu or t.is_cuda):
         raise ValueError(f"{opname}: {arg} is on {t.device}; collectives take CPU or CUDA tensors")
-    if t.dtype not in SUPPORTED_DTYPES:
+    if t.dtype not in _SUPPORTED_SET:
         names = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
         raise TypeError(f"{opname}: {arg} has dtype {t.dtype}, which is not supported (supported: {names})")
     return t
 
 
 def _same(a: torch.Tensor, b: torch.Tensor, an: str, bn: str, opname: str) -> None:
-    if a.dtype != b.dtype:
+    if a is b:
+        return
+    if a.dtype is not b.dtype:
         raise TypeError(f"{opname}: {an} has dtype {a.dtype} but {bn} has {b.dtype}; they must match")
-    if a.device != b.device:
+    if a.get_device() != b.get_device():  # -1 for CPU, the CUDA index otherwise
         raise ValueError(f"{opname}: {an} is on {a.device} but {bn} is on {b.device}; they must match")
 
 
@@ -154,7 +159,24 @@ def _count_arg(value: Any, arg: str, opname: str) -> int:
     return value
 
 
+_OP_CACHE: Dict[Tuple[Any, torch.dtype], ReduceOp] = {}
+
+
 def _op(op: Any, dtype: torch.dtype, opname: str) -> ReduceOp:
+    if type(op) is not bool:  # True == 1 would hit PRODUCT's cache entry
+        try:
+            return _OP_CACHE[(op, dtype)]
+        except (KeyError, TypeError):
+            pass
+    value = _check_op(op, dtype, opname)
+    try:
+        _OP_CACHE[(op, dtype)] = value
+    except TypeError:  # an unhashable op object was accepted by mapping: do not cache it
+        pass
+    return value
+
+
+def _check_op(op: Any, dtype: torch.dtype, opname: str) -> ReduceOp:
     if isinstance(op, ReduceOp):
         value = op
     elif isinstance(op, int) and not isinstance(op, bool):
@@ -210,6 +232,8 @@ def _check_v(
 class _Staged:
     """Contiguous stand-ins for the caller's tensors; copies results back into non-contiguous outputs."""
 
+    __slots__ = ("_back",)
+
     def __init__(self) -> None:
         self._back: List[Tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -239,7 +263,7 @@ class _Staged:
 def _go(
     comm: Communicator,
     opname: str,
-    device: torch.device,
+    device: Union[str, torch.device],
     fn: Callable[[Any], Any],
     async_op: bool,
     result: Optional[torch.Tensor],
@@ -247,6 +271,11 @@ def _go(
     keep: Sequence[torch.Tensor] = (),
 ) -> Optional[Work]:
     return comm.execute(opname, device, fn, async_op, result, staged.finish(), keep)
+
+
+def _where(t: torch.Tensor) -> Union[str, torch.device]:
+    """``"cpu"`` (cheap), or the tensor's CUDA device."""
+    return "cpu" if t.is_cpu else t.device
 
 
 def _local(async_op: bool, result: Optional[torch.Tensor], body: Callable[[], None]) -> Optional[Work]:
@@ -257,7 +286,7 @@ def _local(async_op: bool, result: Optional[torch.Tensor], body: Callable[[], No
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+    return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride())
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -322,7 +351,7 @@ def allreduce(
         if _overlaps(sc, r):
             sc = sc.clone()
         rc = st.output(r, load=False)
-    return _go(c, name, s.device, lambda e: e.allreduce(sc, rc, int(o)), async_op, r, st, (sc, rc))
+    return _go(c, name, _where(s), lambda e: e.allreduce(sc, rc, int(o)), async_op, r, st, (sc, rc))
 
 
 def allreduce_inplace(
@@ -439,7 +468,7 @@ def reduce(
             sc = sc.clone()
     else:
         rc = r if r.is_contiguous() else torch.empty(r.shape, dtype=r.dtype, device=r.device)
-    return _go(c, name, s.device, lambda e: e.reduce(sc, rc, d, int(o)), async_op, r, st, (sc, rc))
+    return _go(c, name, _where(s), lambda e: e.reduce(sc, rc, d, int(o)), async_op, r, st, (sc, rc))
 
 
 def reduce_inplace(
@@ -514,7 +543,7 @@ def reduce_scatter(
     st = _Staged()
     sc = st.input(s)
     rc = st.output(r, load=False)
-    return _go(c, name, s.device, lambda e: e.reduce_scatter(sc, rc, int(o)), async_op, r, st, (sc, rc))
+    return _go(c, name, _where(s), lambda e: e.reduce_scatter(sc, rc, int(o)), async_op, r, st, (sc, rc))
 
 
 def reduce_scatter_inplace(
@@ -627,7 +656,7 @@ def broadcast(
         return _local(async_op, t, lambda: None)
     st = _Staged()
     tc = st.output(t, load=c.rank() == s)
-    return _go(c, name, t.device, lambda e: e.broadcast(tc, s), async_op, t, st, (tc,))
+    return _go(c, name, _where(t), lambda e: e.broadcast(tc, s), async_op, t, st, (tc,))
 
 
 def allgather(
@@ -670,7 +699,7 @@ def allgather(
     if _overlaps(sc, r):
         sc = sc.clone()
     rc = st.output(r, load=False)
-    return _go(c, name, s.device, lambda e: e.allgather(sc, rc), async_op, r, st, (sc, rc))
+    return _go(c, name, _where(s), lambda e: e.allgather(sc, rc), async_op, r, st, (sc, rc))
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -762,7 +791,7 @@ def gather(
     else:
         r = recv_tensor if isinstance(recv_tensor, torch.Tensor) else None
         rc = torch.empty(0, dtype=s.dtype, device=s.device)
-    return _go(c, name, s.device, lambda e: e.gather(sc, rc, d), async_op, r, st, (sc, rc))
+    return _go(c, name, _where(s), lambda e: e.gather(sc, rc, d), async_op, r, st, (sc, rc))
 
 
 def gather_inplace(
@@ -850,7 +879,7 @@ def scatter(
     else:
         sc = torch.empty(0, dtype=r.dtype, device=r.device)
     rc = st.output(r, load=False)
-    return _go(c, name, r.device, lambda e: e.scatter(sc, rc, sr), async_op, r, st, (sc, rc))
+    return _go(c, name, _where(r), lambda e: e.scatter(sc, rc, sr), async_op, r, st, (sc, rc))
 
 
 def scatter_inplace(
@@ -934,7 +963,7 @@ def alltoall(
     if _overlaps(sc, r):
         sc = sc.clone()
     rc = st.output(r, load=False)
-    return _go(c, name, s.device, lambda e: e.alltoall(sc, rc), async_op, r, st, (sc, rc))
+    return _go(c, name, _where(s), lambda e: e.alltoall(sc, rc), async_op, r, st, (sc, rc))
 
 
 def alltoall_inplace(
@@ -1097,7 +1126,7 @@ def send(
         raise ValueError(f"{name}: dst={d} is this rank; send to another rank")
     st = _Staged()
     tc = st.input(t)
-    return _go(c, name, t.device, lambda e: e.send(tc, d), async_op, None, st, (tc,))
+    return _go(c, name, _where(t), lambda e: e.send(tc, d), async_op, None, st, (tc,))
 
 
 def recv(
@@ -1130,7 +1159,7 @@ def recv(
         raise ValueError(f"{name}: src={s} is this rank; receive from another rank")
     st = _Staged()
     tc = st.output(t, load=False)
-    return _go(c, name, t.device, lambda e: e.recv(tc, s), async_op, t, st, (tc,))
+    return _go(c, name, _where(t), lambda e: e.recv(tc, s), async_op, t, st, (tc,))
 
 
 def barrier(comm: Optional[Communicator] = None, async_op: bool = False) -> Optional[Work]:
@@ -1155,4 +1184,4 @@ def barrier(comm: Optional[Communicator] = None, async_op: bool = False) -> Opti
     c = _comm(comm, name)
     if c.nranks() == 1:
         return _local(async_op, None, lambda: None)
-    return _go(c, name, torch.device("cpu"), lambda e: e.barrier(), async_op, None, _Staged())
+    return _go(c, name, "cpu", lambda e: e.barrier(), async_op, None, _Staged())

@@ -193,8 +193,10 @@ class Communicator:
     def _prefix(self, kind: str) -> str:
         return f"tl/{_STATE.generation}/{self.name}/{kind}"
 
-    def engine(self, device: torch.device) -> Any:
-        """The engine for ``device``, created (collectively) at first use."""
+    def engine(self, device: Union[str, torch.device]) -> Any:
+        """The engine for ``device`` (``"cpu"`` or a torch.device), created (collectively) at first use."""
+        if isinstance(device, str):
+            device = torch.device(device)
         if device.type == "cpu":
             if self._cpu is None:
                 kind = self.cpu_engine_kind()
@@ -263,7 +265,7 @@ class Communicator:
     def execute(
         self,
         opname: str,
-        device: torch.device,
+        device: Union[str, torch.device],
         fn: Callable[[Any], Any],
         async_op: bool,
         result: Optional[torch.Tensor],
@@ -276,7 +278,8 @@ class Communicator:
         ``needs_engine=False`` runs ``fn(None)`` (composite operations over other communicators).
         """
         self.check_alive(opname)
-        if device.type == "cuda":
+        is_cpu = device == "cpu" if isinstance(device, str) else device.type == "cpu"
+        if not is_cpu:
             with self._lock:
                 engine = self.engine(device)
                 event = fn(engine)
@@ -288,7 +291,10 @@ class Communicator:
 
         def run() -> None:
             with self._lock:
-                fn(self.engine(device) if needs_engine else None)
+                if not needs_engine:
+                    fn(None)
+                else:
+                    fn(self._cpu if self._cpu is not None else self.engine(device))
 
         if async_op:
             with self._lock:
