@@ -1,0 +1,187 @@
+"""state_dict round trips, refused optimizers, bad input, sparse gradients, calculate_mutual_groups."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from optimutil import assert_bitwise, make_grads, make_params, set_grads, twin
+
+from trainloom.errors import ConfigError
+from trainloom.optim import (
+    FuseError,
+    calculate_mutual_groups,
+    flat_buffers,
+    fuse_optimizer,
+    fuse_step,
+    is_fused_optimizer,
+)
+
+OPTS = {
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.01),
+    "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, amsgrad=True, fused=True),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-2, centered=True),
+}
+
+
+def _roundtrip(sd):
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def _advance(opt, params, steps, start, fused):
+    for s in range(start, start + steps):
+        set_grads(params, make_grads(params, s, none_every=0))
+        opt.fuse_step() if fused else opt.step()
+
+
+@pytest.mark.parametrize("name", sorted(OPTS))
+@pytest.mark.parametrize("src_fused,dst_fused", [(True, False), (False, True), (True, True)])
+def test_state_dict_round_trips_continue_bit_identically(name, src_fused, dst_fused):
+    make = OPTS[name]
+    ref = make_params(gap="fused" not in name)
+    ref_opt = make(ref)
+    _advance(ref_opt, ref, 8, 0, False)  # the uninterrupted unfused run
+
+    src = make_params(gap="fused" not in name)
+    src_opt = fuse_optimizer(make(src)) if src_fused else make(src)
+    _advance(src_opt, src, 4, 0, src_fused)
+    sd = _roundtrip(src_opt.state_dict())
+    stock = make(twin(src))
+    stock.load_state_dict(src_opt.state_dict())
+    assert sd["param_groups"] == stock.state_dict()["param_groups"]  # the stock format
+    assert set(sd["state"]) == set(stock.state_dict()["state"])
+
+    dst = twin(src)
+    dst_opt = make(dst)
+    if dst_fused:
+        dst_opt = fuse_optimizer(dst_opt)
+    dst_opt.load_state_dict(sd)
+    if dst_fused:  # loaded state is detected and moved into the flat buffers, with one warning
+        with pytest.warns(UserWarning, match="optimizer state was replaced"):
+            _advance(dst_opt, dst, 1, 4, dst_fused)
+        _advance(dst_opt, dst, 3, 5, dst_fused)
+    else:
+        _advance(dst_opt, dst, 4, 4, dst_fused)
+    assert_bitwise(ref, dst)
+
+
+def test_load_state_dict_into_fused_optimizer_refuses_with_one_warning():
+    params = make_params()
+    opt = fuse_optimizer(torch.optim.Adam(params, lr=1e-2))
+    _advance(opt, params, 3, 0, True)
+    sd = _roundtrip(opt.state_dict())
+    opt.load_state_dict(sd)
+    with pytest.warns(UserWarning, match="load_state_dict"):
+        _advance(opt, params, 1, 3, True)
+    exp_avg = opt.state[params[0]]["exp_avg"]
+    assert any(
+        exp_avg.data_ptr() >= f.data_ptr() and exp_avg.data_ptr() < f.data_ptr() + f.numel() * 4
+        for b in opt._trainloom_fused.buckets
+        for f in b.state_flat.values()
+    )
+
+
+def test_fusing_twice_raises():
+    opt = fuse_optimizer(torch.optim.SGD(make_params(), lr=0.1))
+    with pytest.raises(FuseError, match="already fused"):
+        fuse_optimizer(opt)
+
+
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (lambda ps: torch.optim.LBFGS(ps), "LBFGS computes per-tensor quantities"),
+        (lambda ps: torch.optim.SparseAdam(ps), "SparseAdam computes per-tensor quantities"),
+    ],
+)
+def test_per_tensor_optimizers_are_refused(make, match):
+    opt = make(make_params())
+    with pytest.raises(FuseError, match=match):
+        fuse_optimizer(opt)
+    assert not is_fused_optimizer(opt)
+
+
+def test_subclass_overriding_step_and_foreign_optimizers_are_refused():
+    class Lars(torch.optim.SGD):  # per-tensor trust ratio: not elementwise
+        def step(self, closure=None):
+            return super().step(closure)
+
+    with pytest.raises(FuseError, match="Lars computes per-tensor quantities"):
+        fuse_optimizer(Lars(make_params(), lr=0.1))
+
+    class Scaled(torch.optim.SGD):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    with pytest.raises(FuseError, match="Scaled overrides step"):
+        fuse_optimizer(Scaled(make_params(), lr=0.1))
+
+    class Custom(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {})
+
+    with pytest.raises(FuseError, match="Custom is not one of the elementwise torch optimizers"):
+        fuse_optimizer(Custom(make_params()))
+    with pytest.raises(FuseError, match="expected a torch.optim.Optimizer, got list"):
+        fuse_optimizer([])  # type: ignore[arg-type]
+
+
+def test_bad_arguments():
+    p = torch.nn.Parameter(torch.arange(3), requires_grad=False)
+    with pytest.raises(FuseError, match="param group 0 parameter 0 has dtype torch.int64"):
+        fuse_optimizer(torch.optim.SGD([p], lr=0.1))
+    with pytest.raises(FuseError, match="do_flatten and check_flatten must be bool"):
+        fuse_optimizer(torch.optim.SGD(make_params(), lr=0.1), do_flatten=1)  # type: ignore[arg-type]
+    plain = torch.optim.SGD(make_params(), lr=0.1)
+    with pytest.raises(FuseError, match="SGD is not fused; call fuse_optimizer"):
+        fuse_step(plain)
+    with pytest.raises(FuseError, match="flat_buffers: SGD is not fused"):
+        flat_buffers(plain)
+    opt = fuse_optimizer(torch.optim.SGD(make_params(), lr=0.1))
+    with pytest.raises(FuseError, match="kind must be 'grad' or 'param', got 'state'"):
+        flat_buffers(opt, "state")
+    assert issubclass(FuseError, ConfigError) and issubclass(FuseError, ValueError)
+
+
+def test_sparse_gradients_get_torchs_own_handling():
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    opt = fuse_optimizer(torch.optim.Adam(emb.parameters(), lr=0.1))
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match="Adam does not support sparse gradients"):
+        opt.fuse_step()
+
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    ref = torch.nn.Embedding(10, 4, sparse=True)
+    ref.load_state_dict(emb.state_dict())
+    opt = fuse_optimizer(torch.optim.SGD(emb.parameters(), lr=0.1))
+    opt_r = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for m in (emb, ref):
+        m(torch.tensor([1, 2, 2])).sum().backward()
+    opt.fuse_step()
+    opt_r.step()
+    assert_bitwise([emb.weight], [ref.weight])
+
+
+def test_calculate_mutual_groups():
+    flat = torch.zeros(20)
+    gflat = torch.zeros(20)
+    a, b, c, d = flat[0:4], flat[4:6], flat[7:10], flat[10:13]
+    ga, gb, gc, gd = gflat[0:4], gflat[4:6], gflat[6:9], gflat[9:12]
+    assert calculate_mutual_groups([[a, b, c, d]]) == [[0, 1], [2, 3]]
+    # c/d adjacent in the first list only; a/b in both
+    assert calculate_mutual_groups([[a, b, c, d], [ga, gb, gc, gd]]) == [[0, 1], [2, 3]]
+    assert calculate_mutual_groups([[a, b, c, d], [gb, ga, gc, gd]]) == [[2, 3]]
+    assert calculate_mutual_groups([[b, a]]) == [[1, 0]]  # memory order
+    other = torch.zeros(4, dtype=torch.float64)
+    assert calculate_mutual_groups([[a, other]]) == []
+    assert calculate_mutual_groups([]) == []
+    with pytest.raises(FuseError, match="list 1 has 1 tensors, list 0 has 2"):
+        calculate_mutual_groups([[a, b], [a]])
+    with pytest.raises(FuseError, match="list 0 item 1 is int, not a tensor"):
+        calculate_mutual_groups([[a, 3]])
