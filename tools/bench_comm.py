@@ -128,14 +128,24 @@ def _worker(cfg: Dict[str, Any]) -> None:
                 fn()
                 one = time.perf_counter() - t0
                 iters = bcast_int(backend, max(1, min(cfg["max_iters"], int(cfg["target"] / max(one, 1e-7)))))
-                times = []
+                times, cpus = [], []
                 for _ in range(cfg["rounds"]):
                     barrier(backend)
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     for _ in range(iters):
                         fn()
                     times.append((time.perf_counter() - t0) / iters)
-                out.append({"op": op, "size": nbytes, "backend": backend, "times": times, "iters": iters})
+                    cpus.append((time.process_time() - c0) / iters)  # all threads of this process
+                out.append(
+                    {
+                        "op": op,
+                        "size": nbytes,
+                        "backend": backend,
+                        "times": times,
+                        "cpus": cpus,
+                        "iters": iters,
+                    }
+                )
             ok = True
             if op == "allreduce":
                 expect = (torch.arange(nbytes // es) % 7).to(dt) * world + world * (world - 1) // 2
@@ -207,8 +217,10 @@ def summarise(results: List[List[Dict[str, Any]]]) -> Dict[tuple, Dict[str, Any]
     for i, entry in enumerate(results[0]):
         per_round = [max(r[i]["times"][k] for r in results) for k in range(len(entry["times"]))]
         ok = all(r[i].get("ok", True) for r in results)
+        cpu = [benchutil.median(r[i]["cpus"]) for r in results]
         table[(entry["op"], entry["size"], entry["backend"])] = {
             "time": benchutil.median(per_round),
+            "cpu": benchutil.median(cpu),
             "ok": ok,
             "iters": entry["iters"],
         }
@@ -246,6 +258,7 @@ def main(argv: List[str] | None = None) -> int:
     rounds, target, max_iters = args.rounds, args.target, 2000
     if args.quick:
         lo, hi, rounds, target, max_iters = 4096, 64 << 10, 2, 0.005, 50
+        args.factor = 4
     sizes = []
     s = lo
     while s <= hi:
@@ -270,8 +283,9 @@ def main(argv: List[str] | None = None) -> int:
         f"Machine: {benchutil.machine_line()}; load average before the run {load[0]:.2f}, {load[1]:.2f}.",
         f"Command: `trainloom bench comm {' '.join(sys.argv[1:] if argv is None else argv)}`",
         f"dtype {args.dtype}, SUM; {rounds} rounds of ~{target * 1e3:.0f} ms; median over rounds of the "
-        "slowest rank's mean time per call; busbw as in nccl-tests. Shared machine: figures are "
-        "noisy/depressed.",
+        "slowest rank's mean time per call; busbw as in nccl-tests; cpu = median over ranks of the "
+        "process CPU time (all threads) per call: on a loaded machine time >> cpu means the ranks "
+        "waited for a core. Shared machine: figures are noisy/depressed.",
     ]
     with benchutil.bench_lock():
         for nproc in nprocs:
@@ -289,7 +303,7 @@ def main(argv: List[str] | None = None) -> int:
                         t = e["time"]
                         times[b] = t
                         alg = size / t / 1e9
-                        row += [t * 1e6, alg, alg * bf]
+                        row += [t * 1e6, alg, alg * bf, e["cpu"] * 1e6]
                         series.setdefault(b, ([], []))
                         series[b][0].append(size)
                         series[b][1].append(alg * bf)
@@ -299,7 +313,7 @@ def main(argv: List[str] | None = None) -> int:
                     rows.append(row)
                 headers = ["size"]
                 for b in backends:
-                    headers += [f"{b} time (us)", f"{b} algbw (GB/s)", f"{b} busbw (GB/s)"]
+                    headers += [f"{b} time (us)", f"{b} algbw (GB/s)", f"{b} busbw (GB/s)", f"{b} cpu (us)"]
                 if len(backends) == 2:
                     headers.append("gloo/shm time")
                 headers.append("check")

@@ -242,6 +242,26 @@ def _w_everything(rank, world):
                 want = reference([b[rank * n : (rank + 1) * n] for b in big], op, dt)
                 check(f"reduce_scatter {dt} op={op} n={n}", out, want)
 
+    # larger than the whole segment (slots, pair buffers and all), not just one slot
+    n = comm._engine.total_bytes // 4 + 17
+    xs = [torch.arange(n, dtype=torch.float32) * (r + 1) for r in range(world)]
+    t = xs[rank].clone()
+    comm.allreduce(t, t, ReduceOp.SUM)
+    check(f"allreduce n={n} > segment", t, reference(xs, ReduceOp.SUM, torch.float32))
+    out = torch.empty(world * n)
+    comm.allgather(xs[rank], out)
+    check("allgather > segment", out, torch.cat(xs))
+    t = xs[rank].clone()
+    comm.broadcast(t, 0)
+    check("broadcast > segment", t, xs[0])
+    big = torch.arange(world * n, dtype=torch.float32) + rank * world * n
+    out = torch.empty(world * n)
+    comm.alltoall(big, out)
+    want = torch.cat(
+        [torch.arange(rank * n, (rank + 1) * n, dtype=torch.float32) + p * world * n for p in range(world)]
+    )
+    check("alltoall > segment", out, want)
+
     # alltoall_v: rank p sends (p + q) % 3 * 300 elements to rank q (zeros included, > one slot)
     def cnt(p, q):
         return ((p + q) % 3) * 300
