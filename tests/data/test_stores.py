@@ -127,7 +127,8 @@ def test_shard_of_is_stable_across_processes():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert eval(out.stdout) == here
     assert set(here) == {0, 1, 2}
-    assert shard_of("ds_0", 3) == 0xD8A5B07F5ACBC01B % 3 or shard_of("ds_0", 3) in (0, 1, 2)
+    # Pinned: a change of hash would silently re-shard every existing Redis cluster cache.
+    assert here[:10] == [0, 1, 2, 0, 2, 0, 0, 0, 1, 0]
 
 
 def test_cluster_store_shards_and_keeps_order(tmp_path):
