@@ -39,3 +39,36 @@ def test_one_server_per_node_shared_by_ranks():
     assert hosts0 == hosts1 and len(hosts0) == 1  # one node, one server, same password
     assert (started0, started1) == (1, 0)  # only local rank 0 started a server
     assert seen0 == seen1 == ["FROM0", "FROM1"] and n0 == n1 == 2
+
+
+def _two_nodes(rank, world_size, cluster_mode):
+    import torch.distributed as dist
+
+    from trainloom.data.stores.redis_store import RedisStore
+    from trainloom.errors import ConfigError
+
+    dist.init_process_group("gloo")
+    try:
+        try:
+            store = RedisStore(namespace="nodes", cluster_mode=cluster_mode, capacity_per_node=64 << 20)
+        except ConfigError as exc:
+            dist.barrier()
+            return str(exc)
+        store.set(f"k{rank}", b"x")
+        port = store.stores[0].port
+        n = store.num_keys()
+        dist.barrier()
+        store.shutdown()
+        return port, n
+    finally:
+        dist.destroy_process_group()
+
+
+@requires_redis
+@pytest.mark.timeout(120)
+def test_two_nodes_each_start_a_server():
+    # LOCAL_WORLD_SIZE=1: every rank is local rank 0 of its own "node".
+    own = run_ranks(_two_nodes, 2, False, timeout=90, local_world_size=1)
+    assert own[0][0] != own[1][0] and own[0][1] == own[1][1] == 1  # node n uses server n
+    err = run_ranks(_two_nodes, 2, True, timeout=90, local_world_size=1)
+    assert all("listen on 127.0.0.1, which other nodes cannot reach. Pass bind=" in e for e in err)

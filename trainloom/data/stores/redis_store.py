@@ -32,6 +32,7 @@ from trainloom.data.stores.base import (
 )
 from trainloom.data.stores.cluster import ClusterStore
 from trainloom.data.stores.redis_server import RedisServer
+from trainloom.errors import ConfigError
 
 __all__ = ["RedisStore", "RedisNodeStore"]
 
@@ -373,6 +374,13 @@ class RedisStore(ClusterStore):
         self.managed = hosts is None
         if hosts is None:
             hosts = _spawn_hosts(bind, capacity_per_node, maxmemory_policy, startup_timeout)
+            if cluster_mode and len(hosts) > 1 and bind.startswith("127."):
+                raise ConfigError(
+                    f"RedisStore(hosts=None, cluster_mode=True) on {len(hosts)} nodes: the servers listen on "
+                    f"{bind}, which other nodes cannot reach. Pass bind='<this node's address>' (a private "
+                    "interface: the server is password-protected, not encrypted) or cluster_mode=False "
+                    "(each node uses its own server)"
+                )
         if not isinstance(hosts, (list, tuple)) or not hosts:
             raise ValueError(
                 f"RedisStore: hosts must be a non-empty list of {{'host', 'port'}} dicts, got {hosts!r}"
