@@ -26,6 +26,7 @@ from posix.mman cimport mmap, munmap, shm_open, shm_unlink, PROT_READ, PROT_WRIT
 from posix.fcntl cimport O_CREAT, O_EXCL, O_RDWR
 from posix.unistd cimport ftruncate, close as c_close, getpid
 from posix.stat cimport struct_stat, fstat
+from cpython.exc cimport PyErr_CheckSignals
 
 import time as _time
 
@@ -102,6 +103,7 @@ ERR_MISMATCH = 5
 ERR_POISON = 6
 ERR_LOCAL_CLOSE = 7
 ERR_COUNTS = 8
+ERR_INTERRUPTED = 9
 
 cdef enum:
     E_TIMEOUT = 1
@@ -112,16 +114,35 @@ cdef enum:
     E_POISON = 6
     E_LOCAL_CLOSE = 7
     E_COUNTS = 8
+    E_INTERRUPTED = 9
 
 # Abort reasons stored in the high half of the abort word.
 cdef enum:
     A_USER = 1
     A_TIMEOUT = 2
     A_DEAD = 3
+    A_INTERRUPTED = 4
     K_SEND = 11
 ABORT_USER = A_USER
 ABORT_TIMEOUT = A_TIMEOUT
 ABORT_DEAD = A_DEAD
+ABORT_INTERRUPTED = A_INTERRUPTED
+
+# An exception raised by a Python signal handler (Ctrl-C) during a wait, re-raised by the engine
+# method once the wait has unwound (one per process: a communicator is used by one thread at a time).
+_pending_exc = None
+
+
+cdef int _signals_pending() noexcept with gil:
+    # Lets Ctrl-C (SIGINT -> KeyboardInterrupt) and other Python signal handlers run while a rank
+    # sleeps in a long wait (the default deadline is minutes) instead of only after it.
+    global _pending_exc
+    try:
+        PyErr_CheckSignals()
+    except BaseException as exc:
+        _pending_exc = exc
+        return 1
+    return 0
 
 # Op kinds carried in descriptors (also used in messages by shm.py).
 OP_ALLREDUCE = 1
@@ -262,6 +283,8 @@ cdef int _wait_word(State* st, uint32_t* word, uint32_t* sleepers, uint32_t targ
             st.err_peer = peer
             return E_TIMEOUT
         if t >= next_check:
+            if _signals_pending():
+                return E_INTERRUPTED
             if st.ranks[peer].closed:
                 st.err_peer = peer
                 return E_CLOSED
@@ -1054,6 +1077,8 @@ cdef class Engine:
             reason = A_TIMEOUT
         elif rc == E_DEAD or rc == E_CLOSED:
             reason = A_DEAD
+        elif rc == E_INTERRUPTED:
+            reason = A_INTERRUPTED
         if reason != 0:
             self._set_abort(reason)
         return rc
@@ -1119,6 +1144,8 @@ cdef class Engine:
             if rc != 0:
                 self._fail(rc)
         self.busy = 0
+        if rc == E_INTERRUPTED:
+            _reraise_pending()
         return rc
 
     def broadcast(self, tuple desc, uintptr_t buf, size_t nbytes, int root, double timeout):
@@ -1132,6 +1159,8 @@ cdef class Engine:
             if rc != 0:
                 self._fail(rc)
         self.busy = 0
+        if rc == E_INTERRUPTED:
+            _reraise_pending()
         return rc
 
     def allgather(self, tuple desc, uintptr_t send, uintptr_t recv, size_t nbytes, int dst, double timeout):
@@ -1145,6 +1174,8 @@ cdef class Engine:
             if rc != 0:
                 self._fail(rc)
         self.busy = 0
+        if rc == E_INTERRUPTED:
+            _reraise_pending()
         return rc
 
     def scatter(self, tuple desc, uintptr_t send, uintptr_t recv, size_t nbytes, int root, double timeout):
@@ -1158,6 +1189,8 @@ cdef class Engine:
             if rc != 0:
                 self._fail(rc)
         self.busy = 0
+        if rc == E_INTERRUPTED:
+            _reraise_pending()
         return rc
 
     def exchange(self, tuple desc, uintptr_t send, uintptr_t recv, size_t n, size_t esz, int kdt, int op,
@@ -1178,6 +1211,8 @@ cdef class Engine:
             if rc != 0:
                 self._fail(rc)
         self.busy = 0
+        if rc == E_INTERRUPTED:
+            _reraise_pending()
         return rc
 
     def alltoall_v(self, tuple desc, uintptr_t send, const int64_t[::1] scount, const int64_t[::1] sdispl,
@@ -1199,6 +1234,8 @@ cdef class Engine:
             if rc != 0:
                 self._fail(rc)
         self.busy = 0
+        if rc == E_INTERRUPTED:
+            _reraise_pending()
         return rc
 
     def barrier(self, tuple desc, double timeout):
@@ -1213,6 +1250,8 @@ cdef class Engine:
             if rc != 0:
                 self._fail(rc)
         self.busy = 0
+        if rc == E_INTERRUPTED:
+            _reraise_pending()
         return rc
 
     def send(self, tuple desc, uintptr_t buf, size_t nbytes, int dst, double timeout):
@@ -1226,6 +1265,8 @@ cdef class Engine:
             if rc != 0 and rc != E_POISON:
                 self._fail(rc)
         self.busy = 0
+        if rc == E_INTERRUPTED:
+            _reraise_pending()
         return rc
 
     def recv(self, tuple desc, uintptr_t buf, size_t nbytes, int src, double timeout):
@@ -1239,6 +1280,8 @@ cdef class Engine:
             if rc != 0 and rc != E_POISON:
                 self._fail(rc)
         self.busy = 0
+        if rc == E_INTERRUPTED:
+            _reraise_pending()
         return rc
 
 
@@ -1269,6 +1312,15 @@ cdef class HeapBuffer:
     def __dealloc__(self):
         if self.eng is not None:
             self.eng.exports -= 1
+
+
+cdef int _reraise_pending() except -1:
+    global _pending_exc
+    exc = _pending_exc
+    _pending_exc = None
+    if exc is not None:
+        raise exc
+    return 0
 
 
 cdef int _fill_desc(tl_desc_t* d, tuple t) except -1:

@@ -511,6 +511,38 @@ def test_killed_peer_makes_survivors_raise_quickly():
     assert _leftovers([o[2] for o in out[:2]]) == []
 
 
+class _Alarm(Exception):
+    pass
+
+
+def _w_signal(rank, world):
+    comm = _comm(rank, world, timeout=60.0)
+    comm.barrier()
+    if rank == 0:
+
+        def handler(signum, frame):
+            raise _Alarm("alarm went off")
+
+        signal.signal(signal.SIGALRM, handler)
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        try:
+            comm.barrier()  # rank 1 never comes: only the signal handler ends this wait
+            first = "no error"
+        except _Alarm as exc:
+            first = f"_Alarm: {exc}"
+    else:
+        time.sleep(1.0)
+        first = _catch(lambda: comm.barrier())
+    comm.close()
+    return first
+
+
+def test_signal_handlers_run_during_a_wait_and_abort_the_communicator():
+    out = run_ranks(_w_signal, 2, timeout=40)
+    assert out[0] == "_Alarm: alarm went off"
+    assert "aborted by rank 0 (a signal handler (Ctrl-C) interrupted a collective there)" in out[1], out[1]
+
+
 def test_abort_makes_peers_fail_fast():
     out = run_ranks(_w_die, 2, "abort", timeout=40)
     msg = out[0][0]

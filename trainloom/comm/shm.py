@@ -95,6 +95,7 @@ _ABORT_REASONS = {
     _shm.ABORT_USER: "abort() was called",
     _shm.ABORT_TIMEOUT: "a collective timed out there",
     _shm.ABORT_DEAD: "it found a peer dead or closed",
+    _shm.ABORT_INTERRUPTED: "a signal handler (Ctrl-C) interrupted a collective there",
 }
 
 #: default bytes per slot (two per rank): about the size of a private L2, where two-shot
