@@ -295,6 +295,7 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
         self.num_samples = n // w if self.drop_last else -(-n // w)
         self.total_size = self.num_samples * w
         self._desc: Optional[np.ndarray] = None
+        self._desc_keys: Optional[np.ndarray] = None
         self._digest: Optional[str] = None
         self._cache: Optional[Tuple[int, np.ndarray, np.ndarray, np.ndarray]] = None
         self._init_resume()
@@ -303,10 +304,15 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
     def _desc_order(self) -> np.ndarray:
         """Items by complexity, largest first, ties by index (computed once, compiled sort)."""
         if self._desc is None:
-            n = self.complexities.shape[0]
-            self._desc = _P.argsort(self.complexities, np.arange(n, dtype=np.int64), True)
+            self._desc, self._desc_keys = _P.sort_desc(self.complexities)
             self._desc.setflags(write=False)
+            self._desc_keys.setflags(write=False)
         return self._desc
+
+    def _sorted_complexities(self) -> np.ndarray:
+        """The complexities in ``_desc_order()`` order."""
+        self._desc_order()
+        return self._desc_keys
 
     def digest(self) -> str:
         """A digest of the complexities (identifies the dataset in ``state_dict``)."""
@@ -636,11 +642,13 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
     def _costs_desc(self) -> np.ndarray:
         """Cost of each item in the sampler's largest-first order (computed once)."""
         if self._cs is None:
-            s = self.sampler
-            lens = s.complexities[s._desc_order()]
+            lens = self.sampler._sorted_complexities()
             a, b = self.cost
-            cs = a * lens if b == 0 else a * lens + b * lens * lens
-            self._cs = np.ascontiguousarray(cs, dtype=np.float64)
+            if a == 1 and b == 0:
+                self._cs = lens  # read-only, shared with the sampler: no copy of 2M floats
+            else:
+                cs = a * lens if b == 0 else a * lens + b * lens * lens
+                self._cs = np.ascontiguousarray(cs, dtype=np.float64)
         return self._cs
 
     def _step_order(self, steps: int) -> Tuple[np.ndarray, np.ndarray]:
