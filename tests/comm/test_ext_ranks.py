@@ -1,0 +1,276 @@
+"""Rank functions for the tests of neighbour collectives, state broadcast and the collective styles.
+
+They run on every rank under tests/multiproc.run_ranks and return plain data; the tests compare it
+with references computed in the parent. This module holds no tests itself.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable, Dict, List
+
+import torch
+import torch.distributed as dist
+
+import trainloom.comm as C
+from trainloom.comm import neighbor as nb
+from trainloom.comm import state as st
+from trainloom.comm import topology as tp
+from trainloom.errors import CommError
+
+
+def _expect(fn: Callable, exc: type, *args: Any, **kwargs: Any) -> str:
+    try:
+        fn(*args, **kwargs)
+    except exc as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _engine(engine: str) -> None:
+    os.environ["TRAINLOOM_CPU_ENGINE"] = "auto" if engine == "shm" else engine
+
+
+def value(rank: int, shape=(2, 3), dtype=torch.float64) -> torch.Tensor:
+    """Each rank's input: distinct, exactly representable values."""
+    return (torch.arange(6, dtype=dtype).reshape(shape) + 10.0 * rank + 1.0).to(dtype)
+
+
+def topologies(ws: int) -> Dict[str, tp.Topology]:
+    """The topologies every neighbour test runs (same objects built in the parent for references)."""
+    out = {"ring": tp.RingGraph(ws), "exp2": tp.ExponentialTwoGraph(ws), "full": tp.FullyConnectedGraph(ws)}
+    if ws > 1:
+        # A weighted directed graph: rank j receives from j-1 with 0.25 and (for ws > 2) from j+1 with 0.15.
+        edges = {((j - 1) % ws, j): 0.25 for j in range(ws)}
+        selfw = [0.75] * ws
+        if ws > 2:
+            for j in range(ws):
+                edges[((j + 1) % ws, j)] = 0.15
+            selfw = [0.6] * ws
+        out["custom"] = tp.Topology.from_edges(ws, edges, self_weights=selfw)
+    return out
+
+
+def neighbor_suite(rank: int, ws: int, engine: str, strategy: str = "auto") -> Dict[str, Any]:
+    _engine(engine)
+    os.environ["TRAINLOOM_NEIGHBOR_EXCHANGE"] = strategy
+    C.init_process_group(timeout=30)
+    out: Dict[str, Any] = {"engine": C.get_default_group().get_global_communicator().cpu_engine_kind()}
+    x = value(rank)
+    for name, topo in topologies(ws).items():
+        tp.set_topology(topo, is_weighted=name == "custom")
+        out[f"{name}/in"] = tp.in_neighbor_ranks()
+        out[f"{name}/avg"] = nb.neighbor_allreduce(x).tolist()
+        out[f"{name}/gather"] = nb.neighbor_allgather(x).tolist()
+        ins = tp.in_neighbor_ranks()
+        if ins:
+            # explicit weights: everything on the first in-neighbour and self
+            w = {ins[0]: 0.3}
+            out[f"{name}/explicit"] = nb.neighbor_allreduce(x, self_weight=0.7, neighbor_weights=w).tolist()
+        h1 = nb.neighbor_allreduce_async(x.float(), name="a")
+        h2 = nb.neighbor_allgather_async(x[0], name="b")
+        out[f"{name}/async"] = [nb.synchronize(h1).tolist(), nb.synchronize(h2).tolist(), nb.poll(h1)]
+        # half precision accumulates in float32
+        out[f"{name}/bf16"] = nb.neighbor_allreduce(x.to(torch.bfloat16)).float().tolist()
+    x_in = x.clone()
+    out["input_unchanged"] = torch.equal(x, x_in)
+    # functional forms
+    out["allreduce"] = nb.allreduce(x).tolist()
+    out["allreduce_sum"] = nb.allreduce(x, average=False).tolist()
+    y = x.clone()
+    out["allreduce_"] = nb.allreduce_(y) is y and y.tolist()
+    out["allgather"] = nb.allgather(x).tolist()
+    out["broadcast"] = nb.broadcast(x, ws - 1).tolist()
+    z = x.clone()
+    nb.broadcast_(z, 0)
+    out["broadcast_"] = z.tolist()
+    h = nb.allreduce_async(torch.tensor([1, 2]) * (rank + 1), average=False)
+    out["allreduce_async_int"] = nb.synchronize(h).tolist()
+    nb.barrier()
+    C.destroy_process_group()
+    return out
+
+
+def neighbor_errors(rank: int, ws: int) -> Dict[str, Any]:
+    C.init_process_group(timeout=20)
+    tp.set_topology(tp.RingGraph(ws, connect_style=1))  # in-neighbour: rank - 1 only
+    x = torch.ones(3)
+    left, right = (rank - 1) % ws, (rank + 1) % ws
+    out = {
+        "not_neighbor": _expect(nb.neighbor_allreduce, ValueError, x, 0.5, {right: 0.5}),
+        "negative": _expect(nb.neighbor_allreduce, ValueError, x, 1.5, {left: -0.5}),
+        "sum": _expect(nb.neighbor_allreduce, ValueError, x, 0.5, {left: 0.6}),
+        "nan": _expect(nb.neighbor_allreduce, ValueError, x, float("nan"), {left: 0.5}),
+        "one_only": _expect(nb.neighbor_allreduce, ValueError, x, 0.5),
+        "int": _expect(nb.neighbor_allreduce, TypeError, torch.ones(3, dtype=torch.int64)),
+        "not_tensor": _expect(nb.neighbor_allgather, TypeError, [1.0]),
+        "weights_type": _expect(nb.neighbor_allreduce, TypeError, x, 0.5, [0.5]),
+        "key_type": _expect(nb.neighbor_allreduce, TypeError, x, 0.5, {"1": 0.5}),
+        "poll": _expect(nb.poll, TypeError, 3),
+        "synchronize": _expect(nb.synchronize, TypeError, None),
+        "size": _expect(tp.set_topology, ValueError, tp.RingGraph(ws + 1)),
+        "topo_type": _expect(tp.set_topology, TypeError, [[1.0]]),
+        "avg_int": _expect(nb.allreduce, TypeError, torch.ones(2, dtype=torch.int32)),
+        "comm_type": _expect(nb.allreduce, TypeError, x, True, None, "default"),
+        "right": right,
+    }
+    # shapes that differ between ranks: every rank raises CommError naming both
+    out["shape_mismatch"] = _expect(nb.neighbor_allreduce, CommError, torch.ones(4 + 4 * rank))
+    # topologies that differ between ranks (a fresh group: the failed communicator refuses calls)
+    pg = C.new_group()
+    os.environ["TRAINLOOM_NEIGHBOR_EXCHANGE"] = "exchange"  # allgather mode reads only in-neighbours
+    tp.set_topology(tp.RingGraph(ws, connect_style=1 + rank % 2), comm=pg)
+    out["topo_mismatch"] = _expect(nb.neighbor_allreduce, CommError, torch.ones(4), comm=pg)
+    C.destroy_process_group()
+    return out
+
+
+def overlap(rank: int, ws: int, engine: str) -> Dict[str, Any]:
+    """Two handles in flight at once on rank 0: the other ranks only join once rank 0 saw both pending."""
+    _engine(engine)
+    C.init_process_group(timeout=4)
+    tp.set_topology(tp.RingGraph(ws))
+    store = dist.distributed_c10d._get_default_store()
+    x = torch.full((1000,), float(rank))
+    out: Dict[str, Any] = {}
+    if rank == 0:
+        h1 = nb.allreduce_async(x)
+        h2 = nb.neighbor_allreduce_async(x)
+        out["both_pending"] = (not nb.poll(h1)) and (not nb.poll(h2)) and not h1.is_completed()
+        # compute while the operations wait for the peers
+        a = torch.randn(64, 64)
+        out["computed"] = float((a @ a).trace()) != 0.0 or True
+        store.set("ext/overlap/go", "1")
+    else:
+        try:
+            store.get("ext/overlap/go")  # blocks until rank 0 has checked
+        except dist.DistStoreError as exc:
+            return {"error": f"rank 0 never saw both handles pending: {exc}"}
+        h1 = nb.allreduce_async(x)
+        h2 = nb.neighbor_allreduce_async(x)
+    try:
+        out["r1"] = nb.synchronize(h1)[:2].tolist()
+        h2.wait()
+        out["r2"] = h2.result()[:2].tolist()
+        out["done"] = nb.poll(h1) and nb.poll(h2)
+    except CommError as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    C.destroy_process_group()
+    return out
+
+
+def world_one(rank: int, ws: int) -> Dict[str, Any]:
+    C.init_process_group()
+    x = value(0)
+    out = {
+        "in": tp.in_neighbor_ranks(),
+        "avg": nb.neighbor_allreduce(x).tolist(),
+        "gather": list(nb.neighbor_allgather(x).shape),
+        "allreduce": nb.allreduce(x).tolist(),
+        "allgather": nb.allgather(x).tolist(),
+        "broadcast": nb.broadcast(x, 0).tolist(),
+        "poll": nb.poll(nb.neighbor_allreduce_async(x)),
+    }
+    m = torch.nn.Linear(3, 2)
+    before = [p.detach().clone() for p in m.parameters()]
+    st.broadcast_parameters(m.state_dict(), 0)
+    opt = torch.optim.Adam(m.parameters())
+    st.broadcast_optimizer_state(opt, 0)
+    out["params_same"] = all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
+    C.destroy_process_group()
+    return out
+
+
+# ---------------------------------------------------------------------------- state
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    m.register_buffer("counter", torch.tensor([seed], dtype=torch.int64))
+    return m
+
+
+def _flat(m: torch.nn.Module) -> List[List[float]]:
+    return [t.detach().double().reshape(-1).tolist() for t in m.state_dict().values()]
+
+
+def _step(m: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    xb = torch.randn(5, 4, generator=g)
+    opt.zero_grad()
+    m(xb).square().sum().backward()
+    opt.step()
+
+
+def state_suite(rank: int, ws: int, engine: str) -> Dict[str, Any]:
+    _engine(engine)
+    C.init_process_group(timeout=30)
+    out: Dict[str, Any] = {}
+    root = ws - 1
+    m = _model(100 + rank)
+    st.broadcast_parameters(m.state_dict(), root)
+    out["state_dict"] = _flat(m)
+    m2 = _model(200 + rank)
+    st.broadcast_parameters(m2.named_parameters(), 0)
+    out["named"] = [p.detach().reshape(-1).tolist() for p in m2.parameters()]
+    out["named_buffer_untouched"] = int(m2.counter.item())
+    m3 = _model(300 + rank)
+    st.broadcast_parameters(list(m3.parameters()), 0)
+    out["list"] = [p.detach().reshape(-1).tolist() for p in m3.parameters()]
+    # a non-contiguous tensor in a dict
+    d = {"t": (torch.arange(6.0).view(2, 3) + rank).t(), "i": torch.tensor([rank, rank])}
+    st.broadcast_parameters(d, 0)
+    out["dict"] = [d["t"].tolist(), d["i"].tolist()]
+    # optimizer state: the root has stepped (state full), the others have not (state empty)
+    for kind in ("adam", "sgd", "rmsprop", "adamw_capturable_off"):
+        m = _model(7)
+        if kind == "adam":
+            opt = torch.optim.Adam(m.parameters(), lr=0.01 * (rank + 1), betas=(0.8, 0.9))
+        elif kind == "sgd":
+            opt = torch.optim.SGD(m.parameters(), lr=0.1 * (rank + 1), momentum=0.9)
+        elif kind == "rmsprop":
+            opt = torch.optim.RMSprop(m.parameters(), lr=0.01, momentum=0.5)
+        else:
+            opt = torch.optim.AdamW(m.parameters(), lr=0.01, amsgrad=True)
+        if rank == 0:
+            _step(m, opt, 1)
+            _step(m, opt, 2)
+        st.broadcast_parameters(m.state_dict(), 0)
+        st.broadcast_optimizer_state(opt, 0)
+        sd = opt.state_dict()
+        out[f"{kind}/lr"] = sd["param_groups"][0]["lr"]
+        out[f"{kind}/nstate"] = len(sd["state"])
+        _step(m, opt, 3)  # the same step everywhere now gives the same parameters and state
+        out[f"{kind}/params"] = _flat(m)
+        out[f"{kind}/state"] = {
+            str(k): {n: (v.double().reshape(-1).tolist() if torch.is_tensor(v) else v) for n, v in s.items()}
+            for k, s in opt.state_dict()["state"].items()
+        }
+    out["object"] = st.broadcast_object({"a": [1, 2], "rank": rank}, 0)
+    # bad inputs, same on every rank
+    out["bad_params"] = _expect(st.broadcast_parameters, TypeError, torch.ones(2), 0)
+    out["bad_entry"] = _expect(st.broadcast_parameters, TypeError, [torch.ones(1), 3], 0)
+    out["bad_root"] = _expect(st.broadcast_parameters, ValueError, [torch.ones(1)], ws)
+    out["bad_root_type"] = _expect(st.broadcast_parameters, TypeError, [torch.ones(1)], "0")
+    out["bad_opt"] = _expect(st.broadcast_optimizer_state, TypeError, object(), 0)
+    # layouts that differ: every rank raises
+    shape = (3,) if rank == 0 else (4,)
+    out["layout"] = _expect(st.broadcast_parameters, CommError, {"w": torch.ones(shape)}, 0)
+    mm = torch.nn.Linear(2, 2)
+    params = list(mm.parameters()) if rank == 0 else [mm.weight]
+    out["opt_layout"] = _expect(st.broadcast_optimizer_state, CommError, torch.optim.SGD(params, lr=0.1), 0)
+    C.destroy_process_group()
+    return out
+
+
+def late_neighbor(rank: int, ws: int, engine: str) -> Dict[str, Any]:
+    """Rank 1 never calls neighbor_allreduce: the others time out instead of hanging."""
+    _engine(engine)
+    C.init_process_group(timeout=3)
+    tp.set_topology(tp.RingGraph(ws))
+    if rank == 1:
+        time.sleep(6)
+        return {}
+    t0 = time.monotonic()
+    err = _expect(nb.neighbor_allreduce, CommError, torch.ones(8))
+    return {"error": err, "seconds": time.monotonic() - t0}

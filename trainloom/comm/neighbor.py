@@ -1,0 +1,476 @@
+"""Neighbour collectives, functional collectives and Bluefog-style handles over the core collectives.
+
+Everything here is built on :mod:`trainloom.comm.collectives` (so on the same engines: NCCL, the
+shared-memory engine, gloo) and returns the core's :class:`~trainloom.comm.work.Work` handles when
+asynchronous. :func:`poll` and :func:`synchronize` (Bluefog) and ``Work.wait()`` /
+``Work.is_completed()`` (torch) work on the same handles.
+
+* :func:`neighbor_allreduce` -- the weighted average of this rank's tensor and its in-neighbours'
+  tensors in the communicator's virtual topology (:mod:`trainloom.comm.topology`);
+* :func:`neighbor_allgather` -- the in-neighbours' tensors concatenated along dimension 0;
+* :func:`allreduce`, :func:`allgather`, :func:`broadcast` -- functional forms that return a new
+  tensor (``allreduce_`` / ``broadcast_``: in place), each with an ``_async`` variant.
+
+How neighbour data moves depends on the topology only (so every rank picks the same collective):
+sparse graphs (ring, exponential-2 on many ranks) use one neighbour exchange (``alltoall_v`` with
+zero counts for non-neighbours, every destination reading the same send buffer); dense graphs
+(more than half of all possible edges) use one ``allgather``. See docs/comm-ext.md for the figures.
+
+.. warning::
+    As with every asynchronous collective, do not modify the input tensor until the handle has been
+    waited on: the engine reads it while the operation runs.
+
+Example::
+
+    import trainloom.comm as C
+    from trainloom.comm.neighbor import neighbor_allreduce
+    from trainloom.comm.topology import RingGraph, set_topology
+
+    C.init_process_group()
+    set_topology(RingGraph(C.get_world_size()))
+    x = torch.full((4,), float(C.get_rank()))
+    y = neighbor_allreduce(x)        # (x[r-1] + x[r] + x[r+1]) / 3
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Mapping, Optional, Union
+
+import torch
+
+from trainloom.comm import collectives as _core
+from trainloom.comm.collectives import ReduceOp
+from trainloom.comm.group import Communicator, ProcessGroup
+from trainloom.comm.topology import check_sum, exchange_strategy, resolve_comm, topology_entry
+from trainloom.comm.work import CompletedWork, Work
+
+__all__ = [
+    "neighbor_allreduce",
+    "neighbor_allreduce_async",
+    "neighbor_allgather",
+    "neighbor_allgather_async",
+    "allreduce",
+    "allreduce_",
+    "allreduce_async",
+    "allreduce_async_",
+    "allgather",
+    "allgather_async",
+    "broadcast",
+    "broadcast_",
+    "broadcast_async",
+    "broadcast_async_",
+    "barrier",
+    "poll",
+    "synchronize",
+    "ThenWork",
+]
+
+CommArg = Union[None, Communicator, ProcessGroup]
+_HALF = (torch.float16, torch.bfloat16)
+
+
+class ThenWork(Work):
+    """A Work that runs ``after`` once ``inner`` finished (in the thread that waits).
+
+    ``inner`` None means the data movement already finished. ``is_completed()`` is the inner
+    operation's; ``after`` is local arithmetic or copies that :meth:`wait` runs once.
+    """
+
+    def __init__(
+        self, op_name: str, inner: Optional[Work], after: Optional[Callable[[], None]], result: Any
+    ) -> None:
+        super().__init__(op_name, result)
+        self._inner = inner
+        self._after = after
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        if self._inner is not None:
+            self._inner.wait(timeout)
+        if self._after is not None:
+            after, self._after = self._after, None
+            with torch.no_grad():
+                after()
+        return True
+
+    def is_completed(self) -> bool:
+        return True if self._inner is None else self._inner.is_completed()
+
+
+def _then(op_name: str, inner: Optional[Work], after: Optional[Callable[[], None]], result: Any) -> Work:
+    return ThenWork(op_name, inner, after, result)
+
+
+# ---------------------------------------------------------------------------- handles
+def poll(handle: Work) -> bool:
+    """Whether the asynchronous operation behind ``handle`` finished (never blocks; Bluefog's ``poll``).
+
+    After ``poll`` returned True, :func:`synchronize` returns without waiting for other ranks.
+
+    Raises:
+        TypeError: ``handle`` is not a Work returned by an ``*_async`` call or ``async_op=True``.
+
+    Example::
+
+        h = allreduce_async(x)
+        while not poll(h):
+            do_some_compute()
+        y = synchronize(h)
+    """
+    return _handle(handle, "poll").is_completed()
+
+
+def synchronize(handle: Work, timeout: Optional[float] = None) -> Optional[torch.Tensor]:
+    """Wait for ``handle`` and return its output tensor (Bluefog's ``synchronize``).
+
+    Args:
+        handle: a Work from an ``*_async`` function or a collective called with ``async_op=True``.
+        timeout: seconds to wait at most (None: the communicator's timeout applies).
+
+    Returns:
+        The operation's output tensor (None for barrier/send).
+
+    Raises:
+        TypeError: ``handle`` is not a Work.
+        CommTimeoutError: ``timeout`` expired.
+        CommError: the operation failed on this or another rank.
+    """
+    h = _handle(handle, "synchronize")
+    h.wait(timeout)
+    return h.tensor
+
+
+def _handle(handle: Any, opname: str) -> Work:
+    if not isinstance(handle, Work):
+        raise TypeError(
+            f"{opname}: handle must be the Work returned by an *_async function or a collective called "
+            f"with async_op=True, got {type(handle).__name__}"
+        )
+    return handle
+
+
+# ---------------------------------------------------------------------------- validation
+def _tensor(t: Any, arg: str, opname: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{opname}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _averageable(t: torch.Tensor, opname: str, hint: str) -> None:
+    if not (t.dtype.is_floating_point or t.dtype.is_complex):
+        raise TypeError(f"{opname}: averaging needs a floating or complex tensor, got {t.dtype}; {hint}")
+
+
+def _weights(
+    opname: str,
+    c: Communicator,
+    self_weight: Optional[float],
+    neighbor_weights: Optional[Mapping[int, float]],
+) -> tuple:
+    topo, weighted = topology_entry(c)
+    me = c.rank()
+    ins = topo.in_neighbors(me)
+    if (self_weight is None) != (neighbor_weights is None):
+        raise ValueError(
+            f"{opname}: self_weight and neighbor_weights must be given together (or neither, for the "
+            "topology's weights)"
+        )
+    if neighbor_weights is None:
+        if weighted:
+            return topo, ins, topo.self_weight(me), topo.in_weights(me)
+        u = 1.0 / (len(ins) + 1)
+        return topo, ins, u, {i: u for i in ins}
+    if not isinstance(neighbor_weights, Mapping):
+        raise TypeError(
+            f"{opname}: neighbor_weights must be a dict {{rank: weight}}, "
+            f"got {type(neighbor_weights).__name__}"
+        )
+    from trainloom.comm.topology import _check_weight
+
+    sw = _check_weight(self_weight, f"{opname}: self_weight")
+    nw: Dict[int, float] = {}
+    for r, w in neighbor_weights.items():
+        if isinstance(r, bool) or not isinstance(r, int):
+            raise TypeError(f"{opname}: neighbor_weights keys must be int ranks, got {r!r}")
+        if r not in ins:
+            raise ValueError(
+                f"{opname}: rank {r} in neighbor_weights is not an in-neighbour of rank {me} "
+                f"(in-neighbours: {ins}); change the topology with set_topology() or drop it"
+            )
+        nw[r] = _check_weight(w, f"{opname}: neighbor_weights[{r}]")
+    check_sum(sw, nw, f"{opname} on rank {me}")
+    return topo, ins, sw, nw
+
+
+# ---------------------------------------------------------------------------- neighbour collectives
+def neighbor_allreduce_async(
+    tensor: torch.Tensor,
+    self_weight: Optional[float] = None,
+    neighbor_weights: Optional[Mapping[int, float]] = None,
+    name: Optional[str] = None,
+    comm: CommArg = None,
+) -> Work:
+    """Asynchronous :func:`neighbor_allreduce`; the handle's result is the averaged tensor.
+
+    Example::
+
+        h = neighbor_allreduce_async(x)
+        ...                                   # overlap compute
+        y = synchronize(h)
+    """
+    opname = f"neighbor_allreduce({name})" if name else "neighbor_allreduce"
+    t = _tensor(tensor, "tensor", opname)
+    _averageable(t, opname, "convert it first")
+    c = resolve_comm(comm, opname)
+    topo, ins, sw, nw = _weights(opname, c, self_weight, neighbor_weights)
+    n, me = c.nranks(), c.rank()
+    src = t.detach()
+    out = torch.empty(src.shape, dtype=src.dtype, device=src.device)
+    acc_dtype = torch.float32 if src.dtype in _HALF else src.dtype
+    # The self term is computed now: it snapshots this rank's value and overlaps the transfer.
+    acc = torch.mul(src, sw, out=out) if acc_dtype == src.dtype else src.to(acc_dtype) * sw
+    numel = src.numel()
+    flat = src.reshape(-1)
+    if n == 1:
+        return CompletedWork(opname, out)
+    strategy = exchange_strategy(topo)
+    if strategy == "allgather":
+        buf = torch.empty(n * numel, dtype=src.dtype, device=src.device)
+        inner = _core.allgather(flat, buf, comm=c, async_op=True)
+        rows = buf.view(n, numel)
+        pick: List[tuple] = [(rows[r], w) for r, w in nw.items() if w != 0.0]
+    else:
+        buf, inner = _exchange(c, topo, me, flat)
+        rows = buf.view(len(ins), numel)
+        pick = [(rows[ins.index(r)], w) for r, w in nw.items() if w != 0.0]
+    acc_flat = acc.view(-1)
+
+    def combine() -> None:
+        for row, w in pick:
+            acc_flat.add_(row if row.dtype == acc_dtype else row.to(acc_dtype), alpha=w)
+        if acc is not out:
+            out.copy_(acc)
+
+    return _then(opname, inner, combine, out)
+
+
+def _exchange(c: Communicator, topo: Any, me: int, flat: torch.Tensor) -> tuple:
+    """Send ``flat`` to every out-neighbour and receive from every in-neighbour in one alltoall_v."""
+    n, numel = c.nranks(), flat.numel()
+    ins, outs = topo.in_neighbors(me), set(topo.out_neighbors(me))
+    buf = torch.empty(len(ins) * numel, dtype=flat.dtype, device=flat.device)
+    send_counts = [numel if j in outs else 0 for j in range(n)]
+    recv_counts = [0] * n
+    recv_displs = [0] * n
+    for k, r in enumerate(ins):
+        recv_counts[r] = numel
+        recv_displs[r] = k * numel
+    # Every destination reads the same region of the send buffer: no copy per neighbour.
+    inner = _core.alltoall_v(flat, send_counts, [0] * n, buf, recv_counts, recv_displs, comm=c, async_op=True)
+    return buf, inner
+
+
+def neighbor_allreduce(
+    tensor: torch.Tensor,
+    self_weight: Optional[float] = None,
+    neighbor_weights: Optional[Mapping[int, float]] = None,
+    name: Optional[str] = None,
+    comm: CommArg = None,
+) -> torch.Tensor:
+    """Weighted average of ``tensor`` over this rank and its in-neighbours (Bluefog's ``neighbor_allreduce``).
+
+    Collective over the communicator: every rank calls it. The input is not modified.
+
+    Args:
+        tensor: a floating or complex tensor of the same shape and dtype on every rank.
+        self_weight: weight of this rank's own value; given together with ``neighbor_weights``.
+        neighbor_weights: ``{in-neighbour rank: weight}``; ranks left out get weight 0. Weights are
+            finite, ``>= 0`` and, with ``self_weight``, sum to 1. Without either: the topology's
+            weights if it was set with ``is_weighted=True``, else ``1 / (in_degree + 1)`` each.
+        name: a label used in error messages (Bluefog keys operations by it; trainloom matches
+            operations by issue order, so it is optional).
+        comm: communicator or process group (None: the default group).
+
+    Returns:
+        A new tensor of the same shape and dtype (float16/bfloat16 accumulate in float32).
+
+    Raises:
+        TypeError: not a tensor, an integer dtype, bad weight types.
+        ValueError: a weighted rank that is not an in-neighbour, negative/non-finite weights, weights
+            that do not sum to 1, only one of ``self_weight`` / ``neighbor_weights``.
+        CommError: the ranks disagree on shapes or on the topology.
+        CommTimeoutError: a neighbour did not arrive in time.
+
+    Example::
+
+        set_topology(RingGraph(world_size))
+        x = torch.full((4,), float(rank))
+        y = neighbor_allreduce(x)                       # mean of ranks r-1, r, r+1
+        y = neighbor_allreduce(x, self_weight=0.5, neighbor_weights={(rank + 1) % world_size: 0.5})
+    """
+    return synchronize(neighbor_allreduce_async(tensor, self_weight, neighbor_weights, name, comm))  # type: ignore[return-value]
+
+
+def neighbor_allgather_async(tensor: torch.Tensor, name: Optional[str] = None, comm: CommArg = None) -> Work:
+    """Asynchronous :func:`neighbor_allgather`; the handle's result is the concatenated tensor."""
+    opname = f"neighbor_allgather({name})" if name else "neighbor_allgather"
+    t = _tensor(tensor, "tensor", opname)
+    c = resolve_comm(comm, opname)
+    topo, _ = topology_entry(c)
+    n, me = c.nranks(), c.rank()
+    ins = topo.in_neighbors(me)
+    src = t.detach()
+    numel = src.numel()
+    k = len(ins)
+    shape = (k * src.shape[0], *src.shape[1:]) if src.dim() else (k,)
+    if n == 1:
+        return CompletedWork(opname, torch.empty(shape, dtype=src.dtype, device=src.device))
+    flat = src.reshape(-1)
+    if exchange_strategy(topo) == "allgather":
+        buf = torch.empty(n * numel, dtype=src.dtype, device=src.device)
+        inner = _core.allgather(flat, buf, comm=c, async_op=True)
+        out = torch.empty(shape, dtype=src.dtype, device=src.device)
+        index = torch.tensor(ins, dtype=torch.long, device=src.device)
+
+        def pick() -> None:
+            torch.index_select(buf.view(n, numel), 0, index, out=out.view(k, numel))
+
+        return _then(opname, inner, pick, out)
+    buf, inner = _exchange(c, topo, me, flat)
+    return _then(opname, inner, None, buf.view(shape))
+
+
+def neighbor_allgather(
+    tensor: torch.Tensor, name: Optional[str] = None, comm: CommArg = None
+) -> torch.Tensor:
+    """The in-neighbours' tensors concatenated along dimension 0 (Bluefog's ``neighbor_allgather``).
+
+    This rank's own tensor is not included. Every rank's tensor must have the same shape.
+
+    Returns:
+        A tensor of shape ``(len(in_neighbors) * tensor.shape[0], *tensor.shape[1:])`` (a 0-d input
+        gives shape ``(len(in_neighbors),)``).
+
+    Example::
+
+        set_topology(RingGraph(world_size))
+        g = neighbor_allgather(torch.tensor([float(rank)]))    # [rank - 1, rank + 1] in rank order
+    """
+    return synchronize(neighbor_allgather_async(tensor, name, comm))  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------------------- functional forms
+def allreduce_async(
+    tensor: torch.Tensor, average: bool = True, name: Optional[str] = None, comm: CommArg = None
+) -> Work:
+    """Asynchronous :func:`allreduce`; the handle's result is a new tensor."""
+    opname = f"allreduce({name})" if name else "allreduce"
+    t = _tensor(tensor, "tensor", opname)
+    if average:
+        _averageable(t, opname, "pass average=False for a sum")
+    c = resolve_comm(comm, opname)
+    out = t.detach().clone(memory_format=torch.contiguous_format)
+    return _core.allreduce_inplace(out, ReduceOp.AVG if average else ReduceOp.SUM, comm=c, async_op=True)  # type: ignore[return-value]
+
+
+def allreduce(
+    tensor: torch.Tensor, average: bool = True, name: Optional[str] = None, comm: CommArg = None
+) -> torch.Tensor:
+    """Average (or sum) ``tensor`` over all ranks into a new tensor; the input is not modified.
+
+    Args:
+        tensor: same shape and dtype on every rank.
+        average: average (floating/complex dtypes) or sum.
+        name: a label for error messages.
+        comm: communicator or process group (None: the default group).
+
+    Example::
+
+        y = allreduce(torch.full((2,), float(rank)))          # mean of the ranks
+    """
+    return synchronize(allreduce_async(tensor, average, name, comm))  # type: ignore[return-value]
+
+
+def allreduce_async_(
+    tensor: torch.Tensor, average: bool = True, name: Optional[str] = None, comm: CommArg = None
+) -> Work:
+    """Asynchronous :func:`allreduce_` (in place); the handle's result is ``tensor``."""
+    opname = f"allreduce_({name})" if name else "allreduce_"
+    t = _tensor(tensor, "tensor", opname)
+    if average:
+        _averageable(t, opname, "pass average=False for a sum")
+    c = resolve_comm(comm, opname)
+    return _core.allreduce_inplace(t, ReduceOp.AVG if average else ReduceOp.SUM, comm=c, async_op=True)  # type: ignore[return-value]
+
+
+def allreduce_(
+    tensor: torch.Tensor, average: bool = True, name: Optional[str] = None, comm: CommArg = None
+) -> torch.Tensor:
+    """In-place :func:`allreduce`; returns ``tensor``."""
+    return synchronize(allreduce_async_(tensor, average, name, comm))  # type: ignore[return-value]
+
+
+def allgather_async(tensor: torch.Tensor, name: Optional[str] = None, comm: CommArg = None) -> Work:
+    """Asynchronous :func:`allgather`."""
+    opname = f"allgather({name})" if name else "allgather"
+    t = _tensor(tensor, "tensor", opname)
+    c = resolve_comm(comm, opname)
+    n = c.nranks()
+    src = t.detach()
+    shape = (n * src.shape[0], *src.shape[1:]) if src.dim() else (n,)
+    out = torch.empty(shape, dtype=src.dtype, device=src.device)
+    return _core.allgather(src, out, comm=c, async_op=True)  # type: ignore[return-value]
+
+
+def allgather(tensor: torch.Tensor, name: Optional[str] = None, comm: CommArg = None) -> torch.Tensor:
+    """Concatenate every rank's tensor along dimension 0 (rank order) into a new tensor.
+
+    Example::
+
+        g = allgather(torch.tensor([float(rank)]))      # [0., 1., ..., world_size - 1]
+    """
+    return synchronize(allgather_async(tensor, name, comm))  # type: ignore[return-value]
+
+
+def broadcast_async(
+    tensor: torch.Tensor, root_rank: int, name: Optional[str] = None, comm: CommArg = None
+) -> Work:
+    """Asynchronous :func:`broadcast` (the input is not modified)."""
+    opname = f"broadcast({name})" if name else "broadcast"
+    t = _tensor(tensor, "tensor", opname)
+    c = resolve_comm(comm, opname)
+    out = t.detach().clone(memory_format=torch.contiguous_format)
+    return _core.broadcast(out, root_rank, comm=c, async_op=True)  # type: ignore[return-value]
+
+
+def broadcast(
+    tensor: torch.Tensor, root_rank: int, name: Optional[str] = None, comm: CommArg = None
+) -> torch.Tensor:
+    """A new tensor holding ``root_rank``'s ``tensor`` on every rank.
+
+    Example::
+
+        w = broadcast(torch.full((2,), float(rank)), root_rank=0)   # [0., 0.] everywhere
+    """
+    return synchronize(broadcast_async(tensor, root_rank, name, comm))  # type: ignore[return-value]
+
+
+def broadcast_async_(
+    tensor: torch.Tensor, root_rank: int, name: Optional[str] = None, comm: CommArg = None
+) -> Work:
+    """Asynchronous in-place :func:`broadcast_`."""
+    opname = f"broadcast_({name})" if name else "broadcast_"
+    t = _tensor(tensor, "tensor", opname)
+    c = resolve_comm(comm, opname)
+    return _core.broadcast(t, root_rank, comm=c, async_op=True)  # type: ignore[return-value]
+
+
+def broadcast_(
+    tensor: torch.Tensor, root_rank: int, name: Optional[str] = None, comm: CommArg = None
+) -> torch.Tensor:
+    """Overwrite ``tensor`` with ``root_rank``'s value, in place; returns ``tensor``."""
+    return synchronize(broadcast_async_(tensor, root_rank, name, comm))  # type: ignore[return-value]
+
+
+def barrier(comm: CommArg = None) -> None:
+    """Wait until every rank arrived; asynchronous operations issued before it have finished."""
+    _core.barrier(comm=resolve_comm(comm, "barrier"))

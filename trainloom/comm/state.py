@@ -1,0 +1,303 @@
+"""Broadcast model parameters and optimizer state from one rank (Bluefog's / Horovod's helpers).
+
+* :func:`broadcast_parameters` takes a ``state_dict()``, ``named_parameters()``, a dict or a list of
+  tensors and overwrites them, in place, with the root rank's values.
+* :func:`broadcast_optimizer_state` makes every rank's optimizer equal the root's: hyper-parameters
+  (``lr``, ``betas``, ...), tensor state and scalar state (``step``), also when this rank's state is
+  still empty (before the first step) and the root's is not, e.g. after the root loaded a checkpoint.
+
+Both first check that every rank holds the same layout (names, shapes, dtypes, or the optimizer's
+parameter groups) and raise :class:`~trainloom.errors.CommError` on every rank otherwise, naming the
+first difference. Tensors are flattened into one buffer per dtype and device, so a model costs one
+broadcast per dtype rather than one per tensor.
+
+Example::
+
+    model = torch.nn.Linear(4, 2)
+    broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = torch.optim.Adam(model.parameters())
+    broadcast_optimizer_state(opt, root_rank=0)
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import torch
+
+from trainloom.comm import collectives as _core
+from trainloom.comm.group import Communicator, ProcessGroup
+from trainloom.comm.topology import resolve_comm
+from trainloom.errors import CommError
+
+__all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object"]
+
+CommArg = Union[None, Communicator, ProcessGroup]
+
+
+def _root(root_rank: Any, c: Communicator, opname: str) -> int:
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int):
+        raise TypeError(f"{opname}: root_rank must be an int, got {root_rank!r}")
+    if not 0 <= root_rank < c.nranks():
+        raise ValueError(
+            f"{opname}: root_rank={root_rank} is outside the communicator's ranks 0..{c.nranks() - 1}"
+        )
+    return root_rank
+
+
+def _named(params: Any, opname: str) -> List[Tuple[str, torch.Tensor]]:
+    if isinstance(params, torch.Tensor):
+        raise TypeError(
+            f"{opname}: params must be a state_dict, named_parameters(), a dict or a list of tensors, "
+            "got a single tensor (wrap it in a list)"
+        )
+    if isinstance(params, dict):
+        items = list(params.items())
+    else:
+        try:
+            items = list(params)
+        except TypeError:
+            raise TypeError(
+                f"{opname}: params must be a state_dict, named_parameters(), a dict or a list of tensors, "
+                f"got {type(params).__name__}"
+            ) from None
+        if items and all(isinstance(x, torch.Tensor) for x in items):
+            items = [(str(i), t) for i, t in enumerate(items)]
+    out: List[Tuple[str, torch.Tensor]] = []
+    for i, item in enumerate(items):
+        if not (isinstance(item, tuple) and len(item) == 2):
+            raise TypeError(
+                f"{opname}: params entry {i} is {type(item).__name__}; expected a tensor or a "
+                "(name, tensor) pair"
+            )
+        name, t = item
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{opname}: params[{name!r}] is {type(t).__name__}, not a tensor")
+        out.append((str(name), t))
+    return out
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, comm: CommArg = None) -> Any:
+    """Return ``root_rank``'s ``obj`` (pickled) on every rank; two broadcasts (length, bytes).
+
+    Only for trusted peers: the bytes are unpickled.
+
+    Example::
+
+        cfg = broadcast_object({"lr": 0.1} if rank == 0 else None, root_rank=0)
+    """
+    c = resolve_comm(comm, "broadcast_object")
+    root = _root(root_rank, c, "broadcast_object")
+    if c.nranks() == 1:
+        return obj
+    if c.rank() == root:
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        length = torch.tensor([len(data)], dtype=torch.int64)
+    else:
+        data = b""
+        length = torch.zeros(1, dtype=torch.int64)
+    _core.broadcast(length, root, comm=c)
+    buf = (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if c.rank() == root
+        else torch.empty(int(length.item()), dtype=torch.uint8)
+    )
+    _core.broadcast(buf, root, comm=c)
+    return obj if c.rank() == root else pickle.loads(buf.numpy().tobytes())
+
+
+def _agree(c: Communicator, root: int, problem: Optional[str], opname: str) -> None:
+    """Every rank learns whether any rank's layout differs from the root's; all raise together."""
+    if c.nranks() == 1:
+        return
+    flags = torch.zeros(c.nranks(), dtype=torch.int64)
+    _core.allgather(torch.tensor([1 if problem else 0], dtype=torch.int64), flags, comm=c)
+    bad = [r for r, f in enumerate(flags.tolist()) if f]
+    if bad:
+        mine = f" (rank {c.rank()}: {problem})" if problem else ""
+        raise CommError(
+            f"{opname}: ranks {bad} do not have the same layout as root rank {root}{mine}; build the same "
+            "model/optimizer on every rank before broadcasting"
+        )
+
+
+def _describe(named: List[Tuple[str, torch.Tensor]]) -> List[Tuple[str, Tuple[int, ...], str]]:
+    return [(n, tuple(t.shape), str(t.dtype).replace("torch.", "")) for n, t in named]
+
+
+def _first_difference(mine: List[Any], root: List[Any]) -> Optional[str]:
+    for i, (a, b) in enumerate(zip(mine, root)):
+        if a != b:
+            return f"entry {i}: here {a}, on the root {b}"
+    if len(mine) != len(root):
+        return f"{len(mine)} entries here, {len(root)} on the root"
+    return None
+
+
+def _broadcast_flat(tensors: List[torch.Tensor], root: int, c: Communicator) -> None:
+    """Broadcast ``tensors`` in place, one flat buffer per (device, dtype), in a fixed order."""
+    buckets: Dict[Tuple[str, torch.dtype], List[torch.Tensor]] = {}
+    for t in tensors:
+        buckets.setdefault((str(t.device), t.dtype), []).append(t)
+    me = c.rank()
+    with torch.no_grad():
+        for key in sorted(buckets, key=lambda k: (k[0], str(k[1]))):
+            ts = [t for t in buckets[key] if t.numel()]
+            if not ts:
+                continue
+            if len(ts) == 1 and ts[0].is_contiguous():
+                _core.broadcast(ts[0], root, comm=c)
+                continue
+            flat = (
+                torch.cat([t.reshape(-1) for t in ts])
+                if me == root
+                else torch.empty(sum(t.numel() for t in ts), dtype=ts[0].dtype, device=ts[0].device)
+            )
+            _core.broadcast(flat, root, comm=c)
+            if me != root:
+                off = 0
+                for t in ts:
+                    t.copy_(flat[off : off + t.numel()].view_as(t))
+                    off += t.numel()
+
+
+def broadcast_parameters(params: Any, root_rank: int, comm: CommArg = None) -> None:
+    """Overwrite ``params`` on every rank with ``root_rank``'s values, in place.
+
+    Args:
+        params: ``model.state_dict()``, ``model.named_parameters()``, a dict ``{name: tensor}``, or a
+            list of tensors (``model.parameters()``). Entries are matched by position; every rank must
+            pass the same names, shapes and dtypes.
+        root_rank: the rank whose values everyone gets.
+        comm: communicator or process group (None: the default group).
+
+    Raises:
+        TypeError: ``params`` is not one of the accepted forms.
+        ValueError: ``root_rank`` outside the communicator.
+        CommError: (on every rank) some rank's names/shapes/dtypes differ from the root's.
+
+    Example::
+
+        model = torch.nn.Linear(4, 2)
+        broadcast_parameters(model.state_dict(), root_rank=0)
+    """
+    opname = "broadcast_parameters"
+    named = _named(params, opname)
+    c = resolve_comm(comm, opname)
+    root = _root(root_rank, c, opname)
+    if c.nranks() == 1:
+        return
+    layout = _describe(named)
+    root_layout = broadcast_object(layout if c.rank() == root else None, root, c)
+    _agree(c, root, _first_difference(layout, root_layout), opname)
+    _broadcast_flat([t for _, t in named], root, c)
+
+
+def _split_state(obj: Any, tensors: List[torch.Tensor]) -> Any:
+    """``obj`` with every tensor replaced by a placeholder; the tensors are appended to ``tensors``."""
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj.detach())
+        return _Slot(len(tensors) - 1, tuple(obj.shape), obj.dtype, obj.device.type)
+    if isinstance(obj, dict):
+        return {k: _split_state(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        seq = [_split_state(v, tensors) for v in obj]
+        return seq if isinstance(obj, list) else tuple(seq)
+    return obj
+
+
+class _Slot:
+    """Placeholder of a tensor in a pickled optimizer state (index, shape, dtype, device type)."""
+
+    def __init__(self, index: int, shape: Tuple[int, ...], dtype: torch.dtype, device: str) -> None:
+        self.index, self.shape, self.dtype, self.device = index, shape, dtype, device
+
+
+def _fill_state(obj: Any, tensors: List[torch.Tensor]) -> Any:
+    if isinstance(obj, _Slot):
+        return tensors[obj.index]
+    if isinstance(obj, dict):
+        return {k: _fill_state(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        seq = [_fill_state(v, tensors) for v in obj]
+        return seq if isinstance(obj, list) else tuple(seq)
+    return obj
+
+
+def _slots(obj: Any, out: List[_Slot]) -> List[_Slot]:
+    if isinstance(obj, _Slot):
+        out.append(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _slots(v, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _slots(v, out)
+    return out
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, comm: CommArg = None) -> None:
+    """Make every rank's optimizer equal ``root_rank``'s (hyper-parameters, tensor and scalar state).
+
+    Works for any ``torch.optim.Optimizer`` (also one wrapped by the distributed optimizers, which
+    forward ``state_dict``/``load_state_dict``), including the case where this rank's state is empty
+    (no step taken yet) while the root's is not, and 0-d ``step`` tensors. The root's
+    ``state_dict()`` is sent as a pickled structure plus its tensors (one broadcast per dtype); the
+    other ranks ``load_state_dict`` it, so their parameters are matched by position as torch does.
+
+    Args:
+        optimizer: the optimizer (same parameter groups and sizes on every rank).
+        root_rank: the rank whose state everyone gets.
+        comm: communicator or process group (None: the default group).
+
+    Raises:
+        TypeError: ``optimizer`` has no ``state_dict``/``load_state_dict``.
+        ValueError: ``root_rank`` outside the communicator.
+        CommError: (on every rank) the ranks' parameter groups differ from the root's.
+
+    Example::
+
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        if rank == 0:
+            opt.load_state_dict(torch.load("ckpt.pt")["optimizer"])
+        broadcast_optimizer_state(opt, root_rank=0)
+    """
+    opname = "broadcast_optimizer_state"
+    if not (hasattr(optimizer, "state_dict") and hasattr(optimizer, "load_state_dict")):
+        raise TypeError(
+            f"{opname}: optimizer must be a torch.optim.Optimizer (state_dict/load_state_dict), "
+            f"got {type(optimizer).__name__}"
+        )
+    c = resolve_comm(comm, opname)
+    root = _root(root_rank, c, opname)
+    if c.nranks() == 1:
+        return
+    sd = optimizer.state_dict()
+    groups = [len(g["params"]) for g in sd["param_groups"]]
+    me = c.rank()
+    tensors: List[torch.Tensor] = []
+    structure = _split_state(sd, tensors) if me == root else None
+    root_groups, root_structure = broadcast_object((groups, structure) if me == root else None, root, c)
+    diff = None if groups == root_groups else f"parameter group sizes {groups}, root has {root_groups}"
+    _agree(c, root, diff, opname)
+    if me != root:
+        dev = _param_device(optimizer)
+        tensors = [
+            torch.empty(
+                s.shape, dtype=s.dtype, device=dev if s.device == dev.type else torch.device(s.device)
+            )
+            for s in _slots(root_structure, [])
+        ]
+    # Contiguous copies on the root: broadcast reads them; the optimizer's own tensors are not touched.
+    send = [t.contiguous() for t in tensors] if me == root else tensors
+    _broadcast_flat(send, root, c)
+    if me != root:
+        optimizer.load_state_dict(_fill_state(root_structure, tensors))
+
+
+def _param_device(optimizer: Any) -> torch.device:
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            return p.device
+    return torch.device("cpu")

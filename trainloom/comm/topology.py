@@ -1,0 +1,437 @@
+"""Virtual topologies for neighbour collectives (Bluefog's ``set_topology`` and ``topology_util``).
+
+A :class:`Topology` is a weighted directed graph over the ranks of a communicator. An edge
+``i -> j`` means rank ``j`` receives rank ``i``'s value in :func:`trainloom.comm.neighbor.neighbor_allreduce`
+and weighs it with ``weight(i, j)``; ``self_weight(j)`` weighs rank ``j``'s own value. As in Bluefog,
+the weight matrix ``W[i][j]`` (``W[j][j]`` the self weight) has columns that sum to 1: every rank
+computes a weighted *average* of its in-neighbours and itself.
+
+Builders: :func:`ExponentialTwoGraph` (Bluefog's default), :func:`RingGraph`,
+:func:`FullyConnectedGraph`, :meth:`Topology.from_edges`, :meth:`Topology.from_matrix`. Each
+communicator has one topology, set with :func:`set_topology` and read with :func:`load_topology`;
+a communicator without one uses ``ExponentialTwoGraph(nranks)``.
+
+Example::
+
+    import trainloom.comm as C
+    from trainloom.comm.topology import RingGraph, set_topology, in_neighbor_ranks
+
+    C.init_process_group()
+    set_topology(RingGraph(C.get_world_size()))
+    in_neighbor_ranks()          # [rank - 1, rank + 1] (mod world size)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import weakref
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+from trainloom.comm.group import Communicator, ProcessGroup, get_default_group
+from trainloom.errors import ConfigError
+
+__all__ = [
+    "Topology",
+    "ExponentialTwoGraph",
+    "RingGraph",
+    "FullyConnectedGraph",
+    "set_topology",
+    "load_topology",
+    "is_topo_weighted",
+    "in_neighbor_ranks",
+    "out_neighbor_ranks",
+    "resolve_comm",
+]
+
+#: Weights of one rank must sum to 1 within this tolerance (relative to the largest weight).
+WEIGHT_TOLERANCE = 1e-6
+
+
+def _check_weight(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what} must be a real number, got {value!r}")
+    w = float(value)
+    if not math.isfinite(w):
+        raise ValueError(f"{what} must be finite, got {w}")
+    if w < 0:
+        raise ValueError(f"{what} must be >= 0, got {w}")
+    return w
+
+
+def check_sum(self_weight: float, weights: Mapping[int, float], where: str) -> None:
+    """Raise ValueError unless ``self_weight + sum(weights)`` is 1 (a weighted average)."""
+    total = self_weight + sum(weights.values())
+    if abs(total - 1.0) > WEIGHT_TOLERANCE * max(1.0, total):
+        parts = ", ".join(f"{r}: {w:g}" for r, w in sorted(weights.items()))
+        raise ValueError(
+            f"{where}: self weight {self_weight:g} plus neighbour weights {{{parts}}} sum to {total:.9g}, "
+            "not 1; neighbour averaging takes weights that sum to 1 (scale the result yourself for a "
+            "weighted sum)"
+        )
+
+
+class Topology:
+    """A weighted directed graph over ``size`` ranks (edge ``i -> j``: ``j`` receives from ``i``).
+
+    Args:
+        size: number of ranks.
+        in_weights: for every rank ``j``, a mapping ``{i: weight}`` of its in-neighbours ``i != j``.
+        self_weights: for every rank, the weight of its own value.
+        weighted: whether the weights are user-chosen (Bluefog's ``is_weighted``); unweighted
+            topologies average uniformly over in-neighbours and self.
+
+    Raises:
+        ValueError: a rank outside ``0..size-1``, a self edge in ``in_weights``, a negative or
+            non-finite weight, or a rank whose weights do not sum to 1.
+
+    Example::
+
+        topo = Topology.from_edges(3, [(0, 1), (1, 2), (2, 0)])    # a directed ring, uniform weights
+        topo.in_neighbors(1)                                        # [0]
+    """
+
+    def __init__(
+        self,
+        size: int,
+        in_weights: Sequence[Mapping[int, float]],
+        self_weights: Sequence[float],
+        weighted: bool = True,
+    ) -> None:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"Topology: size must be an int >= 1, got {size!r}")
+        if len(in_weights) != size or len(self_weights) != size:
+            raise ValueError(
+                f"Topology: in_weights and self_weights need {size} entries (one per rank), got "
+                f"{len(in_weights)} and {len(self_weights)}"
+            )
+        self.size = size
+        self.weighted = bool(weighted)
+        self._in: List[Dict[int, float]] = []
+        self._self: List[float] = []
+        for j in range(size):
+            row: Dict[int, float] = {}
+            for i, w in dict(in_weights[j]).items():
+                if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < size:
+                    raise ValueError(f"Topology: rank {j} has in-neighbour {i!r} outside 0..{size - 1}")
+                if i == j:
+                    raise ValueError(f"Topology: rank {j} lists itself as in-neighbour; use self_weights")
+                row[i] = _check_weight(w, f"Topology: weight of edge {i} -> {j}")
+            sw = _check_weight(self_weights[j], f"Topology: self weight of rank {j}")
+            check_sum(sw, row, f"Topology: rank {j}")
+            self._in.append(dict(sorted(row.items())))
+            self._self.append(sw)
+        self._out: List[List[int]] = [[] for _ in range(size)]
+        for j in range(size):
+            for i in self._in[j]:
+                self._out[i].append(j)
+        for lst in self._out:
+            lst.sort()
+
+    # ------------------------------------------------------------ builders
+    @classmethod
+    def from_edges(
+        cls,
+        size: int,
+        edges: Union[Iterable[Tuple[int, int]], Mapping[Tuple[int, int], float]],
+        self_weights: Optional[Sequence[float]] = None,
+    ) -> Topology:
+        """A topology from directed edges ``(src, dst)``.
+
+        Args:
+            size: number of ranks.
+            edges: pairs ``(src, dst)`` (uniform weights ``1 / (in_degree + 1)`` for every rank), or
+                a mapping ``{(src, dst): weight}`` together with ``self_weights``.
+            self_weights: one per rank; required with weighted edges.
+
+        Raises:
+            ValueError: weighted edges without ``self_weights`` (or the reverse), bad ranks or weights.
+
+        Example::
+
+            Topology.from_edges(2, {(0, 1): 0.5, (1, 0): 0.25}, self_weights=[0.75, 0.5])
+        """
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"Topology.from_edges: size must be an int >= 1, got {size!r}")
+        ins: List[Dict[int, float]] = [{} for _ in range(size)]
+        if isinstance(edges, Mapping):
+            if self_weights is None:
+                raise ValueError("Topology.from_edges: weighted edges need self_weights (one per rank)")
+            for key, w in edges.items():
+                src, dst = _edge(key, size)
+                ins[dst][src] = w
+            return cls(size, ins, list(self_weights), weighted=True)
+        if self_weights is not None:
+            raise ValueError(
+                "Topology.from_edges: self_weights given with unweighted edges; pass {(src, dst): weight}"
+            )
+        for key in edges:
+            src, dst = _edge(key, size)
+            ins[dst][src] = 1.0
+        uniform = [{i: 1.0 / (len(row) + 1) for i in row} for row in ins]
+        return cls(size, uniform, [1.0 / (len(row) + 1) for row in ins], weighted=False)
+
+    @classmethod
+    def from_matrix(cls, matrix: Any) -> Topology:
+        """A weighted topology from a ``size x size`` matrix ``W``.
+
+        ``W[i][j]`` (``i != j``) is the weight rank ``j`` gives to rank ``i``'s value (0: no edge);
+        ``W[j][j]`` is rank ``j``'s self weight. Every column must sum to 1. Accepts nested lists,
+        numpy arrays and tensors.
+
+        Example::
+
+            Topology.from_matrix([[0.5, 0.5], [0.5, 0.5]])
+        """
+        rows = [list(map(float, r)) for r in (matrix.tolist() if hasattr(matrix, "tolist") else matrix)]
+        size = len(rows)
+        if size < 1 or any(len(r) != size for r in rows):
+            raise ValueError(
+                f"Topology.from_matrix: need a square matrix, got rows of lengths {[len(r) for r in rows]}"
+            )
+        ins = [{i: rows[i][j] for i in range(size) if i != j and rows[i][j] != 0.0} for j in range(size)]
+        return cls(size, ins, [rows[j][j] for j in range(size)], weighted=True)
+
+    # ------------------------------------------------------------ queries
+    def in_neighbors(self, rank: int) -> List[int]:
+        """Ranks whose values ``rank`` receives (sorted)."""
+        return list(self._in[self._rank(rank)])
+
+    def out_neighbors(self, rank: int) -> List[int]:
+        """Ranks that receive ``rank``'s value (sorted)."""
+        return list(self._out[self._rank(rank)])
+
+    def in_weights(self, rank: int) -> Dict[int, float]:
+        """``{in-neighbour: weight}`` of ``rank``."""
+        return dict(self._in[self._rank(rank)])
+
+    def self_weight(self, rank: int) -> float:
+        """The weight ``rank`` gives its own value."""
+        return self._self[self._rank(rank)]
+
+    def num_edges(self) -> int:
+        """Number of directed edges (self weights not counted)."""
+        return sum(len(r) for r in self._in)
+
+    def matrix(self) -> List[List[float]]:
+        """The weight matrix ``W`` (see :meth:`from_matrix`)."""
+        w = [[0.0] * self.size for _ in range(self.size)]
+        for j in range(self.size):
+            w[j][j] = self._self[j]
+            for i, v in self._in[j].items():
+                w[i][j] = v
+        return w
+
+    def _rank(self, rank: int) -> int:
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.size:
+            raise ValueError(f"Topology: rank {rank!r} is outside 0..{self.size - 1}")
+        return rank
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, Topology)
+            and self.size == other.size
+            and self._in == other._in
+            and self._self == other._self
+        )
+
+    def __repr__(self) -> str:
+        kind = "weighted" if self.weighted else "uniform"
+        return f"<Topology size={self.size} edges={self.num_edges()} {kind}>"
+
+
+def _edge(key: Any, size: int) -> Tuple[int, int]:
+    try:
+        src, dst = key
+    except (TypeError, ValueError):
+        raise ValueError(f"Topology.from_edges: an edge must be a pair (src, dst), got {key!r}") from None
+    for v in (src, dst):
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < size:
+            raise ValueError(f"Topology.from_edges: edge {key!r} names rank {v!r} outside 0..{size - 1}")
+    if src == dst:
+        raise ValueError(f"Topology.from_edges: edge {key!r} is a self loop; use self_weights")
+    return src, dst
+
+
+def ExponentialTwoGraph(size: int) -> Topology:  # noqa: N802 - Bluefog's name
+    """Rank ``i`` sends to ``i + 2**k (mod size)`` for every ``2**k < size``; uniform weights.
+
+    Every rank has ``ceil(log2(size))`` in-neighbours (fewer when offsets coincide); averaging over
+    it mixes information across the whole group in ``log2(size)`` steps. Bluefog's default topology.
+
+    Example::
+
+        ExponentialTwoGraph(4).in_neighbors(0)      # [2, 3]
+    """
+    _size(size, "ExponentialTwoGraph")
+    edges = set()
+    k = 1
+    while k < size:
+        edges.update((i, (i + k) % size) for i in range(size))
+        k *= 2
+    return Topology.from_edges(size, sorted(e for e in edges if e[0] != e[1]))
+
+
+def RingGraph(size: int, connect_style: int = 0) -> Topology:  # noqa: N802 - Bluefog's name
+    """A ring; uniform weights.
+
+    Args:
+        size: number of ranks.
+        connect_style: 0 both directions (in-neighbours ``i - 1`` and ``i + 1``), 1 receive from the
+            left neighbour ``i - 1`` only, 2 receive from the right neighbour ``i + 1`` only
+            (Bluefog's values).
+
+    Example::
+
+        RingGraph(4).in_neighbors(0)                # [1, 3]
+    """
+    _size(size, "RingGraph")
+    if connect_style not in (0, 1, 2):
+        raise ValueError(f"RingGraph: connect_style must be 0, 1 or 2, got {connect_style!r}")
+    edges = set()
+    for i in range(size):
+        if connect_style in (0, 1):
+            edges.add(((i - 1) % size, i))
+        if connect_style in (0, 2):
+            edges.add(((i + 1) % size, i))
+    return Topology.from_edges(size, sorted(e for e in edges if e[0] != e[1]))
+
+
+def FullyConnectedGraph(size: int) -> Topology:  # noqa: N802 - Bluefog's name
+    """Every rank receives from every other rank; uniform weights ``1 / size`` (a global average).
+
+    Example::
+
+        FullyConnectedGraph(3).in_neighbors(1)      # [0, 2]
+    """
+    _size(size, "FullyConnectedGraph")
+    return Topology.from_edges(size, [(i, j) for i in range(size) for j in range(size) if i != j])
+
+
+def _size(size: Any, who: str) -> None:
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"{who}: size must be an int >= 1, got {size!r}")
+
+
+# ---------------------------------------------------------------------------- per-communicator state
+_TOPOLOGIES: weakref.WeakKeyDictionary[Communicator, Tuple[Topology, bool]] = weakref.WeakKeyDictionary()
+
+
+def resolve_comm(comm: Union[None, Communicator, ProcessGroup], opname: str) -> Communicator:
+    """``comm`` as a Communicator: None is the default group's global one; a ProcessGroup its global one.
+
+    Raises:
+        CommError: not initialized / used after destroy_process_group().
+        TypeError: ``comm`` is something else.
+    """
+    if comm is None:
+        comm = get_default_group().get_global_communicator()
+    elif isinstance(comm, ProcessGroup):
+        comm = comm.get_global_communicator()
+    if not isinstance(comm, Communicator):
+        raise TypeError(
+            f"{opname}: comm must be a trainloom Communicator or ProcessGroup (None: the default group), "
+            f"got {type(comm).__name__}"
+        )
+    comm.check_alive(opname)
+    return comm
+
+
+def set_topology(
+    topology: Optional[Topology] = None,
+    is_weighted: bool = False,
+    comm: Union[None, Communicator, ProcessGroup] = None,
+) -> bool:
+    """Set the virtual topology of a communicator (Bluefog's ``set_topology``).
+
+    Local: no communication. Every rank must set the same topology (a different one makes the next
+    neighbour collective raise CommError on every rank, as the ranks then disagree on who sends what).
+
+    Args:
+        topology: a :class:`Topology` (None: ``ExponentialTwoGraph(nranks)``).
+        is_weighted: use the topology's weights in :func:`neighbor_allreduce`; otherwise every rank
+            averages uniformly over its in-neighbours and itself (Bluefog's default).
+        comm: communicator or process group (None: the default group).
+
+    Returns:
+        True.
+
+    Raises:
+        ValueError: the topology's size differs from the communicator's number of ranks.
+        TypeError: ``topology`` is not a Topology.
+
+    Example::
+
+        set_topology(RingGraph(get_world_size()))
+    """
+    c = resolve_comm(comm, "set_topology")
+    if topology is None:
+        topology = ExponentialTwoGraph(c.nranks())
+    if not isinstance(topology, Topology):
+        raise TypeError(
+            "set_topology: topology must be a trainloom.comm.topology.Topology (build one with "
+            f"RingGraph, ExponentialTwoGraph, Topology.from_edges/from_matrix), got {type(topology).__name__}"
+        )
+    if topology.size != c.nranks():
+        raise ValueError(
+            f"set_topology: the topology has {topology.size} ranks but communicator {c.name} has {c.nranks()}"
+        )
+    _TOPOLOGIES[c] = (topology, bool(is_weighted))
+    return True
+
+
+def _entry(c: Communicator) -> Tuple[Topology, bool]:
+    got = _TOPOLOGIES.get(c)
+    if got is None:
+        got = (ExponentialTwoGraph(c.nranks()), False)
+        _TOPOLOGIES[c] = got
+    return got
+
+
+def load_topology(comm: Union[None, Communicator, ProcessGroup] = None) -> Topology:
+    """The communicator's topology (``ExponentialTwoGraph`` when none was set)."""
+    return _entry(resolve_comm(comm, "load_topology"))[0]
+
+
+def is_topo_weighted(comm: Union[None, Communicator, ProcessGroup] = None) -> bool:
+    """Whether :func:`set_topology` was called with ``is_weighted=True``."""
+    return _entry(resolve_comm(comm, "is_topo_weighted"))[1]
+
+
+def in_neighbor_ranks(comm: Union[None, Communicator, ProcessGroup] = None) -> List[int]:
+    """This rank's in-neighbours in the communicator's topology."""
+    c = resolve_comm(comm, "in_neighbor_ranks")
+    return _entry(c)[0].in_neighbors(c.rank())
+
+
+def out_neighbor_ranks(comm: Union[None, Communicator, ProcessGroup] = None) -> List[int]:
+    """This rank's out-neighbours in the communicator's topology."""
+    c = resolve_comm(comm, "out_neighbor_ranks")
+    return _entry(c)[0].out_neighbors(c.rank())
+
+
+def topology_entry(c: Communicator) -> Tuple[Topology, bool]:
+    """(topology, is_weighted) of a resolved communicator (for trainloom.comm.neighbor)."""
+    return _entry(c)
+
+
+#: Above this fraction of possible edges, neighbour collectives use one allgather instead of a
+#: neighbour exchange (alltoall_v); see docs/comm-ext.md for the measurement behind it.
+DENSE_FRACTION = 0.5
+
+
+def exchange_strategy(topo: Topology) -> str:
+    """``"allgather"`` or ``"exchange"``: how neighbour collectives move data for ``topo``.
+
+    Depends on the topology only, so every rank picks the same collective. ``TRAINLOOM_NEIGHBOR_EXCHANGE``
+    (``auto``, ``allgather``, ``exchange``) overrides it.
+    """
+    choice = os.environ.get("TRAINLOOM_NEIGHBOR_EXCHANGE", "auto").strip().lower() or "auto"
+    if choice not in ("auto", "allgather", "exchange"):
+        raise ConfigError(f"TRAINLOOM_NEIGHBOR_EXCHANGE={choice!r}: use auto, allgather or exchange")
+    if choice != "auto":
+        return choice
+    n = topo.size
+    if n <= 2:
+        return "exchange"
+    return "allgather" if topo.num_edges() >= DENSE_FRACTION * n * (n - 1) else "exchange"
