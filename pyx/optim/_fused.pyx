@@ -50,6 +50,7 @@ cdef extern from *:
         double lr_neg;     /* -lr */
         double wd, momentum, damp1; /* damp1 = 1 - dampening */
         int has_momentum, first, nesterov, maximize;
+        int tail_alt;      /* tail momentum formula: 0 fma(g, 1-d, buf*m), 1 fma(buf, m, g*(1-d)) */
     } tl_sgd_args;
 
     /* NaN-propagating maximum, as torch.maximum. */
@@ -141,32 +142,37 @@ cdef extern from *:
         for (int64_t i = 0; i < n; i++) TL_APPLY_SCALAR(double)
     }
 
-    #define TL_SGD_SCALAR(T, FMA)                                                          \\
+    #define TL_SGD_SCALAR(T, FMA, ALT)                                                     \\
         {                                                                                  \\
             T gv = g[i];                                                                   \\
             if (a->maximize) gv = -gv;                                                     \\
             if (has_wd) gv = FMA(p[i], wd, gv);                                            \\
             if (a->has_momentum) {                                                         \\
                 T bv;                                                                      \\
-                if (a->first) bv = gv; else bv = FMA(gv, damp1, buf[i] * mom);             \\
+                if (a->first) bv = gv;                                                     \\
+                else bv = (ALT) ? FMA(buf[i], mom, gv * damp1) : FMA(gv, damp1, buf[i] * mom); \\
                 buf[i] = bv;                                                               \\
                 gv = a->nesterov ? FMA(bv, mom, gv) : bv;                                  \\
             }                                                                              \\
             p[i] = FMA(gv, lrn, p[i]);                                                     \\
         }
 
-    static void tl_sgd_f32_scalar(float *p, const float *g, float *buf, int64_t n,
+    static void tl_sgd_f32_scalar(float *p, const float *g, float *buf, int64_t body, int64_t n,
                                   const tl_sgd_args *a) {
         const float lrn = (float)a->lr_neg, wd = (float)a->wd, mom = (float)a->momentum;
         const float damp1 = (float)a->damp1;
         const int has_wd = a->wd != 0.0;
-        for (int64_t i = 0; i < n; i++) TL_SGD_SCALAR(float, fmaf)
+        int64_t i = 0;
+        for (; i < body; i++) TL_SGD_SCALAR(float, fmaf, 0)
+        for (; i < n; i++) TL_SGD_SCALAR(float, fmaf, a->tail_alt)
     }
-    static void tl_sgd_f64_scalar(double *p, const double *g, double *buf, int64_t n,
+    static void tl_sgd_f64_scalar(double *p, const double *g, double *buf, int64_t body, int64_t n,
                                   const tl_sgd_args *a) {
         const double lrn = a->lr_neg, wd = a->wd, mom = a->momentum, damp1 = a->damp1;
         const int has_wd = a->wd != 0.0;
-        for (int64_t i = 0; i < n; i++) TL_SGD_SCALAR(double, fma)
+        int64_t i = 0;
+        for (; i < body; i++) TL_SGD_SCALAR(double, fma, 0)
+        for (; i < n; i++) TL_SGD_SCALAR(double, fma, a->tail_alt)
     }
 
     #if defined(__x86_64__) && defined(__GNUC__)
@@ -250,7 +256,7 @@ cdef extern from *:
         for (; i < n; i++) TL_ADAM_SCALAR(double, fma, sqrt, a->tail_v_alt)
     }
     __attribute__((target("avx2,fma")))
-    static void tl_sgd_f32_avx2(float *p, const float *g, float *buf, int64_t n,
+    static void tl_sgd_f32_avx2(float *p, const float *g, float *buf, int64_t body, int64_t n,
                                 const tl_sgd_args *a) {
         const float lrn = (float)a->lr_neg, wd = (float)a->wd, mom = (float)a->momentum;
         const float damp1 = (float)a->damp1;
@@ -259,7 +265,7 @@ cdef extern from *:
         const __m256 MOM = _mm256_set1_ps(mom), D1 = _mm256_set1_ps(damp1);
         const __m256 NEG = _mm256_set1_ps(-0.0f);
         int64_t i = 0;
-        const int64_t vend = n - n % 8;
+        const int64_t vend = body - body % 8;
         for (; i < vend; i += 8) {
             __m256 gv = _mm256_loadu_ps(g + i), pv = _mm256_loadu_ps(p + i);
             if (a->maximize) gv = _mm256_xor_ps(gv, NEG);
@@ -272,10 +278,11 @@ cdef extern from *:
             }
             _mm256_storeu_ps(p + i, _mm256_fmadd_ps(gv, LRN, pv));
         }
-        for (; i < n; i++) TL_SGD_SCALAR(float, fmaf)
+        for (; i < body; i++) TL_SGD_SCALAR(float, fmaf, 0)
+        for (; i < n; i++) TL_SGD_SCALAR(float, fmaf, a->tail_alt)
     }
     __attribute__((target("avx2,fma")))
-    static void tl_sgd_f64_avx2(double *p, const double *g, double *buf, int64_t n,
+    static void tl_sgd_f64_avx2(double *p, const double *g, double *buf, int64_t body, int64_t n,
                                 const tl_sgd_args *a) {
         const double lrn = a->lr_neg, wd = a->wd, mom = a->momentum, damp1 = a->damp1;
         const int has_wd = a->wd != 0.0;
@@ -283,7 +290,7 @@ cdef extern from *:
         const __m256d MOM = _mm256_set1_pd(mom), D1 = _mm256_set1_pd(damp1);
         const __m256d NEG = _mm256_set1_pd(-0.0);
         int64_t i = 0;
-        const int64_t vend = n - n % 4;
+        const int64_t vend = body - body % 4;
         for (; i < vend; i += 4) {
             __m256d gv = _mm256_loadu_pd(g + i), pv = _mm256_loadu_pd(p + i);
             if (a->maximize) gv = _mm256_xor_pd(gv, NEG);
@@ -296,7 +303,8 @@ cdef extern from *:
             }
             _mm256_storeu_pd(p + i, _mm256_fmadd_pd(gv, LRN, pv));
         }
-        for (; i < n; i++) TL_SGD_SCALAR(double, fma)
+        for (; i < body; i++) TL_SGD_SCALAR(double, fma, 0)
+        for (; i < n; i++) TL_SGD_SCALAR(double, fma, a->tail_alt)
     }
     /* The vector versions of the two Adam halves: one generic body per element type. */
     #define TL_MOM_AVX(T, V, SUF, VL, FMA)                                                 \
@@ -378,7 +386,7 @@ cdef extern from *:
         int amsgrad, maximize, l2, decoupled, tail_v_alt, body_v_alt
     ctypedef struct tl_sgd_args:
         double lr_neg, wd, momentum, damp1
-        int has_momentum, first, nesterov, maximize
+        int has_momentum, first, nesterov, maximize, tail_alt
     int tl_cpu_has_avx2_fma() nogil
     void tl_adam_f32_scalar(float*, const float*, float*, float*, float*, int64_t, int64_t,
                             const tl_adam_args*) noexcept nogil
@@ -400,10 +408,10 @@ cdef extern from *:
     void tl_apply_f64_scalar(double*, const double*, const double*, int64_t, const tl_adam_args*) noexcept nogil
     void tl_apply_f32_avx2(float*, const float*, const float*, int64_t, const tl_adam_args*) noexcept nogil
     void tl_apply_f64_avx2(double*, const double*, const double*, int64_t, const tl_adam_args*) noexcept nogil
-    void tl_sgd_f32_scalar(float*, const float*, float*, int64_t, const tl_sgd_args*) noexcept nogil
-    void tl_sgd_f64_scalar(double*, const double*, double*, int64_t, const tl_sgd_args*) noexcept nogil
-    void tl_sgd_f32_avx2(float*, const float*, float*, int64_t, const tl_sgd_args*) noexcept nogil
-    void tl_sgd_f64_avx2(double*, const double*, double*, int64_t, const tl_sgd_args*) noexcept nogil
+    void tl_sgd_f32_scalar(float*, const float*, float*, int64_t, int64_t, const tl_sgd_args*) noexcept nogil
+    void tl_sgd_f64_scalar(double*, const double*, double*, int64_t, int64_t, const tl_sgd_args*) noexcept nogil
+    void tl_sgd_f32_avx2(float*, const float*, float*, int64_t, int64_t, const tl_sgd_args*) noexcept nogil
+    void tl_sgd_f64_avx2(double*, const double*, double*, int64_t, int64_t, const tl_sgd_args*) noexcept nogil
 
 import numpy as np
 
@@ -672,19 +680,20 @@ def adam_apply(int dtype, intptr_t p, intptr_t m, intptr_t sq,
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def sgd_step(int dtype, intptr_t p, intptr_t g, intptr_t buf,
-             const int64_t[::1] i_start, const int64_t[::1] i_len,
+             const int64_t[::1] i_start, const int64_t[::1] i_len, const int64_t[::1] i_body,
              double lr, double wd, double momentum, double dampening, bint nesterov,
-             bint maximize, bint first, int nthreads):
+             bint maximize, bint first, int tail_alt, int nthreads):
     """One SGD update over the work items of a plan; ``buf`` is 0 when ``momentum == 0``.
 
     With ``first`` the momentum buffer is initialised to the (decayed) gradient, as torch does on
-    a parameter's first step.
+    a parameter's first step. ``tail_alt`` selects torch fused=True's rounding of the momentum
+    update for the elements past each item's body (its per-tensor scalar tail).
     """
     cdef tl_sgd_args a
     cdef Py_ssize_t k, nitems = i_start.shape[0]
     cdef int64_t s
     cdef bint avx = _use_avx2
-    if i_len.shape[0] != nitems:
+    if i_len.shape[0] != nitems or i_body.shape[0] != nitems:
         raise ValueError("sgd_step: plan arrays differ in length")
     if dtype not in (DEF_F32, DEF_F64):
         raise ValueError(f"sgd_step: unsupported dtype code {dtype}")
@@ -698,6 +707,7 @@ def sgd_step(int dtype, intptr_t p, intptr_t g, intptr_t buf,
     a.first = first
     a.nesterov = nesterov
     a.maximize = maximize
+    a.tail_alt = tail_alt
     if nthreads < 1:
         nthreads = 1
     # GIL released: see adam_step.
@@ -707,19 +717,19 @@ def sgd_step(int dtype, intptr_t p, intptr_t g, intptr_t buf,
                 s = i_start[k]
                 if avx:
                     tl_sgd_f32_avx2(<float*>p + s, <const float*>g + s,
-                                    (<float*>buf + s) if a.has_momentum else NULL, i_len[k], &a)
+                                    (<float*>buf + s) if a.has_momentum else NULL, i_body[k], i_len[k], &a)
                 else:
                     tl_sgd_f32_scalar(<float*>p + s, <const float*>g + s,
-                                      (<float*>buf + s) if a.has_momentum else NULL, i_len[k], &a)
+                                      (<float*>buf + s) if a.has_momentum else NULL, i_body[k], i_len[k], &a)
         else:
             for k in prange(nitems, schedule="dynamic", num_threads=nthreads):
                 s = i_start[k]
                 if avx:
                     tl_sgd_f64_avx2(<double*>p + s, <const double*>g + s,
-                                    (<double*>buf + s) if a.has_momentum else NULL, i_len[k], &a)
+                                    (<double*>buf + s) if a.has_momentum else NULL, i_body[k], i_len[k], &a)
                 else:
                     tl_sgd_f64_scalar(<double*>p + s, <const double*>g + s,
-                                      (<double*>buf + s) if a.has_momentum else NULL, i_len[k], &a)
+                                      (<double*>buf + s) if a.has_momentum else NULL, i_body[k], i_len[k], &a)
 
 
 @cython.boundscheck(False)

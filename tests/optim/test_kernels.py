@@ -51,13 +51,9 @@ def test_kernel_argument_errors():
     plan = _plan([0], [4])
     t = torch.zeros(4)
     with pytest.raises(ValueError, match="unsupported dtype code 7"):
-        K.sgd_step(
-            7, t.data_ptr(), t.data_ptr(), 0, plan[0], plan[1], 0.1, 0.0, 0.0, 0.0, False, False, False, 1
-        )
+        K.sgd_step(7, t.data_ptr(), t.data_ptr(), 0, *plan, 0.1, 0.0, 0.0, 0.0, False, False, False, 0, 1)
     with pytest.raises(ValueError, match="sgd_step: null buffer pointer"):
-        K.sgd_step(
-            0, t.data_ptr(), t.data_ptr(), 0, plan[0], plan[1], 0.1, 0.0, 0.9, 0.0, False, False, False, 1
-        )
+        K.sgd_step(0, t.data_ptr(), t.data_ptr(), 0, *plan, 0.1, 0.0, 0.9, 0.0, False, False, False, 0, 1)
     with pytest.raises(ValueError, match="adam_step: null buffer pointer"):
         K.adam_step(
             0,
@@ -105,7 +101,7 @@ def test_offsets_beyond_2_to_31_elements():
     ptr = big.data_ptr()
     # p, g and buf are three regions of one buffer: pointers differ by n elements each
     plan = _plan([base], [n])
-    K.sgd_step(0, ptr, ptr + 4 * n, ptr + 8 * n, plan[0], plan[1], 0.1, 0.0, 0.9, 0.0, False, False, True, 1)
+    K.sgd_step(0, ptr, ptr + 4 * n, ptr + 8 * n, *plan, 0.1, 0.0, 0.9, 0.0, False, False, True, 0, 1)
     ref = p0.clone()
     _sgd_ref(ref, g0.clone(), None)
     assert torch.equal(big[base : base + n], ref)
@@ -188,8 +184,7 @@ def test_kernels_release_the_gil():
             p.data_ptr(),
             g.data_ptr(),
             buf.data_ptr(),
-            plan[0],
-            plan[1],
+            *plan,
             0.1,
             0.0,
             0.9,
@@ -197,6 +192,7 @@ def test_kernels_release_the_gil():
             False,
             False,
             False,
+            0,
             1,
         )
 

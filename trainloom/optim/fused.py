@@ -1035,14 +1035,18 @@ def _dtype_code(dt: torch.dtype) -> int:
 
 
 class _SgdKernel(_Kernel):
+    def __init__(self, fused: bool) -> None:
+        self.fused = fused
+
     def signature(self, st: Dict[Any, Any], b: _Bucket, i: int) -> Any:
         return 0  # SGD keeps no scalar state
 
     def run(self, opt: Any, group: Dict[str, Any], b: _Bucket, run: _Run) -> None:
-        plan = _plan(b, run, 1)
+        # torch's fused=True kernel rounds the momentum update of each tensor's scalar tail
+        # differently from its vector body; the for-loop/foreach paths use one formula.
+        plan = _plan(b, run, _vector_len(b.dtype) if self.fused else 1)
         mom = float(group["momentum"])
         buf = b.state_flat.get("momentum_buffer") if mom != 0 else None
-        n = plan[3]
         _K.sgd_step(
             _dtype_code(b.dtype),
             b.flat_param.data_ptr(),
@@ -1050,6 +1054,7 @@ class _SgdKernel(_Kernel):
             buf.data_ptr() if buf is not None else 0,
             plan[0],
             plan[1],
+            plan[2],
             float(group["lr"]),
             float(group["weight_decay"]),
             mom,
@@ -1057,7 +1062,8 @@ class _SgdKernel(_Kernel):
             bool(group["nesterov"]),
             bool(group["maximize"]),
             False,
-            _nthreads(n),
+            1 if self.fused else 0,
+            _nthreads(plan[3]),
         )
 
 
@@ -1202,11 +1208,9 @@ def _kernel_for(opt: Any, group: Dict[str, Any], b: _Bucket) -> Optional[_Kernel
     if getattr(opt, "grad_scale", None) is not None or getattr(opt, "found_inf", None) is not None:
         return None
     if isinstance(opt, torch.optim.SGD):
-        if group.get("fused"):
-            return None  # torch's fused SGD has its own rounding; its math runs on flat views
         if not all(_is_float(group[k]) for k in ("lr", "momentum", "dampening", "weight_decay")):
             return None
-        return _SgdKernel()
+        return _SgdKernel(bool(group.get("fused")))
     if isinstance(opt, torch.optim.Adam):
         betas = group["betas"]
         if not all(
