@@ -243,9 +243,90 @@ cdef extern from *:
     static inline void tl_scramble(uint64_t* acc, const uint64_t* key) {
         for (int i = 0; i < 8; i++) acc[i] = (acc[i] ^ (acc[i] >> 47) ^ key[i]) * 0x9E3779B1ULL;
     }
+    /* n stripes of 64 bytes; a scramble after every 16th stripe (counted from the value start). */
+    static void tl_stripes_generic(uint64_t* acc, const uint8_t* p, uint8_t* dst, const uint64_t* key,
+                                   size_t n) {
+        for (size_t s = 1; s <= n; s++) {
+            tl_accumulate(acc, p, dst, key);
+            p += 64;
+            if (dst) dst += 64;
+            if ((s & 15) == 0) tl_scramble(acc, key);
+        }
+    }
+    #if defined(__x86_64__) && defined(__GNUC__)
+    #include <immintrin.h>
+    /* The same arithmetic on 256-bit registers (2 x 4 lanes instead of 4 x 2): identical results to the
+       SSE2/scalar form, twice the multiply throughput. Compiled for AVX2 only in this function and
+       chosen at run time, so the extension still runs on any x86-64 CPU. */
+    __attribute__((target("avx2")))
+    static void tl_stripes_avx2(uint64_t* acc, const uint8_t* p, uint8_t* dst, const uint64_t* key,
+                                size_t n) {
+        __m256i a0 = _mm256_loadu_si256((const __m256i*)acc);
+        __m256i a1 = _mm256_loadu_si256((const __m256i*)(acc + 4));
+        const __m256i k0 = _mm256_loadu_si256((const __m256i*)key);
+        const __m256i k1 = _mm256_loadu_si256((const __m256i*)(key + 4));
+        const __m256i prime = _mm256_set1_epi32((int)0x9E3779B1U);
+        for (size_t s = 1; s <= n; s++) {
+            __builtin_prefetch(p + 1024);
+            __builtin_prefetch(p + 1024 + 64);
+            __m256i d0 = _mm256_loadu_si256((const __m256i*)p);
+            __m256i d1 = _mm256_loadu_si256((const __m256i*)(p + 32));
+            if (dst) {
+                _mm256_storeu_si256((__m256i*)dst, d0);
+                _mm256_storeu_si256((__m256i*)(dst + 32), d1);
+                dst += 64;
+            }
+            __m256i dk0 = _mm256_xor_si256(d0, k0), dk1 = _mm256_xor_si256(d1, k1);
+            __m256i p0 = _mm256_mul_epu32(dk0, _mm256_shuffle_epi32(dk0, _MM_SHUFFLE(0, 3, 0, 1)));
+            __m256i p1 = _mm256_mul_epu32(dk1, _mm256_shuffle_epi32(dk1, _MM_SHUFFLE(0, 3, 0, 1)));
+            a0 = _mm256_add_epi64(a0, _mm256_add_epi64(p0, _mm256_shuffle_epi32(d0, _MM_SHUFFLE(1, 0, 3, 2))));
+            a1 = _mm256_add_epi64(a1, _mm256_add_epi64(p1, _mm256_shuffle_epi32(d1, _MM_SHUFFLE(1, 0, 3, 2))));
+            p += 64;
+            if ((s & 15) == 0) {
+                __m256i x0 = _mm256_xor_si256(_mm256_xor_si256(a0, _mm256_srli_epi64(a0, 47)), k0);
+                __m256i x1 = _mm256_xor_si256(_mm256_xor_si256(a1, _mm256_srli_epi64(a1, 47)), k1);
+                a0 = _mm256_add_epi64(_mm256_mul_epu32(x0, prime),
+                                      _mm256_slli_epi64(_mm256_mul_epu32(_mm256_srli_epi64(x0, 32), prime), 32));
+                a1 = _mm256_add_epi64(_mm256_mul_epu32(x1, prime),
+                                      _mm256_slli_epi64(_mm256_mul_epu32(_mm256_srli_epi64(x1, 32), prime), 32));
+            }
+        }
+        _mm256_storeu_si256((__m256i*)acc, a0);
+        _mm256_storeu_si256((__m256i*)(acc + 4), a1);
+    }
+    #endif
+    typedef void (*tl_stripes_fn)(uint64_t*, const uint8_t*, uint8_t*, const uint64_t*, size_t);
+    static tl_stripes_fn tl_stripes_impl = tl_stripes_generic;
+    static const char* tl_stripes_name = "sse2";
+    /* Called once at import (GIL held). TRAINLOOM_CODEC_NO_AVX2 forces the portable path (tests). */
+    static void tl_select_stripes(int allow_avx2) {
+    #if defined(__x86_64__) && defined(__GNUC__)
+        __builtin_cpu_init();
+        if (allow_avx2 && __builtin_cpu_supports("avx2")) {
+            tl_stripes_impl = tl_stripes_avx2;
+            tl_stripes_name = "avx2";
+        }
+    #endif
+    }
+    static inline void tl_stripes(uint64_t* acc, const uint8_t* p, uint8_t* dst, const uint64_t* key,
+                                  size_t n) {
+        tl_stripes_impl(acc, p, dst, key, n);
+    }
     """
     void tl_accumulate(uint64_t* acc, const uint8_t* p, uint8_t* dst, const uint64_t* key) noexcept nogil
     void tl_scramble(uint64_t* acc, const uint64_t* key) noexcept nogil
+    void tl_stripes(uint64_t* acc, const uint8_t* p, uint8_t* dst, const uint64_t* key, size_t n) noexcept nogil
+    void tl_select_stripes(int allow_avx2) noexcept
+    const char* tl_stripes_name
+
+
+import os as _os
+tl_select_stripes(0 if _os.environ.get("TRAINLOOM_CODEC_NO_AVX2") else 1)
+
+
+def checksum_kernel():
+    """Which stripe kernel the checksum uses here: "avx2" or "sse2" (same results either way)."""
+    return tl_stripes_name.decode()
 
 
 cdef uint64_t _checksum(const uint8_t* p, size_t n, uint64_t seed, uint8_t* dst) noexcept nogil:
@@ -260,14 +341,12 @@ cdef uint64_t _checksum(const uint8_t* p, size_t n, uint64_t seed, uint8_t* dst)
         return _xxh64(p, n, seed, dst)
     for i in range(8):
         acc[i] = _KEY[i] ^ (seed * P1 + i)
-    while p + 64 <= end:
-        tl_accumulate(acc, p, dst, _KEY)
-        if dst != NULL:
-            dst += 64
-        p += 64
-        stripe += 1
-        if (stripe & 15) == 0:      # scramble every 1 KiB so lanes cannot cancel over long inputs
-            tl_scramble(acc, _KEY)
+    # Every 16 stripes (1 KiB) the lanes are scrambled, so they cannot cancel over long inputs.
+    stripe = n // 64
+    tl_stripes(acc, p, dst, _KEY, stripe)
+    p += stripe * 64
+    if dst != NULL:
+        dst += stripe * 64
     h = <uint64_t>n * P1
     for i in range(8):
         h = _merge(h, acc[i])
