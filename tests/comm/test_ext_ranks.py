@@ -250,6 +250,7 @@ def state_suite(rank: int, ws: int, engine: str) -> Dict[str, Any]:
     # bad inputs, same on every rank
     out["bad_params"] = _expect(st.broadcast_parameters, TypeError, torch.ones(2), 0)
     out["bad_entry"] = _expect(st.broadcast_parameters, TypeError, [torch.ones(1), 3], 0)
+    out["bad_pair"] = _expect(st.broadcast_parameters, TypeError, ["w"], 0)
     out["bad_root"] = _expect(st.broadcast_parameters, ValueError, [torch.ones(1)], ws)
     out["bad_root_type"] = _expect(st.broadcast_parameters, TypeError, [torch.ones(1)], "0")
     out["bad_opt"] = _expect(st.broadcast_optimizer_state, TypeError, object(), 0)

@@ -62,14 +62,16 @@ def _named(params: Any, opname: str) -> List[Tuple[str, torch.Tensor]]:
                 f"{opname}: params must be a state_dict, named_parameters(), a dict or a list of tensors, "
                 f"got {type(params).__name__}"
             ) from None
-        if items and all(isinstance(x, torch.Tensor) for x in items):
+        if items and isinstance(items[0], torch.Tensor):
+            for i, x in enumerate(items):
+                if not isinstance(x, torch.Tensor):
+                    raise TypeError(f"{opname}: params entry {i} is {type(x).__name__}, not a tensor")
             items = [(str(i), t) for i, t in enumerate(items)]
     out: List[Tuple[str, torch.Tensor]] = []
     for i, item in enumerate(items):
         if not (isinstance(item, tuple) and len(item) == 2):
             raise TypeError(
-                f"{opname}: params entry {i} is {type(item).__name__}; expected a tensor or a "
-                "(name, tensor) pair"
+                f"{opname}: params entry {i} is {type(item).__name__}; expected a (name, tensor) pair"
             )
         name, t = item
         if not isinstance(t, torch.Tensor):
