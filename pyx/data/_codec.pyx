@@ -300,6 +300,8 @@ cdef extern from *:
     static const char* tl_stripes_name = "sse2";
     /* Called once at import (GIL held). TRAINLOOM_CODEC_NO_AVX2 forces the portable path (tests). */
     static void tl_select_stripes(int allow_avx2) {
+        tl_stripes_impl = tl_stripes_generic;
+        tl_stripes_name = "sse2";
     #if defined(__x86_64__) && defined(__GNUC__)
         __builtin_cpu_init();
         if (allow_avx2 && __builtin_cpu_supports("avx2")) {
@@ -327,6 +329,12 @@ tl_select_stripes(0 if _os.environ.get("TRAINLOOM_CODEC_NO_AVX2") else 1)
 def checksum_kernel():
     """Which stripe kernel the checksum uses here: "avx2" or "sse2" (same results either way)."""
     return tl_stripes_name.decode()
+
+
+def _select_kernel(bint allow_avx2):
+    """Testing hook: switch the stripe kernel (call only while no other thread decodes)."""
+    tl_select_stripes(1 if allow_avx2 else 0)
+    return checksum_kernel()
 
 
 cdef uint64_t _checksum(const uint8_t* p, size_t n, uint64_t seed, uint8_t* dst) noexcept nogil:

@@ -205,21 +205,22 @@ def test_round_trip_property(x):
 
 
 def test_avx2_and_portable_checksums_agree():
-    # The kernel is picked at import; the portable SSE2/scalar path must give the very same values,
-    # or a cache written on one machine would read as damaged on another.
-    import os
-    import subprocess
-    import sys
+    # The kernel is picked at import ($TRAINLOOM_CODEC_NO_AVX2 forces the portable one); both must give
+    # the very same values, or a cache written on one machine would read as damaged on another.
+    import random
 
-    code = (
-        "import random; from trainloom.data import _codec as k; random.seed(5);"
-        "d = bytes(random.getrandbits(8) for _ in range(70000));"
-        "print(k.checksum_kernel(), [k.checksum(d[:n], 7) for n in (256, 1000, 1024, 4096, 70000)])"
-    )
-    outs = []
-    for extra in ({}, {"TRAINLOOM_CODEC_NO_AVX2": "1"}):
-        env = dict(os.environ, **extra)
-        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-        outs.append(r.stdout.split(" ", 1))
-    assert outs[1][0] == "sse2"
-    assert outs[0][1] == outs[1][1]
+    from trainloom.data import _codec
+
+    rnd = random.Random(5)
+    data = bytes(rnd.getrandbits(8) for _ in range(70000))
+    value = encode(torch.arange(20000, dtype=torch.int32))
+    results = {}
+    try:
+        for allow in (True, False):
+            name = _codec._select_kernel(allow)
+            results[name] = [checksum(data[:n], 7) for n in (256, 1000, 1024, 4096, 70000)]
+            assert same(decode(value), torch.arange(20000, dtype=torch.int32))  # fused copy path too
+    finally:
+        _codec._select_kernel(True)
+    assert "sse2" in results
+    assert len({tuple(v) for v in results.values()}) == 1
