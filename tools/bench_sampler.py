@@ -82,7 +82,10 @@ def ratio(costs: np.ndarray) -> Tuple[float, float]:
 
 
 def torch_baseline(lens: np.ndarray, world: int, batch: int, budget: float) -> Dict[str, float]:
-    """DistributedSampler (shuffled) + fixed batch size: balance and padding of epoch 0."""
+    """DistributedSampler (shuffled) + fixed batch size: balance and padding of epoch 0.
+
+    Ratios are over the full batches (the last, partial batch of each rank is left out).
+    """
     n = lens.shape[0]
     per_rank = []
     for r in range(world):
@@ -103,14 +106,14 @@ def torch_baseline(lens: np.ndarray, world: int, batch: int, budget: float) -> D
         "waste": float(1 - s_len.sum() / padded.sum()),
         "max_ratio": float(padded.max() / budget),
         "dup": dup,
-        "drop": n - len(np.unique(idx[:, : steps * batch])),
+        "drop": 0,  # DistributedSampler pads, BatchSampler(drop_last=False) keeps the partial batch
     }
 
 
 def coverage(bs: LoadBalancingDistributedBatchSampler, n: int) -> Tuple[int, int, int]:
     """(duplicates, drops, empty rank-steps) counted from the plan of all ranks."""
     plan = bs._plan()
-    counts = np.bincount(plan.items, minlength=n)
+    counts = np.bincount(plan.item_ids(), minlength=n)
     return (
         int(np.maximum(counts - 1, 0).sum()),
         int((counts == 0).sum()),

@@ -646,13 +646,11 @@ cdef int64_t _packed(const double* cs, int64_t n, bint shuffle, uint64_t seed, i
     return step
 
 
-def packed_plan(const double[::1] cs, const int64_t[::1] desc, int64_t world, double budget,
-                int64_t nsteps, object seed):
+def packed_plan(const double[::1] cs, int64_t world, double budget, int64_t nsteps, object seed):
     """Deal items to (step, rank) bins: equal-cost steps, longest first to the least-loaded rank.
 
     Args:
         cs: per-item cost (a*len + b*len^2) in longest-first order: finite, >= 0, non-increasing.
-        desc: the item id at each position of that order.
         world: ranks (bins per step).
         budget: hard cap on a bin's total cost (an item over it gets a bin of its own).
         nsteps: planned number of steps (>= 1); a few more are added for items that fit no bin.
@@ -660,23 +658,21 @@ def packed_plan(const double[::1] cs, const int64_t[::1] desc, int64_t world, do
             for the unshuffled order.
 
     Returns:
-        tuple: (items, bounds, steps): item ids grouped by slot ``step * world + bin``;
-        ``bounds`` has ``steps * world + 1`` offsets into items.
+        tuple: (items, bounds, steps): positions in the longest-first order (map them to item ids
+        with the sort's order; only the rank's own share needs mapping) grouped by slot
+        ``step * world + bin``; ``bounds`` has ``steps * world + 1`` offsets into items.
     """
     cdef int64_t n = cs.shape[0]
     cdef int64_t i, steps, s, nslots
     cdef bint shuffle = seed is not None
     cdef uint64_t useed = 0 if seed is None else <uint64_t>seed
-    if desc.shape[0] != n:
-        raise ValueError(f"packed_plan: desc has {desc.shape[0]} items, cs has {n}")
     if world <= 0 or nsteps <= 0 or not budget > 0.0:
         raise ValueError(f"packed_plan: world={world}, nsteps={nsteps}, budget={budget}")
     if n == 0:
         raise ValueError("packed_plan: no items")
     for i in range(n):
-        if desc[i] < 0 or desc[i] >= n or not (cs[i] >= 0.0) or (i > 0 and cs[i] > cs[i - 1]):
-            raise ValueError(f"packed_plan: at position {i}, desc is out of range or cs is negative, "
-                             "NaN or not non-increasing")
+        if not (cs[i] >= 0.0) or (i > 0 and cs[i] > cs[i - 1]):
+            raise ValueError(f"packed_plan: at position {i}, cs is negative, NaN or not non-increasing")
     cdef int64_t ntmp = 2 * n + 3 * world + nsteps + 1
     cdef int64_t* tmp = <int64_t*>malloc(ntmp * sizeof(int64_t))
     if tmp == NULL:
@@ -704,7 +700,7 @@ def packed_plan(const double[::1] cs, const int64_t[::1] desc, int64_t world, do
                 bounds[s + 1] += bounds[s]
             for i in range(n):
                 s = step_slot[i]
-                items[bounds[s]] = desc[step_items[i]]
+                items[bounds[s]] = step_items[i]
                 bounds[s] += 1
             for s in range(nslots, 0, -1):
                 bounds[s] = bounds[s - 1]

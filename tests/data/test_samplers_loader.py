@@ -77,7 +77,7 @@ def test_plain_sampler_in_a_two_worker_dataloader():
     for s in samplers:
         loader = DataLoader(ds, sampler=s, batch_size=16, num_workers=2, collate_fn=collate_ids)
         outs.append([i for batch in loader for i in batch])
-    assert outs[0] == list(samplers[0]) and len(outs[0]) == len(outs[1]) == 300
+    assert outs[0] == samplers[0].rank_indices().tolist() and len(outs[0]) == len(outs[1]) == 300
     assert sorted(outs[0] + outs[1]) == list(range(600))
 
 

@@ -156,6 +156,11 @@ class _Plan:
     world: int
     duplicates: int
     dropped: int
+    ids: Optional[np.ndarray] = None  # when set, items are positions and ids[items] the indices
+
+    def item_ids(self) -> np.ndarray:
+        """Dataset indices of all slots (maps positions to indices when needed)."""
+        return self.items if self.ids is None else self.ids[self.items]
 
     @property
     def steps(self) -> int:
@@ -717,7 +722,9 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         nsteps = max(1, math.ceil(eff / (w * budget * fill))) if eff > 0 else 1
         nsteps = min(nsteps, max(1, n // w))  # a step needs >= w items, or a rank goes empty
         seed = _seed64(s.seed, s.epoch, "stream") if s.shuffle else None
-        items, bounds, steps = _P.packed_plan(cs, s._desc_order(), w, budget, nsteps, seed)
+        # Positions, not ids: mapping all 2M positions is a random gather, and a rank only needs
+        # to map its own share (done per batch in __iter__).
+        items, bounds, steps = _P.packed_plan(cs, w, budget, nsteps, seed)
         items, bounds, duplicates, dropped = _fix_empty(items, bounds, w, self.drop_last)
         steps = (bounds.shape[0] - 1) // w
         if steps == 0:
@@ -725,7 +732,7 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
                 "LoadBalancingDistributedBatchSampler: the plan has no complete step (drop_last=True)"
             )
         step_order, rot = self._step_order(steps)
-        return _Plan(items, bounds, step_order, rot, w, duplicates, dropped)
+        return _Plan(items, bounds, step_order, rot, w, duplicates, dropped, ids=s._desc_order())
 
     def _plan_batch_fn(self) -> _Plan:
         s = self.sampler
@@ -804,9 +811,13 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         lo = plan.bounds[slots].tolist()
         hi = plan.bounds[slots + 1].tolist()
         items = plan.items
+        ids = plan.ids
         for i in range(start, plan.steps):
             self._position = i + 1
-            yield items[lo[i] : hi[i]].tolist()
+            if ids is None:
+                yield items[lo[i] : hi[i]].tolist()
+            else:
+                yield ids[items[lo[i] : hi[i]]].tolist()
 
     def __len__(self) -> int:
         """Batches the next iteration yields (the same on every rank), less a restored state's."""
@@ -931,7 +942,7 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         w = self.num_replicas
         c = self.sampler.complexities
         a, b = self.cost
-        lens = c[plan.items]
+        lens = c[plan.item_ids()]
         starts = plan.bounds[:-1]
         counts = np.diff(plan.bounds)
         nonempty = counts > 0
