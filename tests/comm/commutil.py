@@ -675,3 +675,26 @@ def absent_rank(rank: int, ws: int) -> Dict[str, Any]:
         store.wait([f"absent_done/{r}" for r in range(ws) if r != 1], datetime.timedelta(seconds=30))
     C.destroy_process_group()
     return res
+
+
+def nccl_cross_checks(rank: int, ws: int, engine: str) -> Dict[str, Any]:
+    """The header exchange CUDA operations run through the CPU engine, exercised with CPU tensors."""
+    os.environ["TRAINLOOM_CPU_ENGINE"] = "auto" if engine == "shm" else engine
+    C.init_process_group(timeout=20)
+    comm = C.get_default_group().get_global_communicator()
+    out: Dict[str, Any] = {}
+    comm.cross_check("allreduce", torch.ones(4), int(ReduceOp.SUM))  # agreeing ranks pass
+    out["numel"] = _expect(comm.cross_check, CommError, "allreduce", torch.ones(4 if rank == 0 else 8), 0)
+    out["root"] = _expect(comm.cross_check, CommError, "broadcast", torch.ones(4), -1, rank)
+    counts = ([2, 2], [2, 3] if rank == 0 else [2, 2])
+    out["counts"] = _expect(comm.cross_check, CommError, "alltoall_v", torch.ones(4), -1, -1, 0, counts)
+    policy = {}
+    for mode in ("1", "all", "0"):
+        os.environ["TRAINLOOM_COMM_CHECK"] = mode
+        policy[mode] = comm.nccl_checks()
+    out["policy"] = policy
+    t = torch.ones(2)
+    C.allreduce_inplace(t)
+    out["after"] = t.tolist()
+    C.destroy_process_group()
+    return out

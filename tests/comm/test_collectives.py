@@ -3,7 +3,17 @@
 from __future__ import annotations
 
 import pytest
-from commutil import absent_rank, dying_peer, engines, features, late_rank, mismatches, shm_segments, sweep
+from commutil import (
+    absent_rank,
+    dying_peer,
+    engines,
+    features,
+    late_rank,
+    mismatches,
+    nccl_cross_checks,
+    shm_segments,
+    sweep,
+)
 from multiproc import run_ranks
 
 ENGINES = engines()
@@ -101,3 +111,15 @@ def test_member_that_never_connects_times_out_naming_it():
     for rank in (0, 2):
         assert res[rank]["error"].startswith("CommTimeoutError: gloo communicator"), res[rank]
         assert "ranks [1] never joined" in res[rank]["error"]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_cross_rank_check_used_for_nccl_operations(engine):
+    res = run_ranks(nccl_cross_checks, 2, engine, timeout=60)
+    for r in res:
+        assert "ranks disagree on the number of elements" in r["numel"] and "numel=8" in r["numel"]
+        assert "ranks disagree on the root: rank 0: broadcast #3" in r["root"]
+        assert "rank 0 sends 2 elements to rank 1 (its send_counts[1]), but rank 1 expects" not in r["counts"]
+        assert "rank 1 sends 2 elements to rank 0 (its send_counts[0]), but rank 0 expects 3" in r["counts"]
+        assert r["policy"] == {"1": engine == "shm", "all": True, "0": False}
+        assert r["after"] == [2.0, 2.0]

@@ -27,7 +27,16 @@ from trainloom.errors import CommError, CommTimeoutError
 
 logger = logging.getLogger("trainloom.comm")
 
-__all__ = ["GlooEngine", "DTYPE_CODES", "OP_NAMES", "OPCODES"]
+__all__ = [
+    "GlooEngine",
+    "DTYPE_CODES",
+    "OP_NAMES",
+    "OPCODES",
+    "make_header",
+    "describe",
+    "compare_headers",
+    "check_counts",
+]
 
 # Bagua's ReduceOp values.
 SUM, PRODUCT, MIN, MAX, BOR, BAND, BXOR, AVG = 0, 1, 2, 3, 7, 8, 9, 10
@@ -99,6 +108,88 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 def _check_enabled() -> bool:
     return os.environ.get("TRAINLOOM_COMM_CHECK", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def make_header(
+    opname: str,
+    seq: int,
+    t: Optional[torch.Tensor],
+    op: int = _NO,
+    root: int = _NO,
+    numel: Optional[int] = None,
+) -> torch.Tensor:
+    """The 16-int64 header one rank contributes to a cross-rank argument check."""
+    h = [_NO] * _HDR
+    h[0] = _MAGIC
+    h[1] = seq
+    h[2] = OPCODES[opname]
+    h[4] = op
+    h[5] = root
+    if t is not None:
+        h[3] = DTYPE_CODES.get(t.dtype, 0)
+        h[6] = t.numel() if numel is None else numel
+        shape = t.shape
+        h[7] = len(shape)
+        h[8 : 8 + min(len(shape), _MAX_DIMS)] = list(shape[:_MAX_DIMS])
+    else:
+        h[6] = 0 if numel is None else numel
+    return torch.tensor(h, dtype=torch.int64)  # one tensor from a list: far cheaper than item writes
+
+
+def describe(h: Sequence[int]) -> str:
+    """A header as text: ``allreduce #5 dtype=float32 numel=4 shape=(4,) op=SUM``."""
+    parts = [f"{_OPCODE_NAMES.get(int(h[2]), '?')} #{int(h[1])}"]
+    if h[3] != _NO:
+        parts.append(f"dtype={_CODE_DTYPES.get(int(h[3]), '?')}".replace("torch.", ""))
+        ndim = int(h[7])
+        dims = [int(x) for x in h[8 : 8 + min(ndim, _MAX_DIMS)]]
+        inner = ", ".join(map(str, dims)) + (", ..." if ndim > _MAX_DIMS else "") + ("," if ndim == 1 else "")
+        parts.append(f"numel={int(h[6])} shape=({inner})")
+    if h[4] != _NO:
+        parts.append(f"op={OP_NAMES.get(int(h[4]), int(h[4]))}")
+    if h[5] != _NO:
+        parts.append(f"root={int(h[5])}")
+    return " ".join(parts)
+
+
+def compare_headers(opname: str, seq: int, rows: List[List[int]]) -> None:
+    """Raise the same CommError on every rank when the ranks' headers disagree."""
+    fields = [
+        (1, "sequence number (a rank skipped or added a collective)"),
+        (2, "operation"),
+        (3, "dtype"),
+        (4, "reduce op"),
+        (5, "root"),
+        (6, "number of elements"),
+    ]
+    first = rows[0]
+    for r, row in enumerate(rows):
+        if row[0] != _MAGIC:
+            raise CommError(
+                f"{opname} #{seq}: rank {r} sent a malformed header; its last call was not a "
+                "trainloom collective on this communicator"
+            )
+    for idx, what in fields:
+        for r, row in enumerate(rows):
+            if row[idx] != first[idx]:
+                raise CommError(
+                    f"{opname} #{seq}: ranks disagree on the {what}: rank 0: {describe(first)}; "
+                    f"rank {r}: {describe(row)}. Every rank must call the same collective "
+                    "with the same dtype, size, op and root"
+                )
+
+
+def check_counts(opname: str, seq: int, counts: List[List[List[int]]]) -> None:
+    """alltoall_v: ``counts[i] = [send_counts, recv_counts]`` of rank i; sends must match receives."""
+    n = len(counts)
+    for i in range(n):
+        for j in range(n):
+            if counts[i][0][j] != counts[j][1][i]:
+                raise CommError(
+                    f"{opname} #{seq}: rank {i} sends {counts[i][0][j]} elements to rank {j} "
+                    f"(its send_counts[{j}]), but rank {j} expects {counts[j][1][i]} from rank {i} "
+                    f"(its recv_counts[{i}])"
+                )
 
 
 class GlooEngine:
@@ -208,75 +299,6 @@ class GlooEngine:
             logger.warning("could not ask the store which ranks are missing: %s", exc)
             return []
 
-    def _header(
-        self,
-        opname: str,
-        seq: int,
-        t: Optional[torch.Tensor],
-        op: int = _NO,
-        root: int = _NO,
-        numel: Optional[int] = None,
-    ) -> torch.Tensor:
-        h = torch.full((_HDR,), _NO, dtype=torch.int64)
-        h[0] = _MAGIC
-        h[1] = seq
-        h[2] = OPCODES[opname]
-        h[3] = DTYPE_CODES.get(t.dtype, 0) if t is not None else _NO
-        h[4] = op
-        h[5] = root
-        h[6] = (t.numel() if t is not None else 0) if numel is None else numel
-        if t is not None:
-            h[7] = t.dim()
-            for i, d in enumerate(t.shape[:_MAX_DIMS]):
-                h[8 + i] = d
-        return h
-
-    @staticmethod
-    def _describe(h: Sequence[int]) -> str:
-        parts = [f"{_OPCODE_NAMES.get(int(h[2]), '?')} #{int(h[1])}"]
-        if h[3] != _NO:
-            parts.append(f"dtype={_CODE_DTYPES.get(int(h[3]), '?')}".replace("torch.", ""))
-            ndim = int(h[7])
-            dims = [int(x) for x in h[8 : 8 + min(ndim, _MAX_DIMS)]]
-            shape = (
-                "("
-                + ", ".join(map(str, dims))
-                + (", ..." if ndim > _MAX_DIMS else "")
-                + ("," if ndim == 1 else "")
-                + ")"
-            )
-            parts.append(f"numel={int(h[6])} shape={shape}")
-        if h[4] != _NO:
-            parts.append(f"op={OP_NAMES.get(int(h[4]), int(h[4]))}")
-        if h[5] != _NO:
-            parts.append(f"root={int(h[5])}")
-        return " ".join(parts)
-
-    def _compare(self, opname: str, seq: int, rows: List[List[int]]) -> None:
-        """Raise the same CommError on every rank when the headers disagree."""
-        fields = [
-            (1, "sequence number (a rank skipped or added a collective)"),
-            (2, "operation"),
-            (3, "dtype"),
-            (4, "reduce op"),
-            (5, "root"),
-            (6, "number of elements"),
-        ]
-        mine = rows[0]
-        for idx, what in fields:
-            for r, row in enumerate(rows):
-                if row[0] != _MAGIC:
-                    raise CommError(
-                        f"{opname} #{seq}: rank {r} sent a malformed header; its last call was not a "
-                        "trainloom collective on this communicator"
-                    )
-                if row[idx] != mine[idx]:
-                    raise CommError(
-                        f"{opname} #{seq}: ranks disagree on the {what}: rank 0: {self._describe(mine)}; "
-                        f"rank {r}: {self._describe(row)}. Every rank must call the same collective "
-                        "with the same dtype, size, op and root"
-                    )
-
     def _exchange(
         self, opname: str, seq: int, hdr: torch.Tensor, timeout: Optional[float]
     ) -> List[List[int]]:
@@ -294,7 +316,7 @@ class GlooEngine:
         if not (self._check or force):
             return None
         rows = self._exchange(opname, seq, hdr, timeout)
-        self._compare(opname, seq, rows)
+        compare_headers(opname, seq, rows)
         return rows
 
     def _run(self, opname: str, seq: int, timeout: Optional[float], fn) -> None:  # noqa: ANN001
@@ -340,7 +362,7 @@ class GlooEngine:
         self, send: torch.Tensor, recv: torch.Tensor, op: int, timeout: Optional[float] = None
     ) -> None:
         seq = self._begin("allreduce")
-        self._agree("allreduce", seq, self._header("allreduce", seq, send, op=op), timeout)
+        self._agree("allreduce", seq, make_header("allreduce", seq, send, op=op), timeout)
         if recv.data_ptr() != send.data_ptr():
             recv.copy_(send)
         if recv.numel():
@@ -350,7 +372,7 @@ class GlooEngine:
         self, send: torch.Tensor, recv: torch.Tensor, dst: int, op: int, timeout: Optional[float] = None
     ) -> None:
         seq = self._begin("reduce")
-        self._agree("reduce", seq, self._header("reduce", seq, send, op=op, root=dst), timeout)
+        self._agree("reduce", seq, make_header("reduce", seq, send, op=op, root=dst), timeout)
         if not send.numel():
             return
         if self.rank == dst:
@@ -365,7 +387,7 @@ class GlooEngine:
         self, send: torch.Tensor, recv: torch.Tensor, op: int, timeout: Optional[float] = None
     ) -> None:
         seq = self._begin("reduce_scatter")
-        self._agree("reduce_scatter", seq, self._header("reduce_scatter", seq, recv, op=op), timeout)
+        self._agree("reduce_scatter", seq, make_header("reduce_scatter", seq, recv, op=op), timeout)
         if not recv.numel():
             return
         # gloo's own reduce_scatter is an allreduce plus a copy (FINDINGS.md); do that explicitly.
@@ -377,7 +399,7 @@ class GlooEngine:
     # ---------------------------------------------------------- data movement
     def broadcast(self, tensor: torch.Tensor, src: int, timeout: Optional[float] = None) -> None:
         seq = self._begin("broadcast")
-        self._agree("broadcast", seq, self._header("broadcast", seq, tensor, root=src), timeout)
+        self._agree("broadcast", seq, make_header("broadcast", seq, tensor, root=src), timeout)
         if not tensor.numel():
             return
         opts = dist.BroadcastOptions()
@@ -388,7 +410,7 @@ class GlooEngine:
 
     def allgather(self, send: torch.Tensor, recv: torch.Tensor, timeout: Optional[float] = None) -> None:
         seq = self._begin("allgather")
-        self._agree("allgather", seq, self._header("allgather", seq, send), timeout)
+        self._agree("allgather", seq, make_header("allgather", seq, send), timeout)
         if not send.numel():
             return
         sb, rb = _bytes(send), _bytes(recv)
@@ -398,7 +420,7 @@ class GlooEngine:
         self, send: torch.Tensor, recv: torch.Tensor, dst: int, timeout: Optional[float] = None
     ) -> None:
         seq = self._begin("gather")
-        self._agree("gather", seq, self._header("gather", seq, send, root=dst), timeout)
+        self._agree("gather", seq, make_header("gather", seq, send, root=dst), timeout)
         if not send.numel():
             return
         sb = _bytes(send)
@@ -411,7 +433,7 @@ class GlooEngine:
         self, send: torch.Tensor, recv: torch.Tensor, src: int, timeout: Optional[float] = None
     ) -> None:
         seq = self._begin("scatter")
-        self._agree("scatter", seq, self._header("scatter", seq, recv, root=src), timeout)
+        self._agree("scatter", seq, make_header("scatter", seq, recv, root=src), timeout)
         if not recv.numel():
             return
         rb = _bytes(recv)
@@ -422,7 +444,7 @@ class GlooEngine:
 
     def alltoall(self, send: torch.Tensor, recv: torch.Tensor, timeout: Optional[float] = None) -> None:
         seq = self._begin("alltoall")
-        self._agree("alltoall", seq, self._header("alltoall", seq, send), timeout)
+        self._agree("alltoall", seq, make_header("alltoall", seq, send), timeout)
         if not send.numel():
             return
         sb, rb = _bytes(send), _bytes(recv)
@@ -441,21 +463,13 @@ class GlooEngine:
     ) -> None:
         seq = self._begin("alltoall_v")
         n = self.world_size
-        self._agree("alltoall_v", seq, self._header("alltoall_v", seq, send, numel=0), timeout)
+        self._agree("alltoall_v", seq, make_header("alltoall_v", seq, send, numel=0), timeout)
         if self._check:
             # What rank i sends to j must be what j expects from i: exchange the count vectors.
             mine = torch.tensor(list(send_counts) + list(recv_counts), dtype=torch.int64)
             out = torch.empty(n * 2 * n, dtype=torch.int64)
             self._run("alltoall_v", seq, timeout, lambda: self._pg._allgather_base(out, mine))
-            counts = out.view(n, 2, n).tolist()
-            for i in range(n):
-                for j in range(n):
-                    if counts[i][0][j] != counts[j][1][i]:
-                        raise CommError(
-                            f"alltoall_v #{seq}: rank {i} sends {counts[i][0][j]} elements to rank {j} "
-                            f"(its send_counts[{j}]), but rank {j} expects {counts[j][1][i]} from rank {i} "
-                            f"(its recv_counts[{i}])"
-                        )
+            check_counts("alltoall_v", seq, out.view(n, 2, n).tolist())
         es = send.element_size()
         sflat, rflat = _bytes(send), _bytes(recv)
         # gloo's alltoall_base takes split sizes of packed buffers, not displacements: pack/unpack.
@@ -482,7 +496,7 @@ class GlooEngine:
     def send(self, tensor: torch.Tensor, dst: int, timeout: Optional[float] = None) -> None:
         seq = self._begin("send", p2p=True)
         if self._check:
-            hdr = self._header("send", 0, tensor)
+            hdr = make_header("send", 0, tensor)
             self._run("send", seq, timeout, lambda: self._pg.send([hdr], dst, 1))
             peer = torch.empty(_HDR, dtype=torch.int64)
             self._run("send", seq, timeout, lambda: self._pg.recv([peer], dst, 1))
@@ -494,7 +508,7 @@ class GlooEngine:
     def recv(self, tensor: torch.Tensor, src: int, timeout: Optional[float] = None) -> None:
         seq = self._begin("recv", p2p=True)
         if self._check:
-            hdr = self._header("recv", 0, tensor)
+            hdr = make_header("recv", 0, tensor)
             peer = torch.empty(_HDR, dtype=torch.int64)
             self._run("recv", seq, timeout, lambda: self._pg.recv([peer], src, 1))
             self._run("recv", seq, timeout, lambda: self._pg.send([hdr], src, 1))
@@ -511,14 +525,14 @@ class GlooEngine:
             )
         if s[3] != r[3] or s[6] != r[6]:
             raise CommError(
-                f"{opname}: send on rank {src} ({GlooEngine._describe(s)}) does not match recv on rank "
-                f"{dst} ({GlooEngine._describe(r)}): dtype and number of elements must be equal"
+                f"{opname}: send on rank {src} ({describe(s)}) does not match recv on rank "
+                f"{dst} ({describe(r)}): dtype and number of elements must be equal"
             )
 
     def barrier(self, timeout: Optional[float] = None) -> None:
         seq = self._begin("barrier")
         # The header allgather is itself a barrier; it also catches a rank that called another op.
-        self._agree("barrier", seq, self._header("barrier", seq, None), timeout, force=True)
+        self._agree("barrier", seq, make_header("barrier", seq, None), timeout, force=True)
 
     def abort(self) -> None:
         self._broken = self._broken or "aborted"

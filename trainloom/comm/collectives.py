@@ -269,8 +269,9 @@ def _go(
     result: Optional[torch.Tensor],
     staged: _Staged,
     keep: Sequence[torch.Tensor] = (),
+    check: Optional[Tuple[Any, ...]] = None,
 ) -> Optional[Work]:
-    return comm.execute(opname, device, fn, async_op, result, staged.finish(), keep)
+    return comm.execute(opname, device, fn, async_op, result, staged.finish(), keep, check=check)
 
 
 def _where(t: torch.Tensor) -> Union[str, torch.device]:
@@ -351,7 +352,9 @@ def allreduce(
         if _overlaps(sc, r):
             sc = sc.clone()
         rc = st.output(r, load=False)
-    return _go(c, name, _where(s), lambda e: e.allreduce(sc, rc, int(o)), async_op, r, st, (sc, rc))
+    return _go(
+        c, name, _where(s), lambda e: e.allreduce(sc, rc, int(o)), async_op, r, st, (sc, rc), (s, int(o))
+    )
 
 
 def allreduce_inplace(
@@ -468,7 +471,9 @@ def reduce(
             sc = sc.clone()
     else:
         rc = r if r.is_contiguous() else torch.empty(r.shape, dtype=r.dtype, device=r.device)
-    return _go(c, name, _where(s), lambda e: e.reduce(sc, rc, d, int(o)), async_op, r, st, (sc, rc))
+    return _go(
+        c, name, _where(s), lambda e: e.reduce(sc, rc, d, int(o)), async_op, r, st, (sc, rc), (s, int(o), d)
+    )
 
 
 def reduce_inplace(
@@ -543,7 +548,9 @@ def reduce_scatter(
     st = _Staged()
     sc = st.input(s)
     rc = st.output(r, load=False)
-    return _go(c, name, _where(s), lambda e: e.reduce_scatter(sc, rc, int(o)), async_op, r, st, (sc, rc))
+    return _go(
+        c, name, _where(s), lambda e: e.reduce_scatter(sc, rc, int(o)), async_op, r, st, (sc, rc), (r, int(o))
+    )
 
 
 def reduce_scatter_inplace(
@@ -656,7 +663,7 @@ def broadcast(
         return _local(async_op, t, lambda: None)
     st = _Staged()
     tc = st.output(t, load=c.rank() == s)
-    return _go(c, name, _where(t), lambda e: e.broadcast(tc, s), async_op, t, st, (tc,))
+    return _go(c, name, _where(t), lambda e: e.broadcast(tc, s), async_op, t, st, (tc,), (t, -1, s))
 
 
 def allgather(
@@ -699,7 +706,7 @@ def allgather(
     if _overlaps(sc, r):
         sc = sc.clone()
     rc = st.output(r, load=False)
-    return _go(c, name, _where(s), lambda e: e.allgather(sc, rc), async_op, r, st, (sc, rc))
+    return _go(c, name, _where(s), lambda e: e.allgather(sc, rc), async_op, r, st, (sc, rc), (s,))
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -791,7 +798,7 @@ def gather(
     else:
         r = recv_tensor if isinstance(recv_tensor, torch.Tensor) else None
         rc = torch.empty(0, dtype=s.dtype, device=s.device)
-    return _go(c, name, _where(s), lambda e: e.gather(sc, rc, d), async_op, r, st, (sc, rc))
+    return _go(c, name, _where(s), lambda e: e.gather(sc, rc, d), async_op, r, st, (sc, rc), (s, -1, d))
 
 
 def gather_inplace(
@@ -879,7 +886,7 @@ def scatter(
     else:
         sc = torch.empty(0, dtype=r.dtype, device=r.device)
     rc = st.output(r, load=False)
-    return _go(c, name, _where(r), lambda e: e.scatter(sc, rc, sr), async_op, r, st, (sc, rc))
+    return _go(c, name, _where(r), lambda e: e.scatter(sc, rc, sr), async_op, r, st, (sc, rc), (r, -1, sr))
 
 
 def scatter_inplace(
@@ -963,7 +970,7 @@ def alltoall(
     if _overlaps(sc, r):
         sc = sc.clone()
     rc = st.output(r, load=False)
-    return _go(c, name, _where(s), lambda e: e.alltoall(sc, rc), async_op, r, st, (sc, rc))
+    return _go(c, name, _where(s), lambda e: e.alltoall(sc, rc), async_op, r, st, (sc, rc), (s,))
 
 
 def alltoall_inplace(
@@ -1058,7 +1065,15 @@ def alltoall_v(
         sc = sc.clone()
     rc = st.output(r, load=True)  # untouched regions keep their values
     return _go(
-        c, name, s.device, lambda e: e.alltoall_v(sc, sc_, sd_, rc, rc_, rd_), async_op, r, st, (sc, rc)
+        c,
+        name,
+        _where(s),
+        lambda e: e.alltoall_v(sc, sc_, sd_, rc, rc_, rd_),
+        async_op,
+        r,
+        st,
+        (sc, rc),
+        (s, -1, -1, 0, (sc_, rc_)),
     )
 
 

@@ -25,7 +25,7 @@ import logging
 import os
 import socket
 import threading
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -162,6 +162,7 @@ class Communicator:
         self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._last: Optional[concurrent.futures.Future] = None
         self._destroyed = False
+        self._xseq = 0
         # Set by ProcessGroup on global communicators: what hierarchical allreduce uses.
         self.intra: Optional[Communicator] = None
         self.inter: Optional[Communicator] = None
@@ -272,15 +273,20 @@ class Communicator:
         finish: Optional[Callable[[], None]] = None,
         keep_alive: Sequence[torch.Tensor] = (),
         needs_engine: bool = True,
+        check: Optional[Tuple[Any, ...]] = None,
     ) -> Optional[Work]:
         """Run ``fn(engine)`` with the engine for ``device``; a Work when ``async_op``.
 
         ``needs_engine=False`` runs ``fn(None)`` (composite operations over other communicators).
+        ``check`` = ``(tensor, op, root, numel, counts)`` describes the call for the cross-rank check of
+        CUDA operations (the CPU engines check for themselves).
         """
         self.check_alive(opname)
         is_cpu = device == "cpu" if isinstance(device, str) else device.type == "cpu"
         if not is_cpu:
             with self._lock:
+                if check is not None and self.nccl_checks():
+                    self.cross_check(opname, *check)
                 engine = self.engine(device)
                 event = fn(engine)
             if async_op:
@@ -312,6 +318,49 @@ class Communicator:
         if finish is not None:
             finish()
         return None
+
+    def nccl_checks(self) -> bool:
+        """Whether CUDA operations exchange a header through the CPU engine first.
+
+        ``TRAINLOOM_COMM_CHECK``: ``1`` (default) checks when the CPU engine is the shared-memory
+        engine (a few microseconds), ``all`` also through gloo (a network round trip per call),
+        ``0`` never.
+        """
+        mode = os.environ.get("TRAINLOOM_COMM_CHECK", "1").strip().lower()
+        if mode in ("0", "false", "no", "off"):
+            return False
+        if mode == "all":
+            return True
+        return self.cpu_engine_kind() == "shm"
+
+    def cross_check(
+        self,
+        opname: str,
+        t: Optional[torch.Tensor],
+        op: int = -1,
+        root: int = -1,
+        numel: Optional[int] = None,
+        counts: Optional[Tuple[Sequence[int], Sequence[int]]] = None,
+    ) -> None:
+        """Compare this call's arguments with every other rank's through the CPU engine.
+
+        Raises:
+            CommError: on every rank, naming each rank's values, when they disagree.
+        """
+        from trainloom.comm._gloo import check_counts, compare_headers, make_header
+
+        self._xseq += 1
+        n = self.nranks()
+        hdr = make_header(opname, self._xseq, t, op, root, numel)
+        rows = torch.empty(n * hdr.numel(), dtype=torch.int64)
+        cpu = self._cpu if self._cpu is not None else self.engine("cpu")
+        cpu.allgather(hdr, rows)
+        compare_headers(opname, self._xseq, rows.view(n, -1).tolist())
+        if counts is not None:
+            mine = torch.tensor([*counts[0], *counts[1]], dtype=torch.int64)
+            allc = torch.empty(n * mine.numel(), dtype=torch.int64)
+            cpu.allgather(mine, allc)
+            check_counts(opname, self._xseq, allc.view(n, 2, n).tolist())
 
     def destroy(self) -> None:
         """Close every engine (idempotent); later calls raise CommError."""
