@@ -41,7 +41,7 @@ def test_one_server_per_node_shared_by_ranks():
     assert seen0 == seen1 == ["FROM0", "FROM1"] and n0 == n1 == 2
 
 
-def _two_nodes(rank, world_size, cluster_mode):
+def _two_nodes(rank, world_size):
     import torch.distributed as dist
 
     from trainloom.data.stores.redis_store import RedisStore
@@ -50,16 +50,20 @@ def _two_nodes(rank, world_size, cluster_mode):
     dist.init_process_group("gloo")
     try:
         try:
-            store = RedisStore(namespace="nodes", cluster_mode=cluster_mode, capacity_per_node=64 << 20)
+            RedisStore(namespace="nodes", cluster_mode=True, capacity_per_node=64 << 20)
+            err = None
         except ConfigError as exc:
-            dist.barrier()
-            return str(exc)
+            err = str(exc)
+        dist.barrier()
+        # The same node servers (started above) serve cluster_mode=False: node n uses server n.
+        store = RedisStore(namespace="nodes", cluster_mode=False, capacity_per_node=64 << 20)
         store.set(f"k{rank}", b"x")
         port = store.stores[0].port
+        dist.barrier()
         n = store.num_keys()
         dist.barrier()
         store.shutdown()
-        return port, n
+        return err, port, n
     finally:
         dist.destroy_process_group()
 
@@ -68,7 +72,7 @@ def _two_nodes(rank, world_size, cluster_mode):
 @pytest.mark.timeout(120)
 def test_two_nodes_each_start_a_server():
     # LOCAL_WORLD_SIZE=1: every rank is local rank 0 of its own "node".
-    own = run_ranks(_two_nodes, 2, False, timeout=90, local_world_size=1)
-    assert own[0][0] != own[1][0] and own[0][1] == own[1][1] == 1  # node n uses server n
-    err = run_ranks(_two_nodes, 2, True, timeout=90, local_world_size=1)
-    assert all("listen on 127.0.0.1, which other nodes cannot reach. Pass bind=" in e for e in err)
+    out = run_ranks(_two_nodes, 2, timeout=90, local_world_size=1)
+    for err, _, _ in out:
+        assert "listen on 127.0.0.1, which other nodes cannot reach. Pass bind=" in err
+    assert out[0][1] != out[1][1] and out[0][2] == out[1][2] == 1
