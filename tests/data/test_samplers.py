@@ -462,3 +462,42 @@ def test_load_state_dict_rejects_other_world_dataset_or_config():
         _ranks(lens, 4)[0].load_state_dict({})
     with pytest.raises(ConfigError, match=r"state_dict: consumed=999 is outside \[0, "):
         _batch_ranks(lens, 4, max_complexity=500)[0].state_dict(consumed=999)
+
+
+def test_defaults_come_from_an_initialized_process_group(tmp_path):
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        s = LoadBalancingDistributedSampler(None, complexities=[1, 2, 3])
+        assert (s.num_replicas, s.rank) == (1, 0)
+        with pytest.raises(ConfigError, match=r"rank 1 is outside \[0, 1\) for num_replicas=1"):
+            LoadBalancingDistributedSampler(None, complexities=[1, 2, 3], rank=1)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_planning_releases_the_gil():
+    import threading
+
+    lens = np.sort(_lens(1_000_000, 30).astype(np.float64))[::-1].copy()
+    count = 0
+    stop = threading.Event()
+
+    def spin():
+        nonlocal count
+        while not stop.is_set():
+            count += 1
+
+    t = threading.Thread(target=spin)
+    t.start()
+    try:
+        during = []
+        for _ in range(3):
+            before = count
+            P.packed_plan(lens, 8, 2000.0, 400, 1)
+            during.append(count - before)
+    finally:
+        stop.set()
+        t.join()
+    # With the GIL held for the whole call the spinner could not run at all inside it.
+    assert max(during) > 100, during

@@ -18,7 +18,7 @@ from hypothesis.configuration import set_hypothesis_home_dir
 from trainloom.data.samplers import LoadBalancingDistributedBatchSampler, LoadBalancingDistributedSampler
 
 SETTINGS = settings(
-    max_examples=40, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=100, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
 )
 
 complexities = st.lists(
