@@ -275,3 +275,130 @@ def late_neighbor(rank: int, ws: int, engine: str) -> Dict[str, Any]:
     t0 = time.monotonic()
     err = _expect(nb.neighbor_allreduce, CommError, torch.ones(8))
     return {"error": err, "seconds": time.monotonic() - t0}
+
+
+# ---------------------------------------------------------------------------- ColossalAI and classic forms
+def styles_suite(rank: int, ws: int, engine: str) -> Dict[str, Any]:
+    from trainloom.comm import classic as cd
+    from trainloom.comm import colossal as col
+
+    _engine(engine)
+    cd.init_process_group("gloo", timeout=30)
+    out: Dict[str, Any] = {"rank": cd.get_rank(), "ws": cd.get_world_size(), "init": cd.is_initialized()}
+    x = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4) + 100 * rank
+    for d in (0, 1, 2, -1):
+        out[f"ag{d}"] = col.all_gather(x, d).tolist()
+        y = torch.cat([x] * ws, dim=d) * (rank + 1)  # shape[d] divisible by ws
+        out[f"rs{d}"] = col.reduce_scatter(y, d).tolist()
+    t, w = col.all_gather(x, 1, async_op=True)
+    w.wait()
+    out["ag_async"] = t.tolist()
+    t, w = col.reduce_scatter(torch.ones(2, 2 * ws), 1, op=dist.ReduceOp.MAX, async_op=True)
+    out["rs_async"] = [nb.synchronize(w) is t, t.tolist()]
+    out["all_reduce"] = col.all_reduce(torch.full((2,), rank + 1.0)).tolist()
+    t, w = col.all_reduce(torch.full((2,), rank + 1.0), op=C.ReduceOp.MAX, async_op=True)
+    out["all_reduce_async"] = [w.wait(), t.tolist()]
+    out["broadcast"] = col.broadcast(torch.full((2,), float(rank)), ws - 1).tolist()
+    out["reduce"] = col.reduce(torch.full((2,), float(rank)), 0).tolist()
+    pg = C.new_group([0, ws - 1])
+    col.register_parallel_mode("pair", pg)
+    if rank in (0, ws - 1):
+        out["mode"] = col.all_reduce(torch.ones(1), "pair").tolist()
+        out["mode_bcast"] = col.broadcast(torch.full((1,), float(rank)), ws - 1, "pair").tolist()
+    out["bad_dim"] = _expect(col.all_gather, ValueError, x, 3)
+    out["bad_div"] = _expect(col.reduce_scatter, ValueError, torch.ones(ws + 1), 0)
+    out["bad_mode"] = _expect(col.all_reduce, ValueError, torch.ones(1), "tensor")
+    out["bad_src"] = _expect(col.broadcast, ValueError, torch.ones(1), ws)
+
+    # classic: isend/irecv ring, recv from any source, list-based collectives
+    right, left = (rank + 1) % ws, (rank - 1) % ws
+    sbuf = torch.full((3,), float(rank))
+    rbuf = torch.empty(3)
+    # odd ranks receive first: crossing sends would wait for each other on the gloo engine
+    if rank % 2 == 0:
+        reqs = [cd.isend(sbuf, right), cd.irecv(rbuf, left)]
+    else:
+        reqs = [cd.irecv(rbuf, left), cd.isend(sbuf, right)]
+    for r in reqs:
+        r.wait()
+    out["ring"] = [rbuf.tolist(), all(r.is_completed() for r in reqs)]
+    if rank == 0:
+        senders = []
+        for _ in range(ws - 1):
+            buf = torch.empty(2)
+            s = cd.recv(buf)
+            senders.append((s, buf.tolist()))
+        out["any"] = sorted(senders)
+        # explicit src after any-source: still in order
+        buf = torch.empty(1)
+        out["explicit"] = cd.recv(buf, src=ws - 1), buf.tolist()
+    else:
+        cd.send(torch.full((2,), float(rank)), 0)
+        if rank == ws - 1:
+            cd.send(torch.full((1,), 42.0), 0)
+    cd.barrier()
+    lst = [torch.empty(2, 2) for _ in range(ws)]
+    cd.all_gather(lst, torch.full((2, 2), float(rank)))
+    out["all_gather"] = [t[0, 0].item() for t in lst]
+    if rank == 0:
+        gl = [torch.empty(3) for _ in range(ws)]
+        cd.gather(torch.full((3,), rank * 2.0), dst=0, gather_list=gl)
+        out["gather"] = [t.tolist() for t in gl]
+        recv = torch.empty(2)
+        cd.scatter(recv, src=0, scatter_list=[torch.full((2,), 10.0 * i) for i in range(ws)])
+    else:
+        cd.gather(torch.full((3,), rank * 2.0), dst=0)
+        recv = torch.empty(2)
+        cd.scatter(recv, src=0)
+    out["scatter"] = recv.tolist()
+    t = torch.full((2,), float(rank + 1))
+    cd.all_reduce(t, cd.reduce_op.MAX)
+    out["c_all_reduce"] = t.tolist()
+    t = torch.full((2,), float(rank + 1))
+    w = cd.reduce(t, ws - 1, async_op=True)
+    w.wait()
+    out["c_reduce"] = t.tolist()
+    t = torch.full((2,), float(rank))
+    cd.broadcast(t, ws - 1)
+    out["c_broadcast"] = t.tolist()
+    out["c_bad_list"] = _expect(cd.all_gather, ValueError, [torch.empty(2)], torch.empty(2))
+    out["c_bad_numel"] = _expect(cd.all_gather, ValueError, [torch.empty(3)] * ws, torch.empty(2))
+    out["c_gather_list"] = _expect(cd.gather, ValueError, torch.empty(1), dst=rank)
+    out["c_scatter_other"] = _expect(
+        cd.scatter, ValueError, torch.empty(1), src=(rank + 1) % ws, scatter_list=[torch.empty(1)] * ws
+    )
+    out["c_self"] = _expect(cd.isend, ValueError, torch.empty(1), rank)
+    out["c_backend"] = _expect(cd.init_process_group, Exception, "ucc")
+    cd.destroy_process_group()
+    return out
+
+
+def classic_world_one(rank: int, ws: int) -> Dict[str, Any]:
+    from trainloom.comm import classic as cd
+    from trainloom.comm import colossal as col
+
+    cd.init_process_group()
+    x = torch.arange(6.0).reshape(2, 3)
+    out = {
+        "ag": col.all_gather(x, 1).tolist(),
+        "rs": col.reduce_scatter(x, 1).tolist(),
+        "any": _expect(cd.recv, ValueError, torch.empty(1)),
+    }
+    lst = [torch.empty(2, 3)]
+    cd.all_gather(lst, x)
+    out["list"] = lst[0].tolist()
+    cd.destroy_process_group()
+    return out
+
+
+def classic_timeout(rank: int, ws: int) -> Dict[str, Any]:
+    from trainloom.comm import classic as cd
+
+    cd.init_process_group(timeout=2)
+    out: Dict[str, Any] = {}
+    if rank == 0:
+        t0 = time.monotonic()
+        out["error"] = _expect(cd.recv, Exception, torch.empty(1))
+        out["seconds"] = time.monotonic() - t0
+    cd.destroy_process_group()
+    return out

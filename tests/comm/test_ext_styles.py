@@ -1,0 +1,85 @@
+"""ColossalAI dim-aware collectives and the early torch.distributed API, in real 1-, 2- and 3-process runs."""
+
+from __future__ import annotations
+
+import pytest
+import test_ext_ranks as R
+import torch
+from commutil import engines
+from multiproc import run_ranks
+
+ENGINES = engines()
+
+
+@pytest.mark.parametrize("ws,engine", [(2, "gloo"), (3, ENGINES[-1])])
+def test_colossal_and_classic_forms(ws, engine):
+    res = run_ranks(R.styles_suite, ws, engine, timeout=90)
+    xs = [torch.arange(24, dtype=torch.float32).reshape(2, 3, 4) + 100 * r for r in range(ws)]
+    for rank, r in enumerate(res):
+        assert (r["rank"], r["ws"], r["init"]) == (rank, ws, True)
+        for d in (0, 1, 2, -1):
+            assert r[f"ag{d}"] == torch.cat(xs, dim=d).tolist(), d
+            total = sum(torch.cat([x] * ws, dim=d) * (i + 1) for i, x in enumerate(xs))
+            assert r[f"rs{d}"] == total.chunk(ws, dim=d)[rank].tolist(), d
+        assert r["ag_async"] == torch.cat(xs, dim=1).tolist()
+        assert r["rs_async"] == [True, [[1.0, 1.0]] * 2]
+        assert r["all_reduce"] == [ws * (ws + 1) / 2] * 2
+        assert r["all_reduce_async"] == [True, [float(ws)] * 2]
+        assert r["broadcast"] == [float(ws - 1)] * 2
+        assert r["reduce"] == ([ws * (ws - 1) / 2] * 2 if rank == 0 else [float(rank)] * 2)
+        if rank in (0, ws - 1):
+            assert r["mode"] == [2.0] and r["mode_bcast"] == [float(ws - 1)]
+        assert r["bad_dim"] == "ValueError: all_gather: dim=3 is out of range for a tensor of shape (2, 3, 4)"
+        assert r["bad_div"] == (
+            f"ValueError: reduce_scatter: tensor.shape[0]={ws + 1} (shape ({ws + 1},)) is not divisible by "
+            f"the group's {ws} ranks"
+        )
+        assert r["bad_mode"].startswith(
+            "ValueError: all_reduce: parallel_mode 'tensor' is not a ProcessGroup"
+        )
+        assert (
+            r["bad_src"] == f"ValueError: broadcast: src={ws} is not a member of the group (global ranks "
+            f"{list(range(ws))})"
+        )
+        assert r["ring"] == [[float((rank - 1) % ws)] * 3, True]
+        assert r["all_gather"] == [float(i) for i in range(ws)]
+        assert r["scatter"] == [10.0 * rank] * 2
+        assert r["c_all_reduce"] == [float(ws)] * 2
+        assert r["c_reduce"] == ([ws * (ws + 1) / 2] * 2 if rank == ws - 1 else [rank + 1.0] * 2)
+        assert r["c_broadcast"] == [float(ws - 1)] * 2
+        assert (
+            r["c_bad_list"]
+            == f"ValueError: all_gather: tensor_list has 1 tensors, expected {ws} (one per rank of the group)"
+        )
+        assert (
+            r["c_bad_numel"]
+            == "ValueError: all_gather: tensor_list[0] has 3 elements but tensor has 2; they must match"
+        )
+        assert (
+            r["c_gather_list"]
+            == f"ValueError: gather: gather_list is required on the destination rank {rank}"
+        )
+        assert r["c_scatter_other"] == (
+            f"ValueError: scatter: scatter_list must be empty on rank {rank}, which is not "
+            f"src={(rank + 1) % ws}"
+        )
+        assert r["c_self"] == f"ValueError: isend: dst={rank} is this rank; send to another rank"
+        assert r["c_backend"].startswith("ConfigError: init_process_group: backend 'ucc' is not one of")
+    assert res[0]["any"] == [(s, [float(s)] * 2) for s in range(1, ws)]
+    assert res[0]["explicit"] == (ws - 1, [42.0])
+    assert res[0]["gather"] == [[2.0 * i] * 3 for i in range(ws)]
+
+
+def test_world_size_one_styles():
+    (r,) = run_ranks(R.classic_world_one, 1, timeout=60)
+    x = torch.arange(6.0).reshape(2, 3)
+    assert r["ag"] == x.tolist() and r["rs"] == x.tolist() and r["list"] == x.tolist()
+    assert r["any"] == "ValueError: recv: src=None (any source) in a group of one rank: there is no sender"
+
+
+def test_recv_from_any_source_times_out():
+    res = run_ranks(R.classic_timeout, 2, timeout=60)
+    assert res[0]["error"].startswith(
+        "CommTimeoutError: recv(src=None) on rank 0: no message was sent to this rank"
+    )
+    assert res[0]["seconds"] < 30

@@ -1,0 +1,453 @@
+"""The early ``torch.distributed`` API (isend/irecv, list-based gather/scatter) over trainloom's collectives.
+
+A script written for the early API moves over by changing its import::
+
+    import trainloom.comm.classic as dist          # was: import torch.distributed as dist
+
+    dist.init_process_group("gloo")                # backend is accepted; engines are chosen per tensor
+    req = dist.isend(t, dst=1)                     # a Work: is_completed(), wait()
+    sender = dist.recv(buf)                        # from any source; returns the sender's rank
+
+Ranks (``src``, ``dst``, return values) are *global* ranks, as in torch.distributed; ``group`` is
+``group.WORLD`` (or None) for the default group, or a trainloom ProcessGroup from :func:`new_group`.
+Every collective also takes ``async_op=False`` (then returns the core
+:class:`~trainloom.comm.work.Work`).
+
+Receiving from any source: :func:`send` / :func:`isend` announce each message in the job's store
+(``store.add`` + ``store.set``, ~0.1-1 ms) before sending; ``recv(tensor)`` without ``src`` takes
+the next announcement addressed to it (blocking, with the group's timeout) and receives from that
+rank. Messages sent with the Bagua-style :func:`trainloom.comm.send` are not announced: receive them
+with an explicit ``src``.
+
+.. warning::
+    ``isend``/``irecv`` run in issue order on the communicator's worker thread. Two ranks that both
+    ``isend`` to each other before receiving work for messages the engine buffers (the shared-memory
+    engine: up to two pair buffers, 2 x 64 KiB by default); larger crossing messages, and any
+    crossing send on the gloo engine (its send waits for the matching recv), need one side to
+    receive first.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from collections import defaultdict
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as _tdist
+
+from trainloom.comm import collectives as _core
+from trainloom.comm import group as _group
+from trainloom.comm.collectives import ReduceOp
+from trainloom.comm.group import Communicator, ProcessGroup
+from trainloom.comm.neighbor import ThenWork
+from trainloom.comm.topology import resolve_comm
+from trainloom.comm.work import CompletedWork, Work
+from trainloom.errors import CommTimeoutError, ConfigError
+
+__all__ = [
+    "init_process_group",
+    "destroy_process_group",
+    "is_initialized",
+    "get_rank",
+    "get_world_size",
+    "new_group",
+    "group",
+    "reduce_op",
+    "ReduceOp",
+    "isend",
+    "irecv",
+    "send",
+    "recv",
+    "broadcast",
+    "all_reduce",
+    "reduce",
+    "all_gather",
+    "gather",
+    "scatter",
+    "barrier",
+]
+
+
+class reduce_op:  # noqa: N801 - the early torch.distributed name
+    """The early ``torch.distributed.reduce_op`` names, as trainloom ReduceOp values."""
+
+    SUM = ReduceOp.SUM
+    PRODUCT = ReduceOp.PRODUCT
+    MAX = ReduceOp.MAX
+    MIN = ReduceOp.MIN
+
+
+class group:  # noqa: N801 - the early torch.distributed name
+    """``group.WORLD`` is the default group."""
+
+    WORLD = object()
+
+
+GroupArg = Union[None, object, ProcessGroup, Communicator]
+_BACKENDS = ("gloo", "nccl", "mpi", "tcp")
+
+
+def init_process_group(
+    backend: str = "gloo",
+    init_method: str = "env://",
+    world_size: int = -1,
+    rank: int = -1,
+    group_name: str = "",
+    timeout: Optional[Union[float, datetime.timedelta]] = None,
+) -> None:
+    """Initialize the default group (early torch.distributed signature).
+
+    Args:
+        backend: ``"gloo"``, ``"nccl"``, ``"mpi"`` or ``"tcp"``: accepted for compatibility; trainloom
+            picks the engine per tensor (NCCL for CUDA, shared memory or gloo for CPU).
+        init_method: ``"env://"`` (torchrun's variables) or ``"tcp://host:port"``.
+        world_size: overrides WORLD_SIZE (-1: from the environment).
+        rank: overrides RANK (-1: from the environment).
+        group_name: ignored (accepted for compatibility).
+        timeout: seconds or a timedelta for every operation.
+
+    Raises:
+        ConfigError: unknown backend or init_method.
+        RepeatedInitializationError: already initialized.
+    """
+    if backend not in _BACKENDS:
+        raise ConfigError(f"init_process_group: backend {backend!r} is not one of {', '.join(_BACKENDS)}")
+    store = None
+    if init_method.startswith("tcp://"):
+        host, _, port = init_method[len("tcp://") :].rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"init_process_group: init_method {init_method!r} must be tcp://host:port")
+        if rank < 0 or world_size < 1:
+            raise ConfigError("init_process_group: init_method tcp:// needs rank= and world_size=")
+        secs = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout or 300)
+        td = datetime.timedelta(seconds=secs)
+        store = _tdist.TCPStore(host, int(port), world_size, rank == 0, timeout=td)
+    elif init_method != "env://":
+        raise ConfigError(f"init_process_group: init_method {init_method!r}: use env:// or tcp://host:port")
+    _group.init_process_group(
+        store=store,
+        timeout=timeout,
+        rank=rank if rank >= 0 else None,
+        world_size=world_size if world_size >= 1 else None,
+    )
+
+
+def destroy_process_group() -> None:
+    """Destroy the default group and every group created from it."""
+    _ANY.clear()
+    _group.destroy_process_group()
+
+
+def is_initialized() -> bool:
+    """Whether :func:`init_process_group` ran."""
+    return _group.is_initialized()
+
+
+def new_group(ranks: Optional[Sequence[int]] = None) -> ProcessGroup:
+    """A group over ``ranks`` (every rank must call it, in the same order)."""
+    return _group.new_group(ranks)
+
+
+def _comm(g: GroupArg, opname: str) -> Communicator:
+    return resolve_comm(None if g is None or g is group.WORLD else g, opname)  # type: ignore[arg-type]
+
+
+def get_rank(group: GroupArg = None) -> int:  # noqa: A002 - torch's name
+    """This process's rank in ``group`` (default: the world)."""
+    return _comm(group, "get_rank").rank()
+
+
+def get_world_size(group: GroupArg = None) -> int:  # noqa: A002 - torch's name
+    """The number of ranks in ``group`` (default: the world)."""
+    return _comm(group, "get_world_size").nranks()
+
+
+def _local(rank: Any, arg: str, c: Communicator, opname: str) -> int:
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise TypeError(f"{opname}: {arg} must be an int (global rank), got {rank!r}")
+    if rank not in c.global_ranks:
+        raise ValueError(
+            f"{opname}: {arg}={rank} is not a member of the group (global ranks {c.global_ranks})"
+        )
+    return c.global_ranks.index(rank)
+
+
+def _tensor(t: Any, arg: str, opname: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{opname}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _sync(work: Optional[Work], async_op: bool) -> Optional[Work]:
+    if async_op:
+        return work
+    if work is not None:
+        work.wait()
+    return None
+
+
+# ---------------------------------------------------------------------------- point to point
+class _AnySource:
+    """Per-process bookkeeping of the any-source protocol (announcement queue per receiver)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.head: Dict[str, int] = defaultdict(int)  # next announcement index to read, per comm
+        self.skip: Dict[Tuple[str, int], int] = defaultdict(int)  # announced messages taken by recv(src)
+
+    def clear(self) -> None:
+        self.head.clear()
+        self.skip.clear()
+
+
+_ANY = _AnySource()
+
+
+def _store() -> Any:
+    store = _group._STATE.store
+    if store is None:
+        raise ConfigError("the default process group is not initialized; call init_process_group() first")
+    return store
+
+
+def _announce(c: Communicator, dst_local: int) -> None:
+    store = _store()
+    key = f"anysrc/{c.name}/{dst_local}"
+    idx = store.add(f"{key}/n", 1)
+    store.set(f"{key}/{idx}", str(c.rank()))
+
+
+def isend(tensor: torch.Tensor, dst: int, group: GroupArg = None) -> Work:  # noqa: A002
+    """Send ``tensor`` to global rank ``dst`` asynchronously; a Work with ``is_completed()``/``wait()``.
+
+    Do not modify ``tensor`` before the request completed.
+
+    Example::
+
+        req = isend(torch.ones(4), dst=1)
+        req.wait()
+    """
+    opname = "isend"
+    t = _tensor(tensor, "tensor", opname)
+    c = _comm(group, opname)
+    d = _local(dst, "dst", c, opname)
+    if d == c.rank():
+        raise ValueError(f"{opname}: dst={dst} is this rank; send to another rank")
+    _announce(c, d)
+    return _core.send(t, d, comm=c, async_op=True)  # type: ignore[return-value]
+
+
+def send(tensor: torch.Tensor, dst: int, group: GroupArg = None) -> None:  # noqa: A002
+    """Send ``tensor`` to global rank ``dst``; the receiver may call ``recv`` with or without ``src``."""
+    isend(tensor, dst, group).wait()
+
+
+def irecv(tensor: torch.Tensor, src: int, group: GroupArg = None) -> Work:  # noqa: A002
+    """Receive into ``tensor`` from global rank ``src`` asynchronously (a Work).
+
+    Example::
+
+        req = irecv(buf, src=0)
+        ...
+        req.wait()
+    """
+    opname = "irecv"
+    t = _tensor(tensor, "tensor", opname)
+    c = _comm(group, opname)
+    s = _local(src, "src", c, opname)
+    if s == c.rank():
+        raise ValueError(f"{opname}: src={src} is this rank; receive from another rank")
+    with _ANY.lock:
+        _ANY.skip[(c.name, s)] += 1
+    return _core.recv(t, s, comm=c, async_op=True)  # type: ignore[return-value]
+
+
+def recv(tensor: torch.Tensor, src: Optional[int] = None, group: GroupArg = None) -> int:  # noqa: A002
+    """Receive into ``tensor`` from global rank ``src``, or from any rank when ``src`` is None.
+
+    Returns:
+        The sender's global rank.
+
+    Raises:
+        ValueError: ``src`` is this rank or not in the group; ``src=None`` in a group of one.
+        CommTimeoutError: no message was announced for this rank within the group's timeout.
+
+    Example::
+
+        sender = recv(buf)              # whoever sent first
+    """
+    opname = "recv"
+    t = _tensor(tensor, "tensor", opname)
+    c = _comm(group, opname)
+    if src is not None:
+        irecv(t, src, group).wait()
+        return src
+    if c.nranks() == 1:
+        raise ValueError(f"{opname}: src=None (any source) in a group of one rank: there is no sender")
+    store = _store()
+    key = f"anysrc/{c.name}/{c.rank()}"
+    while True:
+        with _ANY.lock:
+            _ANY.head[c.name] += 1
+            idx = _ANY.head[c.name]
+        try:
+            sender = int(bytes(store.get(f"{key}/{idx}")).decode())
+        except _tdist.DistStoreError:
+            with _ANY.lock:
+                _ANY.head[c.name] -= 1
+            raise CommTimeoutError(
+                f"{opname}(src=None) on rank {c.global_ranks[c.rank()]}: no message was sent to this rank "
+                f"within the group's timeout ({c.timeout:g} s); messages must come from "
+                "trainloom.comm.classic.send/isend to be received from any source"
+            ) from None
+        store.delete_key(f"{key}/{idx}")
+        with _ANY.lock:
+            if _ANY.skip[(c.name, sender)] > 0:  # already taken by a recv with an explicit src
+                _ANY.skip[(c.name, sender)] -= 1
+                continue
+        _core.recv(t, sender, comm=c)
+        return c.global_ranks[sender]
+
+
+# ---------------------------------------------------------------------------- collectives
+def broadcast(
+    tensor: torch.Tensor, src: int, group: GroupArg = None, async_op: bool = False
+) -> Optional[Work]:  # noqa: A002
+    """Copy global rank ``src``'s ``tensor`` into ``tensor`` on every rank of the group."""
+    c = _comm(group, "broadcast")
+    return _sync(_core.broadcast(tensor, _local(src, "src", c, "broadcast"), comm=c, async_op=True), async_op)
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    op: Any = ReduceOp.SUM,
+    group: GroupArg = None,
+    async_op: bool = False,  # noqa: A002
+) -> Optional[Work]:
+    """Reduce ``tensor`` in place over the group (``op``: reduce_op / ReduceOp / torch's ReduceOp)."""
+    c = _comm(group, "all_reduce")
+    return _sync(_core.allreduce_inplace(tensor, op, comm=c, async_op=True), async_op)
+
+
+def reduce(
+    tensor: torch.Tensor,
+    dst: int,
+    op: Any = ReduceOp.SUM,
+    group: GroupArg = None,
+    async_op: bool = False,  # noqa: A002
+) -> Optional[Work]:
+    """Reduce ``tensor`` onto global rank ``dst`` in place."""
+    c = _comm(group, "reduce")
+    d = _local(dst, "dst", c, "reduce")
+    return _sync(_core.reduce_inplace(tensor, d, op, comm=c, async_op=True), async_op)
+
+
+def _check_list(lst: Any, n: int, like: torch.Tensor, arg: str, opname: str) -> List[torch.Tensor]:
+    if not isinstance(lst, (list, tuple)):
+        raise TypeError(f"{opname}: {arg} must be a list of {n} tensors, got {type(lst).__name__}")
+    if len(lst) != n:
+        raise ValueError(f"{opname}: {arg} has {len(lst)} tensors, expected {n} (one per rank of the group)")
+    for i, x in enumerate(lst):
+        _tensor(x, f"{arg}[{i}]", opname)
+        if x.numel() != like.numel():
+            raise ValueError(
+                f"{opname}: {arg}[{i}] has {x.numel()} elements but tensor has {like.numel()}; "
+                "they must match"
+            )
+        if x.dtype != like.dtype:
+            raise TypeError(f"{opname}: {arg}[{i}] has dtype {x.dtype} but tensor has {like.dtype}")
+    return list(lst)
+
+
+def _unpack(flat: torch.Tensor, outs: List[torch.Tensor]) -> None:
+    k = flat.numel() // max(len(outs), 1)
+    for i, o in enumerate(outs):
+        o.copy_(flat[i * k : (i + 1) * k].view(o.shape))
+
+
+def all_gather(
+    tensor_list: List[torch.Tensor],
+    tensor: torch.Tensor,
+    group: GroupArg = None,
+    async_op: bool = False,  # noqa: A002
+) -> Optional[Work]:
+    """Gather every rank's ``tensor`` into ``tensor_list`` (entry ``i`` from group rank ``i``).
+
+    Example::
+
+        outs = [torch.empty(2) for _ in range(get_world_size())]
+        all_gather(outs, torch.full((2,), float(get_rank())))
+    """
+    opname = "all_gather"
+    t = _tensor(tensor, "tensor", opname)
+    c = _comm(group, opname)
+    outs = _check_list(tensor_list, c.nranks(), t, "tensor_list", opname)
+    flat = torch.empty(c.nranks() * t.numel(), dtype=t.dtype, device=t.device)
+    inner = _core.allgather(t, flat, comm=c, async_op=True)
+    return _sync(ThenWork(opname, inner, lambda: _unpack(flat, outs), None), async_op)
+
+
+def gather(
+    tensor: torch.Tensor,
+    dst: Optional[int] = None,
+    gather_list: Optional[List[torch.Tensor]] = None,
+    group: GroupArg = None,  # noqa: A002
+    async_op: bool = False,
+) -> Optional[Work]:
+    """Gather every rank's ``tensor`` into ``gather_list`` on global rank ``dst`` (default: this rank).
+
+    Raises:
+        ValueError: ``gather_list`` missing on ``dst`` or given (non-empty) elsewhere; wrong length.
+    """
+    opname = "gather"
+    t = _tensor(tensor, "tensor", opname)
+    c = _comm(group, opname)
+    me_global = c.global_ranks[c.rank()]
+    d = _local(me_global if dst is None else dst, "dst", c, opname)
+    if d == c.rank():
+        if gather_list is None:
+            raise ValueError(f"{opname}: gather_list is required on the destination rank {me_global}")
+        outs = _check_list(gather_list, c.nranks(), t, "gather_list", opname)
+        flat = torch.empty(c.nranks() * t.numel(), dtype=t.dtype, device=t.device)
+        inner = _core.gather(t, flat, d, comm=c, async_op=True)
+        return _sync(ThenWork(opname, inner, lambda: _unpack(flat, outs), None), async_op)
+    if gather_list:
+        raise ValueError(f"{opname}: gather_list must be empty on rank {me_global}, which is not dst={dst}")
+    return _sync(_core.gather(t, None, d, comm=c, async_op=True), async_op)  # type: ignore[arg-type]
+
+
+def scatter(
+    tensor: torch.Tensor,
+    src: Optional[int] = None,
+    scatter_list: Optional[List[torch.Tensor]] = None,
+    group: GroupArg = None,  # noqa: A002
+    async_op: bool = False,
+) -> Optional[Work]:
+    """Give group rank ``i`` the tensor ``scatter_list[i]`` of global rank ``src`` (default: this rank).
+
+    Raises:
+        ValueError: ``scatter_list`` missing on ``src`` or given (non-empty) elsewhere; wrong length.
+    """
+    opname = "scatter"
+    t = _tensor(tensor, "tensor", opname)
+    c = _comm(group, opname)
+    me_global = c.global_ranks[c.rank()]
+    s = _local(me_global if src is None else src, "src", c, opname)
+    if s == c.rank():
+        if scatter_list is None:
+            raise ValueError(f"{opname}: scatter_list is required on the source rank {me_global}")
+        ins = _check_list(scatter_list, c.nranks(), t, "scatter_list", opname)
+        send_buf = torch.cat([x.detach().reshape(-1) for x in ins])
+        return _sync(_core.scatter(send_buf, t, s, comm=c, async_op=True), async_op)
+    if scatter_list:
+        raise ValueError(f"{opname}: scatter_list must be empty on rank {me_global}, which is not src={src}")
+    return _sync(_core.scatter(None, t, s, comm=c, async_op=True), async_op)  # type: ignore[arg-type]
+
+
+def barrier(group: GroupArg = None, async_op: bool = False) -> Optional[Work]:  # noqa: A002
+    """Block until every rank of the group arrived."""
+    c = _comm(group, "barrier")
+    w = _core.barrier(comm=c, async_op=True)
+    return _sync(w if w is not None else CompletedWork("barrier", None), async_op)
