@@ -271,3 +271,24 @@ def test_started_server_is_private_and_dies_with_its_killed_job(tmp_path):
         p.wait()
     server.wait(timeout=10)  # raises psutil.TimeoutExpired if the server outlived its job
     assert not psutil.pid_exists(info["pid"]) or server.status() == psutil.STATUS_ZOMBIE
+
+
+def test_store_errors_pickle_across_processes():
+    from trainloom.data.codec import ChecksumError
+    from trainloom.errors import StoreError as BaseStoreError
+
+    for exc in (
+        StoreUnavailableError("redis 127.0.0.1:1: down", backend="redis", key="k"),
+        StoreFullError("full", backend="lmdb"),
+        StoreOutOfMemoryError("OOM", backend="redis"),
+    ):
+        back = pickle.loads(pickle.dumps(exc))
+        assert type(back) is type(exc) and (back.message, back.backend, back.key) == (
+            exc.message,
+            exc.backend,
+            exc.key,
+        )
+        assert isinstance(back, BaseStoreError)
+    assert isinstance(StoreUnavailableError("x"), ConnectionError)
+    c = pickle.loads(pickle.dumps(ChecksumError("damaged value")))
+    assert type(c) is ChecksumError and isinstance(c, ValueError) and str(c) == "damaged value"
