@@ -698,3 +698,87 @@ def nccl_cross_checks(rank: int, ws: int, engine: str) -> Dict[str, Any]:
     out["after"] = t.tolist()
     C.destroy_process_group()
     return out
+
+
+def nccl_engine_on_fake(rank: int, ws: int) -> Dict[str, Any]:
+    """NcclEngine's Python plumbing over the fake libnccl, with host tensors standing in for device memory.
+
+    The fake library treats pointers as host memory and has one rank; the CUDA stream/event/device
+    calls the engine makes are replaced by inert stand-ins (there is no CUDA runtime here). What is
+    tested is trainloom's side: dtype/op tables, complex and bool handling, the bitwise fallback,
+    counts for alltoall_v, status -> NcclError, abort/close, the Work handle.
+    """
+    import contextlib
+
+    from trainloom.comm import nccl
+    from trainloom.comm.work import CudaWork
+    from trainloom.errors import NcclError
+
+    class _Stream:
+        cuda_stream = 0
+
+        def wait_stream(self, other: Any) -> None:
+            pass
+
+        def wait_event(self, event: Any) -> None:
+            pass
+
+    class _Event:
+        def record(self, stream: Any = None) -> None:
+            pass
+
+        def query(self) -> bool:
+            return True
+
+    stream = _Stream()
+    torch.cuda.current_stream = lambda device=None: stream
+    torch.cuda.stream = lambda s: contextlib.nullcontext()
+    torch.cuda.device = lambda d: contextlib.nullcontext()
+    torch.cuda.Event = _Event
+    store = dist.HashStore()
+    eng = nccl.NcclEngine(store, 0, 1, prefix="fake", device=torch.device("cuda", 0), timeout=5)
+    out: Dict[str, Any] = {"uid_in_store": len(bytes(store.get("fake/nccl_uid")))}
+    res = {}
+    for dt in (torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.bool, torch.complex64):
+        x = data(0, 6, dt)
+        for op in ops_for(dt):
+            got = torch.zeros_like(x)
+            eng.allreduce(x, got, int(op))
+            res[f"allreduce {dt} {op.name}"] = _same(got, x)
+        got = torch.zeros_like(x)
+        eng.reduce(
+            x, got, 0, int(ReduceOp.BXOR if not (dt.is_floating_point or dt.is_complex) else ReduceOp.SUM)
+        )
+        res[f"reduce {dt}"] = _same(got, x)
+        for name in ("allgather", "alltoall", "reduce_scatter"):
+            got = torch.zeros_like(x)
+            fn = getattr(eng, name)
+            fn(x, got, 0) if name == "reduce_scatter" else fn(x, got)
+            res[f"{name} {dt}"] = _same(got, x)
+        got = torch.zeros_like(x)
+        eng.gather(x, got, 0)
+        res[f"gather {dt}"] = _same(got, x)
+        got = torch.zeros_like(x)
+        eng.scatter(x, got, 0)
+        res[f"scatter {dt}"] = _same(got, x)
+        b = x.clone()
+        eng.broadcast(b, 0)
+        res[f"broadcast {dt}"] = _same(b, x)
+        got = torch.zeros(8, dtype=dt)
+        eng.alltoall_v(x, [3], [2], got, [3], [4])
+        want = torch.zeros(8, dtype=dt)
+        want[4:7] = x[2:5]
+        res[f"alltoall_v {dt}"] = _same(got, want)
+    out["ops"] = res
+    out["int16"] = _expect(
+        eng.allreduce, TypeError, torch.ones(2, dtype=torch.int16), torch.ones(2, dtype=torch.int16), 0
+    )
+    # ncclSend outside a group is refused by the fake: the status becomes an NcclError
+    out["send_status"] = _expect(eng.send, NcclError, torch.ones(2), 0)
+    w = CudaWork("allreduce", _Event(), torch.ones(1), [], eng._check_deadline)
+    out["work"] = (w.is_completed(), w.wait(timeout=1.0), w.result().tolist())
+    eng.abort("test abort")
+    out["after_abort"] = _expect(eng.allreduce, CommError, torch.ones(2), torch.ones(2), 0)
+    eng.close()
+    out["after_close"] = _expect(eng.allreduce, CommError, torch.ones(2), torch.ones(2), 0)
+    return out

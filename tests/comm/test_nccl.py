@@ -10,6 +10,7 @@ from commutil import (
     fake_nccl_plumbing,
     gpu_collectives,
     local_reduce,
+    nccl_engine_on_fake,
     nccl_unavailable,
     real_nccl,
 )
@@ -94,3 +95,16 @@ def test_local_reference_semantics():
     ints = torch.tensor([[6, 3], [5, 1]])
     assert local_reduce(ints, ReduceOp.BAND).tolist() == [4, 1]
     assert local_reduce(ints, ReduceOp.MIN).tolist() == [5, 1]
+
+
+def test_nccl_engine_plumbing_on_the_fake(fake_libs):
+    lib, _ = fake_libs
+    (res,) = run_ranks(nccl_engine_on_fake, 1, env={"TRAINLOOM_NCCL_LIBRARY": lib})
+    assert res["uid_in_store"] == 128
+    bad = [k for k, ok in res["ops"].items() if not ok]
+    assert bad == [] and len(res["ops"]) > 60
+    assert res["int16"].startswith("TypeError: allreduce: NCCL has no torch.int16")
+    assert res["send_status"] == "NcclError: ncclSend: invalid usage (fake) (code=5)"
+    assert res["work"] == (True, True, [1.0])
+    assert res["after_abort"] == "CommError: allreduce: the NCCL communicator was aborted: test abort"
+    assert res["after_close"].startswith("CommError: allreduce: NCCL communicator used after close()")
