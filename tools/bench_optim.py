@@ -105,7 +105,8 @@ def time_variant(
     step()  # state initialisation happens on the first step; not measured
     t = median(measure(step, repeat=repeat, number=number, warmup=1))
     del opt, params, step
-    gc.collect()
+    if sum(math.prod(s) for s in shapes) > 1_000_000:
+        gc.collect()  # give the memory of big models back before the next variant
     return t
 
 

@@ -208,3 +208,23 @@ def test_do_flatten_false_fuses_adjacent_params_only_and_stays_exact():
     assert a.data_ptr() == store.data_ptr()  # nothing moved
     with pytest.raises(FuseError, match="do_flatten=False"):
         flat_buffers(opt)
+
+
+def test_fused_optimizer_is_freed_without_the_cycle_collector():
+    import gc
+    import weakref
+
+    params = make_params()
+    opt = fuse_optimizer(torch.optim.Adam(params, lr=0.1))
+    set_grads(params, make_grads(params, 0, none_every=0))
+    opt.fuse_step()
+    bound = opt.fuse_step
+    ref = weakref.ref(opt)
+    gc.disable()
+    try:
+        del opt
+        assert ref() is None  # no reference cycle keeps the flat state alive
+    finally:
+        gc.enable()
+    with pytest.raises(FuseError, match="the optimizer this method was bound to no longer exists"):
+        bound()

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import math
-import types
 import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -404,8 +403,30 @@ def fuse_optimizer(
     # A step() between two fuse_steps changes step counts and may create state: recheck then.
     info.step_hook = optimizer.register_step_post_hook(lambda *_: _invalidate(info))
     # Bound on this instance only: no class-wide patching.
-    optimizer.fuse_step = types.MethodType(fuse_step, optimizer)  # type: ignore[attr-defined]
+    optimizer.fuse_step = _BoundFuseStep(optimizer)  # type: ignore[attr-defined]
     return optimizer
+
+
+class _BoundFuseStep:
+    """``optimizer.fuse_step(closure=None)``: :func:`fuse_step` bound to one optimizer.
+
+    Holds the optimizer through a weak reference, so that binding it on the instance creates no
+    reference cycle and a dropped optimizer (with its flat buffers) is freed at once.
+    """
+
+    __slots__ = ("_ref", "__weakref__")
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self._ref = weakref.ref(optimizer)
+
+    def __call__(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        optimizer = self._ref()
+        if optimizer is None:
+            raise FuseError("fuse_step: the optimizer this method was bound to no longer exists")
+        return fuse_step(optimizer, closure)
+
+    def __repr__(self) -> str:
+        return f"<bound fuse_step of {type(self._ref()).__name__} optimizer>"
 
 
 def _invalidate(info: _FusedInfo) -> None:
