@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import trainloom.comm as C
 from trainloom.comm import ReduceOp
-from trainloom.errors import CommError
+from trainloom.errors import CommError, CommTimeoutError
 
 FAKES = Path(__file__).resolve().parent.parent / "fakes"
 
@@ -777,6 +777,28 @@ def nccl_engine_on_fake(rank: int, ws: int) -> Dict[str, Any]:
     out["send_status"] = _expect(eng.send, NcclError, torch.ones(2), 0)
     w = CudaWork("allreduce", _Event(), torch.ones(1), [], eng._check_deadline)
     out["work"] = (w.is_completed(), w.wait(timeout=1.0), w.result().tolist())
+
+    # A collective that never completes: the watchdog aborts the communicator after its timeout, and
+    # Work.wait(timeout) gives up instead of hanging.
+    class _Stuck(_Event):
+        def query(self) -> bool:
+            return False
+
+    torch.cuda.Event = _Stuck
+    hung = nccl.NcclEngine(store, 0, 1, prefix="fake2", device=torch.device("cuda", 0), timeout=0.3)
+    ev = hung.allreduce(torch.ones(2), torch.zeros(2), 0)
+    deadline = time.monotonic() + 10
+    while hung._error is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    out["watchdog"] = _expect(hung.allreduce, CommError, torch.ones(2), torch.zeros(2), 0)
+    hung.close()
+    hung2 = nccl.NcclEngine(store, 0, 1, prefix="fake3", device=torch.device("cuda", 0), timeout=60)
+    ev = hung2.allreduce(torch.ones(2), torch.zeros(2), 0)
+    w = CudaWork("allreduce", ev, None, [], hung2._check_deadline)
+    out["work_timeout"] = _expect(w.wait, CommTimeoutError, 0.2)
+    out["work_timeout_aborted"] = hung2._error
+    hung2.close()
+    out["live"] = __import__("ctypes").CDLL(os.environ["TRAINLOOM_NCCL_LIBRARY"]).fake_nccl_live_comms()
     eng.abort("test abort")
     out["after_abort"] = _expect(eng.allreduce, CommError, torch.ones(2), torch.ones(2), 0)
     eng.close()

@@ -108,3 +108,11 @@ def test_nccl_engine_plumbing_on_the_fake(fake_libs):
     assert res["work"] == (True, True, [1.0])
     assert res["after_abort"] == "CommError: allreduce: the NCCL communicator was aborted: test abort"
     assert res["after_close"].startswith("CommError: allreduce: NCCL communicator used after close()")
+    assert (
+        res["watchdog"] == "CommError: allreduce: the NCCL communicator was aborted: allreduce exceeded 0.3s"
+    )
+    assert res["work_timeout"].startswith(
+        "CommTimeoutError: NCCL operation did not finish before the deadline"
+    )
+    assert res["work_timeout_aborted"] == "Work.wait timeout"
+    assert res["live"] == 1  # only `eng` is still open at that point: aborted/closed ones were freed
