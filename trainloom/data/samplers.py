@@ -22,6 +22,7 @@ import hashlib
 import logging
 import math
 import numbers
+import operator
 import struct
 import warnings
 from dataclasses import dataclass
@@ -303,6 +304,8 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
         self._desc_keys: Optional[np.ndarray] = None
         self._digest: Optional[str] = None
         self._cache: Optional[Tuple[int, np.ndarray, np.ndarray, np.ndarray]] = None
+        self._iter: Optional[Iterator[int]] = None
+        self._iter_end = 0
         self._init_resume()
 
     # ----------------------------------------------------------------------------- plan
@@ -379,10 +382,16 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
     # ----------------------------------------------------------------------------- Sampler API
     def __iter__(self) -> Iterator[int]:
         start = self._start(self.shuffle)
-        idx = self.rank_indices()
-        for i in idx[start:].tolist():
-            self._position += 1
-            yield i
+        # A plain list iterator, not a generator: no Python frame per index (1M indices per rank
+        # at N = 2M, W = 2). The position is read back from its length hint in state_dict().
+        self._iter = iter(self.rank_indices()[start:].tolist())
+        self._iter_end = self.num_samples
+        return self._iter
+
+    def _consumed(self) -> int:
+        if self._iter is None:
+            return self._position
+        return self._iter_end - operator.length_hint(self._iter)
 
     def __len__(self) -> int:
         """Indices the next iteration yields: ``num_samples``, less what a restored state consumed."""
@@ -394,6 +403,9 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
         Args:
             epoch: epoch number.
         """
+        if int(epoch) != self.epoch:
+            self._iter = None
+            self._position = 0
         self.epoch = int(epoch)
         if self._resume is not None and self._resume[0] != self.epoch:
             self._resume = None
@@ -414,7 +426,7 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
         Returns:
             dict: epoch, seed, consumed, num_replicas, rank, dataset size and digest.
         """
-        pos = self._position if consumed is None else int(consumed)
+        pos = self._consumed() if consumed is None else int(consumed)
         if not 0 <= pos <= self.num_samples:
             raise ConfigError(f"state_dict: consumed={pos} is outside [0, {self.num_samples}]")
         return {
@@ -453,6 +465,8 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
         self._cache = None
         self.epoch = int(state["epoch"])
         self._resume = (self.epoch, int(state["consumed"]))
+        self._iter = None
+        self._position = int(state["consumed"])
 
     # ----------------------------------------------------------------------------- diagnostics
     def plan_stats(self, batch_size: int = 1) -> Dict[str, Any]:
@@ -808,16 +822,21 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         start = self._start(self.sampler.shuffle)
         self._delivered = start
         slots = plan.slots(self.rank)
-        lo = plan.bounds[slots].tolist()
-        hi = plan.bounds[slots + 1].tolist()
-        items = plan.items
-        ids = plan.ids
+        lo = plan.bounds[slots]
+        sizes = plan.bounds[slots + 1] - lo
+        offs = np.zeros(sizes.shape[0] + 1, dtype=np.int64)
+        np.cumsum(sizes, out=offs[1:])
+        # Gather this rank's items for the whole epoch at once (one numpy gather, one tolist),
+        # then hand out list slices: no numpy call per batch.
+        where = np.repeat(lo - offs[:-1], sizes) + np.arange(offs[-1], dtype=np.int64)
+        flat = plan.items[where]
+        if plan.ids is not None:
+            flat = plan.ids[flat]
+        values = flat.tolist()
+        bounds = offs.tolist()
         for i in range(start, plan.steps):
             self._position = i + 1
-            if ids is None:
-                yield items[lo[i] : hi[i]].tolist()
-            else:
-                yield ids[items[lo[i] : hi[i]]].tolist()
+            yield values[bounds[i] : bounds[i + 1]]
 
     def __len__(self) -> int:
         """Batches the next iteration yields (the same on every rank), less a restored state's."""
