@@ -64,7 +64,7 @@ def set_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     t = t.detach().contiguous()
-    return t.view(torch.int64 if t.element_size() == 8 else torch.int32)
+    return t.view({8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()])
 
 
 def assert_bitwise(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], what: str = "param") -> None:

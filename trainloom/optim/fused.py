@@ -808,7 +808,14 @@ def _step_flat(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> None:
         # torch's fused=True CPU kernels round the last (numel % vector width) elements of each
         # tensor differently from the rest, so their math on a flat view is not bitwise equal to
         # their math per tensor. Without a compiled kernel that reproduces it, stay per tensor.
-        per_tensor = kern is None and bool(group.get("fused"))
+        # (CUDA's fused kernels compute every element the same way: flat views are fine there.)
+        # ATen's CPU bf16/fp16 kernels round tails differently too (SGD, RMSprop, ASGD: measured),
+        # so reduced-precision CPU parameters are also updated per tensor.
+        per_tensor = (
+            kern is None
+            and b.device.type == "cpu"
+            and (bool(group.get("fused")) or b.dtype not in (torch.float32, torch.float64))
+        )
         flat_keys = b.state_flat.keys()
         run_idx: List[int] = []
         run_sig: Any = None
