@@ -228,3 +228,15 @@ def test_fused_optimizer_is_freed_without_the_cycle_collector():
         gc.enable()
     with pytest.raises(FuseError, match="the optimizer this method was bound to no longer exists"):
         bound()
+
+
+def test_lr_scheduler_sees_fuse_step_as_a_step():
+    lin = torch.nn.Linear(3, 1)
+    opt = fuse_optimizer(torch.optim.SGD(lin.parameters(), lr=0.1))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    lin(torch.ones(1, 3)).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()" warning
+        opt.fuse_step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == 0.05

@@ -630,6 +630,9 @@ def fuse_step(optimizer: torch.optim.Optimizer, closure: Optional[Callable[[], A
         ...     opt.zero_grad()
     """
     info = _info(optimizer, "fuse_step")
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        # an LR scheduler tracks "optimizer stepped before scheduler"; fuse_step is a step too
+        optimizer._opt_called = True  # type: ignore[attr-defined]
     loss = None
     if closure is not None:
         with torch.enable_grad():
