@@ -54,6 +54,7 @@ cdef extern from "_shm_kernels.h" nogil:
         int64_t extra
         int64_t ndim
         int64_t shape[8]
+        int64_t zc
     ctypedef struct tl_hdr_t:
         uint64_t magic
         uint32_t version
@@ -377,8 +378,16 @@ cdef int _first_step(State* st, const tl_desc_t* d, double deadline) noexcept no
 # Collective algorithms. All run without the GIL on raw pointers validated by shm.py.
 # ----------------------------------------------------------------------------------------------
 
+cdef inline char* _csrc(State* st, int p, const int64_t* zp, uint64_t use, size_t byte_off) noexcept nogil:
+    # where rank p's data for a chunk lives: its heap tensor (zero-copy) or its slot for that use
+    if zp[p] >= 0:
+        return st.heap + <size_t>p * st.H + <size_t>zp[p] + byte_off
+    return _slot(st, p, use)
+
+
 cdef int _allreduce(State* st, const tl_desc_t* d, const char* send, char* recv, size_t n, size_t esz,
-                    tl_reduce_fn fn, int div, int dst, size_t small_bytes, double deadline) noexcept nogil:
+                    tl_reduce_fn fn, int div, int dst, size_t small_bytes, int64_t zc_off,
+                    double deadline) noexcept nogil:
     """Allreduce (dst < 0) or reduce to dst.
 
     Small (n * esz <= small_bytes): one-shot, one barrier: every rank copies its vector into its
@@ -387,6 +396,11 @@ cdef int _allreduce(State* st, const tl_desc_t* d, const char* send, char* recv,
     its own slot, and after the next barrier everyone copies every part out. The part a rank
     reduces is read by no one else during the reduce phase, so reducing in place is safe. The
     gather of chunk j-1 shares its barrier with the reduce of chunk j (one barrier per chunk).
+
+    Zero-copy (zc_off >= 0: send is recv and lives at that offset of this rank's heap): no copy-in,
+    peers read the chunk straight from the heap, the reduced part is written back in place, and a
+    final barrier keeps the tensor untouched until every peer has gathered from it. Ranks decide
+    this independently; readers learn each rank's choice from the descriptors of the first step.
     """
     cdef int W = st.world, me = st.rank, p, rc
     cdef size_t nbytes = n * esz, off = 0, c, pl, lo, hi, chunk_elems, align, nchunks, j
@@ -394,6 +408,11 @@ cdef int _allreduce(State* st, const tl_desc_t* d, const char* send, char* recv,
     cdef const void** sp = srcs
     cdef uint64_t use
     cdef char* mys
+    cdef int64_t zcs[256]
+    cdef int64_t* zp = zcs
+    cdef int any_zc = 0, par
+    cdef tl_desc_t dz
+    cdef char* myheap = st.heap + <size_t>me * st.H
     if W > 256:
         sp = <const void**>calloc(W, sizeof(void*))
     if nbytes <= small_bytes:
@@ -418,14 +437,25 @@ cdef int _allreduce(State* st, const tl_desc_t* d, const char* send, char* recv,
     # chunk j; then it copies in chunk j+1 and publishes the next step.
     rc = 0
     use = st.nbuf
+    if W > 256:
+        zp = <int64_t*>calloc(W, sizeof(int64_t))
+    memcpy(&dz, d, sizeof(tl_desc_t))
+    dz.zc = zc_off + 1
     for j in range(nchunks + 1):
         if j < nchunks:
             off = j * chunk_elems
             c = n - off if n - off < chunk_elems else chunk_elems
-            memcpy(_slot(st, me, use + j), send + off * esz, c * esz)
+            if zc_off < 0:
+                memcpy(_slot(st, me, use + j), send + off * esz, c * esz)
             st.nbuf += 1
         if j == 0:
-            rc = _first_step(st, d, deadline)
+            rc = _first_step(st, &dz, deadline)
+            if rc == 0:
+                par = st.step & 1
+                for p in range(W):
+                    zp[p] = st.ranks[p].desc[par].zc - 1
+                    if zp[p] >= 0:
+                        any_zc = 1
         else:
             rc = _step(st, deadline)
         if rc != 0:
@@ -436,6 +466,8 @@ cdef int _allreduce(State* st, const tl_desc_t* d, const char* send, char* recv,
             c = n - off if n - off < chunk_elems else chunk_elems
             pl = _round_up((c + W - 1) // W, align)
             for p in range(W):
+                if p == me and zc_off >= 0:
+                    continue  # my reduced part is already in place
                 lo = <size_t>p * pl
                 if lo > c:
                     lo = c
@@ -443,7 +475,8 @@ cdef int _allreduce(State* st, const tl_desc_t* d, const char* send, char* recv,
                 if hi > c:
                     hi = c
                 if hi > lo:
-                    memcpy(recv + (off + lo) * esz, _slot(st, p, use + j - 1) + lo * esz, (hi - lo) * esz)
+                    memcpy(recv + (off + lo) * esz, _csrc(st, p, zp, use + j - 1, off * esz) + lo * esz,
+                           (hi - lo) * esz)
         if j < nchunks:
             # reduce my part of chunk j over every rank's slot, in rank order, into my slot
             off = j * chunk_elems
@@ -456,12 +489,18 @@ cdef int _allreduce(State* st, const tl_desc_t* d, const char* send, char* recv,
             if hi > c:
                 hi = c
             if hi > lo:
-                mys = _slot(st, me, use + j)
+                mys = _csrc(st, me, zp, use + j, off * esz)
                 for p in range(W):
-                    sp[p] = _slot(st, p, use + j) + lo * esz
+                    sp[p] = _csrc(st, p, zp, use + j, off * esz) + lo * esz
                 fn(mys + lo * esz, sp, W, hi - lo, div)
+    if rc == 0 and any_zc:
+        # peers may still be gathering from a heap tensor: nobody returns (and lets the user
+        # overwrite it) before everyone is done
+        rc = _step(st, deadline)
     if sp != srcs:
         free(sp)
+    if zp != zcs:
+        free(zp)
     return rc
 
 
@@ -1127,7 +1166,7 @@ cdef class Engine:
     # followed by pointers and sizes, and returns 0 or an error code.
 
     def allreduce(self, tuple desc, uintptr_t send, uintptr_t recv, size_t n, size_t esz, int kdt, int op,
-                  int div, int dst, double timeout):
+                  int div, int dst, double timeout, int64_t zc_off=-1):
         cdef tl_desc_t d
         cdef tl_reduce_fn fn = tl_pick_reduce(kdt, op)
         cdef double deadline = tl_now() + timeout
@@ -1137,10 +1176,16 @@ cdef class Engine:
             raise ValueError(f"no reduction kernel for dtype code {kdt} and op {op}")
         if small > self.st.S:
             small = self.st.S
+        if zc_off >= 0:
+            # zero-copy only for an in-place allreduce of a tensor inside this rank's heap
+            if (send != recv or dst >= 0 or <size_t>zc_off + n * esz > self.st.H
+                    or send != <uintptr_t>(self.st.heap + <size_t>self.st.rank * self.st.H + <size_t>zc_off)):
+                raise ValueError("zero-copy allreduce needs send is recv inside this rank's heap")
         _fill_desc(&d, desc)
         self._enter()
         with nogil:
-            rc = _allreduce(&self.st, &d, <const char*>send, <char*>recv, n, esz, fn, div, dst, small, deadline)
+            rc = _allreduce(&self.st, &d, <const char*>send, <char*>recv, n, esz, fn, div, dst, small, zc_off,
+                            deadline)
             if rc != 0:
                 self._fail(rc)
         self.busy = 0

@@ -35,7 +35,7 @@ typedef struct {
     char pad[TL_LINE - 4];
 } __attribute__((aligned(TL_LINE))) tl_line_t;
 
-/* One op descriptor (128 bytes): what a rank is about to do. Compared across ranks at the
+/* One op descriptor (136 bytes): what a rank is about to do. Compared across ranks at the
  * first step of every op, so that a size/dtype/op mismatch is seen by every rank. */
 typedef struct {
     int64_t opkind;
@@ -47,6 +47,7 @@ typedef struct {
     int64_t extra;   /* recv numel, or chunk index for p2p */
     int64_t ndim;
     int64_t shape[TL_MAXDIM];
+    int64_t zc;      /* allreduce: 1 + offset of the tensor in the sender's heap, or 0 (not compared) */
 } tl_desc_t;
 
 typedef struct {

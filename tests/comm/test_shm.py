@@ -333,7 +333,7 @@ def test_results_are_bitwise_identical_on_every_rank():
 # larger than a slot, zero-copy heap, pinning
 # ------------------------------------------------------------------------------------------------
 def _w_large(rank, world):
-    comm = _comm(rank, world, pin_cpu=True, heap_bytes=1 << 16)
+    comm = _comm(rank, world, pin_cpu=True, heap_bytes=4 << 20)
     cpus = sorted(comm._saved_affinity)
     pinned = os.sched_getaffinity(0) == {cpus[rank % len(cpus)]}
     n = 3 * (1 << 20) // 4 + 123  # 3 MiB of float32: three default slots and an odd tail
@@ -348,8 +348,25 @@ def _w_large(rank, world):
     s.fill_(rank + 1)
     comm.allreduce(s, s, ReduceOp.SUM)
     ok = ok and torch.equal(s, torch.full((1000,), float(sum(range(1, world + 1)))))
+    comm.broadcast(s, 1)
+    # zero-copy two-shot allreduce of heap tensors (4 chunks): on every rank, then on rank 0 only
+    z = comm.shared_empty(n, torch.float32)
+    want = torch.arange(n, dtype=torch.float32) * sum(range(1, world + 1))
+    steps = []
+    for mixed in (False, True):
+        t = torch.empty(n) if (mixed and rank == 1) else z
+        t.copy_(torch.arange(n, dtype=torch.float32) * (rank + 1))
+        s0 = comm._engine.step
+        comm.allreduce(t, t, ReduceOp.SUM)
+        steps.append(comm._engine.step - s0)
+        ok = ok and torch.equal(t, want)
+    t = torch.arange(n, dtype=torch.float32) * (rank + 1)
+    s0 = comm._engine.step
+    comm.allreduce(t, t, ReduceOp.SUM)
+    steps.append(comm._engine.step - s0)  # 4 chunks + 1 without zero-copy, one more with it
+    ok = ok and steps == [6, 6, 5] and torch.equal(t, want)
     try:
-        comm.shared_empty(1 << 16, torch.float32)
+        comm.shared_empty(1 << 20, torch.float32)
         heap_err = ""
     except CommError as exc:
         heap_err = str(exc)
@@ -363,7 +380,7 @@ def test_larger_than_slot_pinning_and_shared_empty():
     out = run_ranks(_w_large, 2, timeout=60)
     for ok, pinned, restored, heap_err, _ in out:
         assert ok and pinned and restored
-        assert "heap_bytes=65536" in heap_err and "larger heap_bytes" in heap_err
+        assert "heap_bytes=4194304 left on rank" in heap_err and "larger heap_bytes" in heap_err, heap_err
     assert _leftovers([o[4] for o in out]) == []
 
 

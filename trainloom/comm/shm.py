@@ -228,6 +228,8 @@ class ShmCommunicator:
         pair = max(4096, min(slot // 4, _PAIR_BUDGET // (2 * world_size * world_size)) // 4096 * 4096)
         self._engine = self._rendezvous(store, slot, pair, heap_bytes)
         self._closed = False
+        self._heap_bytes = heap_bytes
+        self._heap_base = self._engine.heap_address(rank) if heap_bytes else 0
         ncpu = len(os.sched_getaffinity(0))
         # Spin only while every rank can own a core; oversubscribed ranks must sleep at once
         # (FINDINGS: spinning 4 ranks on 2 cores fell to gloo speed, futex sleep kept 3.8 GB/s).
@@ -248,6 +250,13 @@ class ShmCommunicator:
         infos = [store.get(k).decode().rsplit("|", 1) for k in node_keys]
         elsewhere = [p for p in range(W) if infos[p][0] != infos[0][0]]
         if elsewhere:
+            # Every rank raises; wait until all have read the identities first, so that the rank
+            # hosting the store does not exit (closing it) while others still read.
+            store.set(f"{pre}/node_seen/{r}", "1")
+            try:
+                self._store_wait(store, [f"{pre}/node_seen/{p}" for p in range(W)], "reporting other nodes")
+            except CommTimeoutError as exc:
+                log.warning("shm communicator %s: %s", pre, exc)
             raise CommError(
                 f"ShmCommunicator(prefix={pre!r}): ranks {elsewhere} are not on the node of rank 0 "
                 f"({infos[0][0]}); they report {sorted({infos[p][0] for p in elsewhere})}. Shared-memory "
@@ -572,8 +581,14 @@ class ShmCommunicator:
                 recv.copy_(send.view_as(recv) if send.shape != recv.shape else send)
             return
         n = send.numel() * mult
+        sp = send.data_ptr()
         out = recv.data_ptr() if (dst < 0 or dst == self.rank) else 0
-        rc = eng.allreduce(d, send.data_ptr(), out, n, kes, kdt, code, self.world_size, dst, t)
+        zc = -1
+        if self._heap_base and dst < 0 and sp == out:
+            off = sp - self._heap_base
+            if 0 <= off and off + n * kes <= self._heap_bytes:
+                zc = off  # a shared_empty tensor: peers read it in place (no copy into the slots)
+        rc = eng.allreduce(d, sp, out, n, kes, kdt, code, self.world_size, dst, t, zc)
         if rc:
             self._raise(rc, name, d[1], t)
 
