@@ -58,26 +58,40 @@ def _worker(cfg: Dict[str, Any]) -> None:
     comm = None
     if "gloo" in cfg["backends"]:
         dist.init_process_group("gloo", store=dist.PrefixStore("gloo", store), rank=rank, world_size=world)
-    if "shm" in cfg["backends"]:
+    zc_buf = None
+    if "shm" in cfg["backends"] or "shm-zc" in cfg["backends"]:
         from trainloom.comm.shm import ReduceOp, ShmCommunicator
 
+        dt0 = getattr(torch, cfg["dtype"])
+        heap = 0
+        if "shm-zc" in cfg["backends"]:
+            heap = (max(cfg["sizes"]) + 4095) // 4096 * 4096
         comm = ShmCommunicator(
-            store, rank, world, prefix="bench/shm", timeout=300.0, slot_bytes=cfg["slot_bytes"]
+            store,
+            rank,
+            world,
+            prefix="bench/shm",
+            timeout=300.0,
+            slot_bytes=cfg["slot_bytes"],
+            heap_bytes=heap,
         )
+        if heap:
+            # zero-copy: tensors allocated inside the segment (like a flattened gradient bucket)
+            zc_buf = comm.shared_empty(heap // torch.empty((), dtype=dt0).element_size(), dt0)
         if cfg["small_bytes"] is not None:
             comm.small_bytes = cfg["small_bytes"]
     dt = getattr(torch, cfg["dtype"])
     es = torch.empty((), dtype=dt).element_size()
 
     def barrier(backend: str) -> None:
-        if backend == "shm":
+        if backend.startswith("shm"):
             comm.barrier()
         else:
             dist.barrier()
 
     def bcast_int(backend: str, v: int) -> int:
         t = torch.tensor([v], dtype=torch.int64)
-        if backend == "shm":
+        if backend.startswith("shm"):
             comm.broadcast(t, 0)
         else:
             dist.broadcast(t, 0)
@@ -89,7 +103,10 @@ def _worker(cfg: Dict[str, Any]) -> None:
         base = (torch.arange(count) % 7).to(dt)
         if op == "allreduce":
             t = base + rank
-            if backend == "shm":
+            if backend == "shm-zc":
+                t = zc_buf[:count]
+                t.copy_(base + rank)
+            if backend.startswith("shm"):
                 return (lambda: comm.allreduce(t, t, ReduceOp.SUM)), t, count * es
             return (lambda: dist.all_reduce(t)), t, count * es
         if op == "broadcast":
@@ -154,10 +171,10 @@ def _worker(cfg: Dict[str, Any]) -> None:
                 ok = all(
                     torch.equal(r, (torch.arange(nbytes // es) % 7).to(dt)) for r in first_result.values()
                 )
-            if len(first_result) == 2:
+            if "shm" in first_result and "gloo" in first_result:
                 ok = ok and torch.equal(first_result["shm"], first_result["gloo"])
-            out[-1]["ok"] = ok
-            out[-1 - (len(cfg["backends"]) - 1)]["ok"] = ok
+            for k in range(len(cfg["backends"])):
+                out[-1 - k]["ok"] = ok
     if comm is not None:
         comm.close()
     if "gloo" in cfg["backends"]:
@@ -234,7 +251,11 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument("--min", default="4K", help="smallest size (bytes; K/M/G suffixes)")
     ap.add_argument("--max", default="128M", help="largest size")
     ap.add_argument("--factor", type=int, default=2, help="size multiplier between steps")
-    ap.add_argument("--backend", default="shm,gloo", help="comma list of shm, gloo")
+    ap.add_argument(
+        "--backend",
+        default="shm,gloo",
+        help="comma list of shm, gloo, shm-zc (shm with tensors from shared_empty: zero-copy allreduce)",
+    )
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds per size (median reported)")
     ap.add_argument("--target", type=float, default=0.05, help="seconds per round (sets iterations)")
@@ -251,7 +272,9 @@ def main(argv: List[str] | None = None) -> int:
     ops = list(OPS) if args.op == "all" else [o.strip() for o in args.op.split(",") if o.strip()]
     bad = [o for o in ops if o not in OPS]
     backends = [b.strip() for b in args.backend.split(",") if b.strip()]
-    if bad or not backends or any(b not in ("shm", "gloo") for b in backends):
+    if "shm-zc" in backends and ops != ["allreduce"]:
+        ap.error("shm-zc (zero-copy) applies to allreduce only")
+    if bad or not backends or any(b not in ("shm", "gloo", "shm-zc") for b in backends):
         ap.error(f"unknown op/backend: ops {ops}, backends {backends}")
     nprocs = [int(x) for x in args.nproc.split(",")]
     lo, hi = benchutil.parse_size(args.min), benchutil.parse_size(args.max)
@@ -307,14 +330,14 @@ def main(argv: List[str] | None = None) -> int:
                         series.setdefault(b, ([], []))
                         series[b][0].append(size)
                         series[b][1].append(alg * bf)
-                    if len(backends) == 2:
+                    if "gloo" in backends and "shm" in backends:
                         row.append(times["gloo"] / times["shm"])
                     row.append("ok" if all(table[(op, size, b)]["ok"] for b in backends) else "WRONG")
                     rows.append(row)
                 headers = ["size"]
                 for b in backends:
                     headers += [f"{b} time (us)", f"{b} algbw (GB/s)", f"{b} busbw (GB/s)", f"{b} cpu (us)"]
-                if len(backends) == 2:
+                if "gloo" in backends and "shm" in backends:
                     headers.append("gloo/shm time")
                 headers.append("check")
                 title = f"{op}, {nproc} processes"
