@@ -33,6 +33,7 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.mem cimport PyMem_Free, PyMem_RawFree, PyMem_RawMalloc, PyMem_Realloc
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdio cimport snprintf
 from libc.string cimport memcpy, memset
 
 # ---------------------------------------------------------------------------------------------------
@@ -1025,6 +1026,18 @@ def decode(buf, bint copy=True):
     may be released right after (LMDB buffers). With ``copy=False`` and a writable ``buf`` (a
     bytearray), the arrays are views of ``buf`` itself.
     """
+    return _decode(buf, copy)
+
+
+cdef object _decode(object buf, bint copy):
+    """Decode a value produced by :func:`encode`.
+
+    Verifies the checksum first; raises :class:`ChecksumError` for damaged values and
+    :class:`CodecError` for anything that is not an encoded value. With ``copy=True`` (the default)
+    the array bytes are copied once into a fresh buffer the returned tensors/arrays view, so ``buf``
+    may be released right after (LMDB buffers). With ``copy=False`` and a writable ``buf`` (a
+    bytearray), the arrays are views of ``buf`` itself.
+    """
     cdef Py_buffer view
     cdef const uint8_t* p
     cdef uint32_t meta_len
@@ -1116,7 +1129,7 @@ def decode_many_get(get, keys):
             out.append(None)
         else:
             nbytes += len(v)
-            out.append(decode(v, True))
+            out.append(_decode(v, True))
     return out, nbytes
 
 
@@ -1129,5 +1142,41 @@ def decode_list(values):
             out.append(None)
         else:
             nbytes += len(v)
-            out.append(decode(v, True))
+            out.append(_decode(v, True))
     return out, nbytes
+
+
+def int_keys(bytes prefix, indices, Py_ssize_t n):
+    """``[prefix + b"%d" % i for i in indices]`` when every index is an int in ``[0, n)`` (n < 0: no
+    bound), else None (the caller then validates each index and reports the bad one)."""
+    cdef list out = []
+    cdef char buf[32]
+    cdef Py_ssize_t plen = len(prefix)
+    cdef long long v
+    cdef int m
+    for i in indices:
+        if type(i) is not int:
+            return None
+        try:
+            v = i
+        except OverflowError:
+            return None
+        if v < 0 or (n >= 0 and v >= n):
+            return None
+        m = snprintf(buf, sizeof(buf), "%lld", v)
+        k = PyBytes_FromStringAndSize(NULL, plen + m)
+        memcpy(PyBytes_AS_STRING(k), PyBytes_AS_STRING(prefix), plen)
+        memcpy(PyBytes_AS_STRING(k) + plen, buf, m)
+        out.append(k)
+    return out
+
+
+def missing_positions(list values, sentinel):
+    """Positions of ``values`` that are None or ``sentinel`` (identity checks only)."""
+    cdef list out = []
+    cdef Py_ssize_t i
+    for i in range(len(values)):
+        v = values[i]
+        if v is None or v is sentinel:
+            out.append(i)
+    return out

@@ -325,3 +325,18 @@ def test_redis_out_of_memory_stops_writes_with_one_warning(tmp_path, own_redis):
     for batch in DataLoader(ds, batch_size=4):  # reads keep working
         check_batch(batch)
     assert ds.stats()["hits"] > 0
+
+
+def test_unusual_indices_and_keys(tmp_path):
+    base = CountingDataset(6, tmp_path / "log")
+    ds = CachedDataset(base, path=tmp_path, dataset_name="idx")
+    out = ds.__getitems__([np.int64(1), torch.tensor(2), -1, True])  # numpy/tensor ints, negative, bool
+    assert [int(x[0][0, 0]) for x in out] == [1, 2, 5, 1]
+    with pytest.raises(IndexError, match="index 6 out of range"):
+        ds.__getitems__([0, 6])
+    with pytest.raises(IndexError, match=r"index 1180591620717411303424 out of range"):
+        ds.__getitems__([2**70])
+    loader = CacheLoader(path=tmp_path, dataset_name="keys")
+    got = loader.get_many([-3, 2**70, "path/x.jpg", (1, 2)], lambda k: str(k))
+    assert got == ["-3", str(2**70), "path/x.jpg", "(1, 2)"]
+    assert loader.store.get("keys_-3") is not None and loader.store.get("keys_(1, 2)") is not None

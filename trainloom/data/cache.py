@@ -346,15 +346,18 @@ class CacheLoader:
         load_fn: Callable[[Any], Any],
         load_many: Optional[Callable[[List[Any]], List[Any]]] = None,
         what: str = "key",
+        store_keys: Optional[List[bytes]] = None,
     ) -> List[Any]:
         """Values for several keys with one batched read; misses computed with ``load_many(keys)``
-        when given, else ``load_fn(key)`` each."""
+        when given, else ``load_fn(key)`` each. ``store_keys`` (internal) are the keys already
+        formatted by :meth:`key`."""
         self._check_pid()
-        p = self._prefix
-        # Fast path for int keys (dataset indices): one bytes formatting each, no method call.
-        ks = [b"%b%d" % (p, k) if type(k) is int else self.key(k) for k in keys]
+        # Fast path for int keys (dataset indices): formatted in one C loop.
+        ks = store_keys if store_keys is not None else _codec.int_keys(self._prefix, keys, -1)
+        if ks is None:
+            ks = [self.key(k) for k in keys]
         vals = self._read(ks)
-        missing = [i for i, v in enumerate(vals) if v is None or v is _CORRUPT]
+        missing = _codec.missing_positions(vals, _CORRUPT)
         self._stats["hits"] += len(ks) - len(missing)
         if missing:
             bad = sum(1 for i in missing if vals[i] is _CORRUPT)
@@ -563,9 +566,12 @@ class CachedDataset(Dataset):
         return self.cache_loader.get_many([i], self._load, self._load_many, what="dataset index")[0]
 
     def __getitems__(self, indices: Sequence[Any]) -> List[Any]:
-        n = self._len
-        idx = [i if type(i) is int and 0 <= i < n else self._index(i) for i in indices]
-        return self.cache_loader.get_many(idx, self._load, self._load_many, what="dataset index")
+        loader = self.cache_loader
+        # One C loop validates the indices and formats their keys; anything unusual (negative,
+        # numpy ints, out of range) takes the checked path that names the bad index.
+        ks = _codec.int_keys(loader._prefix, indices, self._len)
+        idx = indices if ks is not None else [self._index(i) for i in indices]
+        return loader.get_many(idx, self._load, self._load_many, what="dataset index", store_keys=ks)
 
     def stats(self) -> Dict[str, int]:
         """This process's cache counters (see :meth:`CacheLoader.stats`)."""
