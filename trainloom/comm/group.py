@@ -104,6 +104,9 @@ def _shm_status() -> Optional[str]:
             _SHM_STATE["why"] = None if shm_supported() else "shm_supported() is False on this OS"
         except ImportError as exc:
             _SHM_STATE["why"] = f"trainloom.comm.shm does not import ({exc})"
+            # Once per process: same-node CPU groups silently falling back to gloo would hide a
+            # missing or stale build of the shared-memory engine.
+            logger.warning("shared-memory engine unavailable, same-node CPU groups use gloo: %s", exc)
     return _SHM_STATE["why"]
 
 
