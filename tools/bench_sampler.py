@@ -240,7 +240,7 @@ def main() -> None:
         f"max_complexity={budget:.0f} tokens per rank per step (packed len^2: {budget**2 / 2:.3g}); the "
         f"fixed batch size of the peer is {fixed_batch} (budget / mean length).",
         "",
-        f"## Plan time per rank (construct + one epoch), ms (median of {repeat})",
+        f"## Plan time per rank (construct + one epoch): wall ms, median (CPU ms, best) of {repeat} runs",
         "",
         markdown_table(
             [
