@@ -817,6 +817,7 @@ cdef class Engine:
     cdef int pid
     cdef int exports   # live HeapBuffer objects: the mapping must outlive them
     cdef int closed
+    cdef readonly int attach_order  # 1 for the first rank that mapped the segment, world for the last
     cdef public size_t small_bytes
 
     def __cinit__(self):
@@ -944,7 +945,7 @@ cdef class Engine:
         self.rank = rank
         self.world = world
         self.name = name.decode()
-        tl_add(&h.attached.v, 1)
+        self.attach_order = <int>tl_add(&h.attached.v, 1) + 1
         return 0
 
     @staticmethod

@@ -302,6 +302,10 @@ class ShmCommunicator:
             except (OSError, ValueError) as exc:
                 store.set(f"{pre}/mapped/{r}", f"rank {r}: {exc}")
                 raise CommError(f"ShmCommunicator rank {r}: cannot map segment {name}: {exc}") from exc
+            if eng.attach_order == W:
+                # The last rank to map the segment removes its name at once; rank 0 would do it
+                # too, but only after it has read every rank's "mapped" key from the store.
+                _shm.Engine.unlink(name.encode())
             store.set(f"{pre}/mapped/{r}", "ok")
         # Dead-peer detection uses kill(pid, 0): only possible for peers in our pid namespace.
         for p in range(W):
@@ -948,8 +952,10 @@ class ShmCommunicator:
 
         Needs ``heap_bytes`` at construction (per rank). Memory comes from a bump allocator
         (64-byte aligned) and is returned only with the communicator; the mapping stays valid while
-        any such tensor is alive, also after :meth:`close`. Collectives accept these tensors like
-        any other (the data still passes through the slots; see docs/shm.md).
+        any such tensor is alive, also after :meth:`close`. An in-place :meth:`allreduce` of such a
+        tensor (or of a view of it) above ``small_bytes`` is zero-copy: peers read it where it is
+        and the reduced parts are written back in place (about half the CPU time and memory
+        traffic). Every other op accepts these tensors like any other.
 
         Raises:
             CommError: the heap is exhausted (says how much is left) or the communicator is closed.
