@@ -658,6 +658,28 @@ def validation_two_ranks(rank: int, ws: int) -> Dict[str, Any]:
     t = torch.ones(2)
     C.allreduce_inplace(t)
     out["ok"] = t.tolist()
+    # Bagua's early API (bagua-communication-early.txt): in-place allreduce/reduce, broadcast(root=)
+    comm = C.get_default_group().get_global_communicator()
+    early = {}
+    t = torch.full((2,), float(rank + 1))
+    C.allreduce(t)
+    early["allreduce(t)"] = t.tolist()
+    t = torch.full((2,), float(rank + 1))
+    C.allreduce(t, dist.ReduceOp.MAX, comm)
+    early["allreduce(t, MAX, comm)"] = t.tolist()
+    t = torch.full((2,), float(rank + 1))
+    C.allreduce(t, op=ReduceOp.PRODUCT)
+    early["allreduce(t, op=PRODUCT)"] = t.tolist()
+    t = torch.full((2,), float(rank + 1))
+    C.reduce(t, 1, ReduceOp.MAX, comm)
+    early["reduce(t, 1, MAX, comm)"] = t.tolist()
+    t = torch.full((2,), float(rank + 1))
+    C.reduce(t, dst=0)
+    early["reduce(t, dst=0)"] = t.tolist()
+    t = torch.full((2,), float(rank + 1))
+    C.broadcast(t, root=1)
+    early["broadcast(t, root=1)"] = t.tolist()
+    out["early"] = early
     C.destroy_process_group()
     return out
 

@@ -257,6 +257,12 @@ def test_bad_arguments_raise_before_any_engine(world1):
         (lambda: C.allreduce_inplace(f32, comm="world"), TypeError, r"comm must be a trainloom Communicator"),
         (lambda: C.new_group([1]), ValueError, r"new_group: rank 1 is outside the world 0..0"),
         (lambda: C.new_group([0, 0]), ValueError, r"contain duplicates"),
+        (lambda: C.reduce(f32), TypeError, r"reduce: dst \(the destination rank\) is required"),
+        (
+            lambda: C.allreduce(f32, [1.0] * 4),
+            TypeError,
+            r"allreduce: recv_tensor must be a torch.Tensor, got list",
+        ),
     ]
     for fn, exc, pattern in cases:
         with pytest.raises(exc, match=pattern):
@@ -276,6 +282,14 @@ def test_validation_that_needs_two_ranks():
         )
         assert r["hierarchical_sub"].startswith("ValueError: allreduce(hierarchical=True): comm must be")
         assert r["ok"] == [2.0, 2.0]
+    for rank, r in enumerate(res):
+        e = r["early"]
+        assert e["allreduce(t)"] == [3.0, 3.0]
+        assert e["allreduce(t, MAX, comm)"] == [2.0, 2.0]
+        assert e["allreduce(t, op=PRODUCT)"] == [2.0, 2.0]
+        assert e["reduce(t, 1, MAX, comm)"] == ([2.0, 2.0] if rank == 1 else [1.0, 1.0])
+        assert e["reduce(t, dst=0)"] == ([3.0, 3.0] if rank == 0 else [2.0, 2.0])
+        assert e["broadcast(t, root=1)"] == [2.0, 2.0]
 
 
 def test_python_O_still_validates(tmp_path):

@@ -209,6 +209,16 @@ def _check_op(op: Any, dtype: torch.dtype, opname: str) -> ReduceOp:
     return value
 
 
+def _op_like(x: Any) -> bool:
+    """Whether ``x`` can only be a reduce op (Bagua's early positional ``op``), not a tensor."""
+    if isinstance(x, (ReduceOp, int)):
+        return not isinstance(x, bool)
+    try:
+        return x in _TORCH_TO_OURS
+    except TypeError:  # unhashable
+        return False
+
+
 def _counts(v: Any, arg: str, n: int, opname: str) -> List[int]:
     try:
         out = [int(x) for x in v]
@@ -300,7 +310,7 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 # --------------------------------------------------------------------------- reductions
 def allreduce(
     send_tensor: torch.Tensor,
-    recv_tensor: torch.Tensor,
+    recv_tensor: Optional[torch.Tensor] = None,
     op: ReduceOp = ReduceOp.SUM,
     comm: Optional[Communicator] = None,
     async_op: bool = False,
@@ -311,7 +321,8 @@ def allreduce(
     Args:
         send_tensor: input.
         recv_tensor: output, same number of elements, dtype and device as ``send_tensor`` (may be
-            ``send_tensor`` itself).
+            ``send_tensor`` itself). Bagua's early in-place form ``allreduce(tensor, op, comm)`` is
+            accepted too: without a tensor here the operation runs in place.
         op: a :class:`ReduceOp`.
         comm: the communicator; None means the default group's global communicator.
         async_op: return a Work instead of blocking.
@@ -333,6 +344,13 @@ def allreduce(
         allreduce(send, recv)            # recv == [4, 6] on both of 2 ranks
     """
     name = "allreduce"
+    if not isinstance(recv_tensor, torch.Tensor) and (recv_tensor is None or _op_like(recv_tensor)):
+        # Bagua's early API: allreduce(tensor, op=SUM, comm=None), in place.
+        if recv_tensor is not None:
+            if isinstance(op, Communicator) and comm is None:
+                comm = op
+            op = recv_tensor
+        recv_tensor = send_tensor
     c = _comm(comm, name)
     s = _tensor(send_tensor, "send_tensor", name)
     r = _tensor(recv_tensor, "recv_tensor", name)
@@ -421,8 +439,8 @@ def _hierarchical(
 
 def reduce(
     send_tensor: torch.Tensor,
-    recv_tensor: torch.Tensor,
-    dst: int,
+    recv_tensor: Optional[torch.Tensor] = None,
+    dst: Optional[int] = None,
     op: ReduceOp = ReduceOp.SUM,
     comm: Optional[Communicator] = None,
     async_op: bool = False,
@@ -432,7 +450,7 @@ def reduce(
     Args:
         send_tensor: input.
         recv_tensor: output on ``dst`` (same number of elements as ``send_tensor``); not written on
-            other ranks.
+            other ranks. Bagua's early in-place form ``reduce(tensor, dst, op, comm)`` is accepted too.
         dst: destination rank in the communicator.
         op: a :class:`ReduceOp`.
         comm: the communicator; None means the default group's global communicator.
@@ -451,6 +469,18 @@ def reduce(
         reduce(torch.ones(4), out, dst=0)  # rank 0: [world] * 4; others: unchanged
     """
     name = "reduce"
+    if not isinstance(recv_tensor, torch.Tensor):
+        if isinstance(recv_tensor, int) and not isinstance(recv_tensor, bool):
+            # Bagua's early API, positionally: reduce(tensor, dst, op=SUM, comm=None), in place.
+            if dst is not None:
+                if isinstance(op, Communicator) and comm is None:
+                    comm = op
+                op = dst
+            dst, recv_tensor = recv_tensor, send_tensor
+        elif recv_tensor is None:  # reduce(tensor, dst=...): the early form by keyword
+            recv_tensor = send_tensor
+    if dst is None:
+        raise TypeError("reduce: dst (the destination rank) is required")
     c = _comm(comm, name)
     s = _tensor(send_tensor, "send_tensor", name)
     r = _tensor(recv_tensor, "recv_tensor", name)
@@ -633,13 +663,19 @@ class _ChainedWork(Work):
 
 # --------------------------------------------------------------------------- data movement
 def broadcast(
-    tensor: torch.Tensor, src: int = 0, comm: Optional[Communicator] = None, async_op: bool = False
+    tensor: torch.Tensor,
+    src: int = 0,
+    comm: Optional[Communicator] = None,
+    async_op: bool = False,
+    *,
+    root: Optional[int] = None,
 ) -> Optional[Work]:
     """Copy ``tensor`` of rank ``src`` into ``tensor`` on every rank.
 
     Args:
         tensor: data on ``src``, output elsewhere; same number of elements on every rank.
         src: source rank. Default 0.
+        root: Bagua's early name for ``src``; when given it wins.
         comm: the communicator; None means the default group's global communicator.
         async_op: return a :class:`~trainloom.comm.work.Work` instead of blocking.
 
@@ -656,6 +692,8 @@ def broadcast(
         broadcast(w, src=0)
     """
     name = "broadcast"
+    if root is not None:
+        src = root
     c = _comm(comm, name)
     t = _tensor(tensor, "tensor", name)
     s = _rank_arg(src, "src", c, name)
