@@ -550,6 +550,10 @@ cdef inline int _try_place(int64_t it, double c, double budget, Bin* heap, int64
     return 0
 
 
+# Blocks dealt together (see _packed): 8 int64 slots fill one 64-byte cache line of each step.
+DEF DEAL_TILE = 8
+
+
 cdef int64_t _packed(const double* cs, int64_t n, bint shuffle, uint64_t seed, int64_t world,
                      double budget, int64_t nsteps, int64_t* step_items, int64_t* step_slot,
                      int64_t* tmp) noexcept nogil:
@@ -558,7 +562,8 @@ cdef int64_t _packed(const double* cs, int64_t n, bint shuffle, uint64_t seed, i
     On return, step_items[k] is a position (cs[pos] is non-increasing in pos) and step_slot[k]
     its slot, for k in range(n). Positions, not item ids: each step's items come out of the
     bucketing in increasing position, i.e. longest first, with no per-step sort.
-    tmp holds 2 * n + 3 * world + nsteps + 1 int64 of scratch. Returns the number of steps used.
+    tmp holds 2 * n + 3 * world + (DEAL_TILE + 1) * nsteps + 1 int64 of scratch. Returns the
+    number of steps used.
     """
     cdef int64_t* step_of = tmp  # a block's permutation of the steps; later the drain's map
     cdef double* step_cost = <double*>(tmp + n)
@@ -566,7 +571,8 @@ cdef int64_t _packed(const double* cs, int64_t n, bint shuffle, uint64_t seed, i
     cdef int64_t* cnt = tmp + 2 * n + 2 * world
     cdef int64_t* off = tmp + 2 * n + 3 * world
     cdef int64_t* perm = step_of
-    cdef int64_t i, s, si, size, nleft, step, rr = 0, k, j, pos, base
+    cdef int64_t* tile = tmp + 2 * n + 3 * world + nsteps + 1
+    cdef int64_t i, s, si, size, nleft, step, rr = 0, k, j, pos, base, b, kb
     cdef int64_t nfull = n // nsteps
     cdef int64_t rem = n - nfull * nsteps
     cdef Rng r
@@ -596,15 +602,28 @@ cdef int64_t _packed(const double* cs, int64_t n, bint shuffle, uint64_t seed, i
         si = off[perm[j]] + nfull
         step_items[si] = base + j
         step_cost[si] = cs[base + j]
-    for k in range(nfull):
-        if shuffle:
-            _fisher_yates(perm, nsteps, &r)
-        base = k * nsteps
-        for j in range(nsteps):
-            pos = base + j
-            si = off[perm[j]] + k
-            step_items[si] = pos
-            step_cost[si] = cs[pos]
+    # Full blocks, DEAL_TILE blocks at a time. For each block a random permutation says which
+    # item (offset j in the block) goes to step s: tile[b * nsteps + s] = j. Walking steps in the
+    # outer loop writes DEAL_TILE consecutive slots of each step at once; walking items instead
+    # wrote one slot in each of nsteps distant places per block (a transpose that missed the TLB
+    # on every write: 40% of the plan at 2M items and 1440 steps).
+    k = 0
+    while k < nfull:
+        kb = nfull - k
+        if kb > DEAL_TILE:
+            kb = DEAL_TILE
+        for b in range(kb):
+            for s in range(nsteps):
+                tile[b * nsteps + s] = s
+            if shuffle:
+                _fisher_yates(tile + b * nsteps, nsteps, &r)
+        for s in range(nsteps):
+            si = off[s] + k
+            for b in range(kb):
+                pos = (k + b) * nsteps + tile[b * nsteps + s]
+                step_items[si + b] = pos
+                step_cost[si + b] = cs[pos]
+        k += kb
 
     # Phase 3: longest first to the least-loaded open bin. An item that fits no bin is left over
     # (slot -1) for the drain below, never carried into the next step: carrying made the work
@@ -673,7 +692,7 @@ def packed_plan(const double[::1] cs, int64_t world, double budget, int64_t nste
     for i in range(n):
         if not (cs[i] >= 0.0) or (i > 0 and cs[i] > cs[i - 1]):
             raise ValueError(f"packed_plan: at position {i}, cs is negative, NaN or not non-increasing")
-    cdef int64_t ntmp = 2 * n + 3 * world + nsteps + 1
+    cdef int64_t ntmp = 2 * n + 3 * world + (DEAL_TILE + 1) * nsteps + 1
     cdef int64_t* tmp = <int64_t*>malloc(ntmp * sizeof(int64_t))
     if tmp == NULL:
         raise MemoryError(f"packed_plan: cannot allocate scratch for {n} items")
