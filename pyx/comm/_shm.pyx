@@ -30,6 +30,8 @@ from cpython.exc cimport PyErr_CheckSignals
 
 import time as _time
 
+from trainloom.errors import CommError
+
 
 cdef extern from "<fcntl.h>" nogil:
     int posix_fallocate(int fd, long offset, long length)
@@ -1094,16 +1096,18 @@ cdef class Engine:
 
     cdef int _check_open(self) except -1:
         if self.st.base == NULL or self.closed:
-            raise RuntimeError("engine is closed")
+            raise CommError("shared-memory engine used after close()")
         return 0
 
     cdef int _enter(self) except -1:
         if self.st.base == NULL or self.closed:
-            raise RuntimeError("engine is closed")
+            raise CommError("shared-memory engine used after close()")
         if self.busy:
-            raise RuntimeError("a communicator is used by one thread at a time; another call is running")
+            raise CommError(
+                "a communicator is used by one thread at a time; another call is running on it "
+                "(serialise calls, e.g. on one worker thread)")
         if getpid() != self.pid:
-            raise RuntimeError(
+            raise CommError(
                 f"this communicator was created in process {self.pid} and cannot be used in forked "
                 f"child {getpid()}; create a new one in the child")
         self.busy = 1
@@ -1151,7 +1155,7 @@ cdef class Engine:
             while self.busy and tl_now() - t0 < 5.0:
                 _time.sleep(0.001)
             if self.busy:
-                raise RuntimeError("close(): an operation running on another thread did not stop within 5 s")
+                raise CommError("close(): an operation running on another thread did not stop within 5 s")
         self.st.ranks[self.st.rank].closed = 1
         tl_fence()
         for p in range(self.st.world):

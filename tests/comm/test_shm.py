@@ -560,6 +560,41 @@ def test_signal_handlers_run_during_a_wait_and_abort_the_communicator():
     assert "aborted by rank 0 (a signal handler (Ctrl-C) interrupted a collective there)" in out[1], out[1]
 
 
+def _w_threads(rank, world):
+    import threading
+
+    comm = _comm(rank, world, timeout=30.0)
+    comm.barrier()
+    if rank == 0:
+        box = {}
+
+        def waiter():
+            box["err"] = _catch(lambda: comm.barrier())
+
+        th = threading.Thread(target=waiter)
+        th.start()
+        # the waiting thread released the GIL: this thread keeps running Python meanwhile
+        spins, t_end = 0, time.monotonic() + 0.3
+        while time.monotonic() < t_end:
+            spins += 1
+        busy = _catch(lambda: comm.allreduce(torch.ones(2), torch.ones(2), ReduceOp.SUM))
+        comm.close()  # from another thread than the one waiting: the wait gives up
+        th.join(10)
+        return spins, busy, box.get("err"), th.is_alive()
+    time.sleep(1.0)
+    comm.barrier()  # rank 0 published this step before its wait was cut short
+    return _catch(lambda: comm.barrier())
+
+
+def test_gil_is_released_and_close_from_another_thread_stops_a_wait():
+    out = run_ranks(_w_threads, 2, timeout=40)
+    spins, busy, err, alive = out[0]
+    assert spins > 1000 and not alive
+    assert "a communicator is used by one thread at a time" in busy, busy
+    assert "closed by another thread during the call" in err, err
+    assert "rank 0 closed its communicator while this rank waited for it" in out[1], out[1]
+
+
 def test_abort_makes_peers_fail_fast():
     out = run_ranks(_w_die, 2, "abort", timeout=40)
     msg = out[0][0]
