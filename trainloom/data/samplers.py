@@ -233,7 +233,7 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
             results are kept. Reads every sample: prefer ``complexities``.
         num_replicas: number of ranks; default torch.distributed's world size, or 1.
         rank: this process's rank; default torch.distributed's rank, or 0.
-        shuffle: shuffle the chunk order and ties (seeded by ``seed + epoch``).
+        shuffle: shuffle the chunk order and ties (seeded by ``seed`` and the epoch).
         seed: random seed, identical on every rank.
         drop_last: drop, instead of duplicate, samples to make the dataset divisible by ranks.
         random_level: 0 (best balance) to 1 (close to random): noise added to the sort key.
