@@ -93,10 +93,10 @@ def test_buffered_writes_flush_on_flush_and_close(tmp_path):
     loader = CacheLoader(path=tmp_path, dataset_name="b", writer_buffer_size=10)
     for i in range(7):
         loader.get(i, lambda k: k)
-    assert loader.num_keys() == 0 and loader.stats()["buffered"] == 7
+    assert loader.store.num_keys() == 0 and loader.stats()["buffered"] == 7
     assert loader.get(3, lambda k: -1) == 3  # served from the write buffer, not recomputed
     loader.flush()
-    assert loader.num_keys() == 7
+    assert loader.store.num_keys() == 7 and loader.stats()["buffered"] == 0
     for i in range(7, 10):
         loader.get(i, lambda k: k)
     loader.close()
@@ -130,8 +130,9 @@ def test_dataloader_workers_lose_no_writes(tmp_path, method, persistent):
     for batch in dl:
         check_batch(batch)
     del dl  # persistent workers stop here; their Finalize flushes
-    ds.cache_loader.flush()
-    assert ds.cache_loader.num_keys() == 50  # 25 per worker, buffer of 20: 5 flushed only at worker exit
+    ds.cache_loader.flush()  # the parent's own ds[0]
+    # 25 per worker, buffer of 20: 5 values per worker were flushed only when the worker stopped.
+    assert ds.cache_loader.store.num_keys() == 1 + 50
     computed = base.computed()
     assert sorted(set(computed)) == list(range(50))
     for batch in DataLoader(ds, batch_size=4):
@@ -151,9 +152,8 @@ def test_dataloader_no_workers_and_batched_reads(tmp_path):
     ds = CachedDataset(base, CountingStore(tmp_path / "db", namespace="n"), "n", writer_buffer_size=7)
     for batch in DataLoader(ds, batch_size=8):
         check_batch(batch)
-    assert ds.cache_loader.num_keys() == 28  # 4 full buffers of 7; 2 values still buffered
-    ds.cache_loader.flush()
-    assert ds.cache_loader.num_keys() == 30
+    assert ds.cache_loader.store.num_keys() == 1 + 28  # fingerprint + 4 full buffers of 7; 2 buffered
+    assert ds.cache_loader.num_keys() == 30  # flushes this process's buffer first
     CountingStore.calls = 0
     for batch in DataLoader(ds, batch_size=8):
         check_batch(batch)

@@ -382,8 +382,11 @@ class CacheLoader:
         return [v is not None or k in self._buffer for k, v in zip(ks, out)]
 
     def num_keys(self) -> int:
-        """The number of cached values of this loader's ``dataset_name`` (written ones)."""
+        """The number of cached values of this loader's ``dataset_name``.
+
+        Flushes this process's write buffer first, so every value computed here is counted."""
         self._check_pid()
+        self.flush()
         n = self.store.num_keys()
         if self._has_meta and n:
             n -= 1
