@@ -340,3 +340,12 @@ def test_unusual_indices_and_keys(tmp_path):
     got = loader.get_many([-3, 2**70, "path/x.jpg", (1, 2)], lambda k: str(k))
     assert got == ["-3", str(2**70), "path/x.jpg", "(1, 2)"]
     assert loader.store.get("keys_-3") is not None and loader.store.get("keys_(1, 2)") is not None
+
+
+def test_big_buffers_flush_early_instead_of_dropping(tmp_path):
+    loader = CacheLoader(path=tmp_path, dataset_name="big", writer_buffer_size=1000, max_buffer_bytes=50_000)
+    for i in range(20):
+        loader.get(i, lambda k: np.zeros(10_000, np.uint8))  # 10 KB each: 5 fit in the byte bound
+    s = loader.stats()
+    assert s["dropped"] == 0 and s["flushes"] >= 3 and s["buffered_bytes"] < 50_000
+    assert loader.num_keys() == 20

@@ -102,7 +102,8 @@ class CacheLoader:
             ``"bypass"``: warn once, count the error, serve misses (compute with ``load_fn``) and
             retry the store after ``retry_interval`` seconds; writes wait in a buffer of at most
             ``max_buffer_bytes`` (the oldest are dropped and counted beyond that).
-        max_buffer_bytes: bound of the write buffer in bypass mode (default 64 MiB).
+        max_buffer_bytes: bound of the write buffer (default 64 MiB): reaching it flushes early, and
+            while the store is down (bypass mode) the oldest buffered values are dropped beyond it.
         retry_interval: seconds between attempts to use a failed store in bypass mode.
         **store_kwargs: passed to the store (``path=``, ``map_size=`` for LMDB; ``hosts=``,
             ``cluster_mode=``, ``capacity_per_node=`` for Redis).
@@ -287,12 +288,15 @@ class CacheLoader:
             self._buffer[k] = encoded
             self._buffer_bytes += len(encoded)
             self._ensure_finalizer()
-            if len(self._buffer) >= self.writer_buffer_size and not self._is_down():
+            full = len(self._buffer) >= self.writer_buffer_size or self._buffer_bytes >= self.max_buffer_bytes
+            if full and not self._is_down():
                 self.flush()
-            self._trim_buffer()
+            if self._is_down():
+                self._trim_buffer()
 
     def _trim_buffer(self) -> None:
-        # Only grows past writer_buffer_size while the store is down (bypass): bounded in bytes.
+        # The buffer only outgrows writer_buffer_size/max_buffer_bytes while the store is down
+        # (bypass mode): then the oldest values are dropped, so it stays bounded in bytes.
         while self._buffer and self._buffer_bytes > self.max_buffer_bytes and len(self._buffer) > 1:
             k = next(iter(self._buffer))
             self._buffer_bytes -= len(self._buffer.pop(k))
