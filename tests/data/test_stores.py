@@ -292,3 +292,18 @@ def test_store_errors_pickle_across_processes():
     assert isinstance(StoreUnavailableError("x"), ConnectionError)
     c = pickle.loads(pickle.dumps(ChecksumError("damaged value")))
     assert type(c) is ChecksumError and isinstance(c, ValueError) and str(c) == "damaged value"
+
+
+def test_lmdb_readonly_and_writer_in_one_process(tmp_path):
+    with LmdbStore(tmp_path, namespace="a") as w:
+        w.set("k", b"v")
+    ro = LmdbStore(tmp_path, namespace="a", readonly=True)
+    assert ro.get("k") == b"v"
+    with pytest.raises(StoreError, match="already open read-only in this process"):
+        LmdbStore(tmp_path, namespace="a").set("k", b"w")
+    with pytest.raises(StoreError, match="opened read-only"):
+        ro.set("k", b"w")
+    with pytest.raises(StoreError, match="namespace 'zz' does not exist"):
+        LmdbStore(tmp_path, namespace="zz", readonly=True).num_keys()
+    ro.close()
+    LmdbStore(tmp_path, namespace="a").set("k", b"w")

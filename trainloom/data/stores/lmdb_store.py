@@ -57,7 +57,7 @@ def _import_lmdb() -> Any:
 
 
 # One environment per path per process: py-lmdb refuses to open a path twice in one process, and
-# several stores (namespaces) commonly share the default path. path -> [env, pid, users].
+# several stores (namespaces) commonly share the default path. path -> [env, pid, users, readonly].
 _ENVS: Dict[str, List[Any]] = {}
 _ENVS_LOCK = threading.Lock()
 
@@ -76,6 +76,12 @@ def _acquire_env(store: LmdbStore) -> Any:
                 entry[0].close()
             del _ENVS[key]
             entry = None
+        if entry is not None and entry[3] and not store.readonly:
+            raise StoreError(
+                f"LmdbStore: {store.path} is already open read-only in this process (LMDB allows one "
+                "environment per path and process); close the read-only stores first",
+                backend="lmdb",
+            )
         if entry is None:
             try:
                 env = lmdb.open(
@@ -95,7 +101,7 @@ def _acquire_env(store: LmdbStore) -> Any:
                 raise StoreError(f"LmdbStore: cannot open {store.path}: {exc}", backend="lmdb") from exc
             # Reclaim reader slots of processes that died (killed DataLoader workers) at every open.
             store.reader_checks += env.reader_check()
-            entry = _ENVS[key] = [env, pid, 0]
+            entry = _ENVS[key] = [env, pid, 0, store.readonly]
         entry[2] += 1
         return entry[0]
 
