@@ -2,7 +2,7 @@
 
 Models (parameter shapes only; gradients are random):
   * ``gpt2``: GPT-2 small, 148 tensors, 124M parameters;
-  * ``many``: 2000 tensors of 1k-50k elements (log-uniform, seed 0), about 20M parameters;
+  * ``many``: 2000 tensors of 1k-50k elements (log-uniform, seed 0), 20M parameters;
   * ``mlp``: a 4-tensor MLP (Linear(32, 64), Linear(64, 10)), 2.8k parameters.
 
 For SGD (momentum 0.9), Adam and AdamW, on 1 and 2 threads: milliseconds per step of torch's default
@@ -51,10 +51,15 @@ def gpt2_shapes(scale: int = 1) -> List[Tuple[int, ...]]:
     return shapes + [(d,), (d,)]
 
 
-def many_shapes(n: int = 2000, lo: int = 1000, hi: int = 50_000) -> List[Tuple[int, ...]]:
+def many_shapes(
+    n: int = 2000, lo: int = 1000, hi: int = 50_000, total: int = 20_000_000
+) -> List[Tuple[int, ...]]:
+    """n sizes in [lo, hi], log-uniform (seed 0), scaled so that they add up to about ``total``."""
     g = torch.Generator().manual_seed(0)
     u = torch.rand(n, generator=g, dtype=torch.float64)
-    return [(int(math.exp(math.log(lo) + float(x) * (math.log(hi) - math.log(lo)))),) for x in u]
+    raw = [math.exp(math.log(lo) + float(x) * (math.log(hi) - math.log(lo))) for x in u]
+    scale = total / sum(raw)
+    return [(min(hi, max(lo, int(r * scale))),) for r in raw]
 
 
 def mlp_shapes() -> List[Tuple[int, ...]]:
@@ -121,7 +126,7 @@ def main() -> None:
     args = ap.parse_args()
     models = {
         "gpt2": gpt2_shapes(16 if args.quick else 1),
-        "many": many_shapes(60, 100, 2000) if args.quick else many_shapes(),
+        "many": many_shapes(60, 100, 2000, 30_000) if args.quick else many_shapes(),
         "mlp": mlp_shapes(),
     }
     rows = []

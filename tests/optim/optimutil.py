@@ -31,7 +31,7 @@ def twin(params: Sequence[torch.Tensor]) -> List[torch.nn.Parameter]:
     """Same values and same strides."""
     out = []
     for p in params:
-        q = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype)
+        q = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=p.device)
         q.copy_(p.detach())
         out.append(torch.nn.Parameter(q))
     return out

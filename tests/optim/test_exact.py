@@ -140,3 +140,24 @@ def test_bfloat16_params_stay_exact(name):
     make = dict(CONFIGS)[name]
     ref, fus, _, _ = run_pair(make, _alternate, 20, torch.bfloat16, gap="fused" not in name)
     assert_bitwise(ref, fus)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["sgd", "adam", "adamw-fused", "rmsprop"])
+def test_cuda_flat_views_are_exact(name):
+    """On CUDA the flat views go through torch's own foreach/fused kernels."""
+    from optimutil import make_grads, make_params, set_grads, twin
+
+    from trainloom.optim import fuse_optimizer
+
+    make = dict(CONFIGS)[name]
+    ref = [torch.nn.Parameter(p.detach().cuda()) for p in make_params(gap=False)]
+    fus = twin(ref)
+    opt_r, opt_f = make(ref), fuse_optimizer(make(fus))
+    for s in range(20):
+        grads = [None if g is None else g.cuda() for g in make_grads(ref, s)]
+        set_grads(ref, grads)
+        set_grads(fus, grads)
+        opt_r.step()
+        _alternate(opt_f, s)
+    assert_bitwise(ref, fus)
