@@ -30,6 +30,9 @@ def _expect(fn: Callable, exc: type, *args: Any, **kwargs: Any) -> str:
 
 def _engine(engine: str) -> None:
     os.environ["TRAINLOOM_CPU_ENGINE"] = "auto" if engine == "shm" else engine
+    # The forkserver imported torch before OMP_NUM_THREADS=1 was set: intra-op threads on 2 shared
+    # cores made a tiny backward take ~30 ms.
+    torch.set_num_threads(1)
 
 
 def value(rank: int, shape=(2, 3), dtype=torch.float64) -> torch.Tensor:
@@ -401,4 +404,88 @@ def classic_timeout(rank: int, ws: int) -> Dict[str, Any]:
         out["error"] = _expect(cd.recv, Exception, torch.empty(1))
         out["seconds"] = time.monotonic() - t0
     cd.destroy_process_group()
+    return out
+
+
+# ---------------------------------------------------------------------------- distributed optimizers
+def regression_data(ws: int):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(96, 8, generator=g, dtype=torch.float64)
+    w = torch.randn(8, 1, generator=g, dtype=torch.float64)
+    y = x @ w + 0.1 * torch.randn(96, 1, generator=g, dtype=torch.float64)
+    return x, y
+
+
+def regression_model() -> torch.nn.Module:
+    torch.manual_seed(11)
+    return torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 1)).double()
+
+
+def train(rank: int, ws: int, engine: str, mode: str, topo: str, steps: int = 25) -> Dict[str, Any]:
+    from trainloom.comm import optimizers as dopt
+
+    _engine(engine)
+    C.init_process_group(timeout=30)
+    x, y = regression_data(ws)
+    # different data on every rank
+    xs, ys = x.chunk(ws)[rank], y.chunk(ws)[rank]
+    model = regression_model()
+    if rank != 0:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)  # broadcast_parameters must fix this
+    st.broadcast_parameters(model.state_dict(), 0)
+    base = torch.optim.SGD(model.parameters(), lr=0.05)
+    if mode == "local":
+        opt = base
+    elif mode == "allreduce":
+        opt = dopt.DistributedAllreduceOptimizer(base, model.named_parameters(), bucket_bytes=64)
+    else:
+        tp.set_topology(tp.RingGraph(ws) if topo == "ring" else tp.ExponentialTwoGraph(ws))
+        opt = dopt.DistributedNeighborAllreduceOptimizer(base, model.named_parameters(), bucket_bytes=64)
+    out: Dict[str, Any] = {"isinstance": isinstance(opt, torch.optim.SGD)}
+    overlap = []
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(xs), ys).backward()
+        opt.step()
+        if mode != "local":
+            overlap.append(opt._tl_reducer.launched_in_backward)
+    with torch.no_grad():
+        out["loss"] = float(torch.nn.functional.mse_loss(model(x), y))
+    out["params"] = [p.detach().reshape(-1).tolist() for p in model.parameters()]
+    out["buckets"] = len(opt._tl_reducer.buckets) if mode != "local" else 0
+    out["overlap"] = min(overlap) if overlap else 0
+    out["state_keys"] = len(opt.state_dict()["param_groups"][0]["params"])
+    C.destroy_process_group()
+    return out
+
+
+def optimizer_errors(rank: int, ws: int) -> Dict[str, Any]:
+    from trainloom.comm import optimizers as dopt
+
+    C.init_process_group(timeout=20)
+    m = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    out = {
+        "not_opt": _expect(dopt.DistributedAllreduceOptimizer, TypeError, object()),
+        "missing": _expect(dopt.DistributedAllreduceOptimizer, ValueError, opt, [("w", m.weight)]),
+        "dup": _expect(dopt.DistributedAllreduceOptimizer, ValueError, opt, [("w", m.weight), ("w", m.bias)]),
+        "bucket": _expect(dopt.DistributedNeighborAllreduceOptimizer, ValueError, opt, bucket_bytes=0),
+        "passes": _expect(dopt.DistributedAllreduceOptimizer, ValueError, opt, backward_passes_per_step=0),
+    }
+    wrapped = dopt.DistributedAllreduceOptimizer(opt)
+    out["twice"] = _expect(dopt.DistributedAllreduceOptimizer, ValueError, wrapped)
+    # gradient accumulation: two backward passes per step, then the averaged sum
+    m2 = torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        m2.weight.fill_(0.0)
+    o2 = dopt.DistributedAllreduceOptimizer(
+        torch.optim.SGD(m2.parameters(), lr=1.0), backward_passes_per_step=2
+    )
+    for _ in range(2):
+        (m2.weight * (rank + 1)).sum().backward()
+    o2.step()
+    out["accumulated"] = m2.weight.item()  # -(mean over ranks of 2 * (rank + 1))
+    C.destroy_process_group()
     return out

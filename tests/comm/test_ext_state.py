@@ -11,7 +11,7 @@ from multiproc import run_ranks
 ENGINES = engines()
 
 
-@pytest.mark.parametrize("ws,engine", [(2, ENGINES[-1]), (3, "gloo")])
+@pytest.mark.parametrize("ws,engine", [(3, ENGINES[-1]), (2, "gloo")])
 def test_broadcast_parameters_and_optimizer_state(ws, engine):
     res = run_ranks(R.state_suite, ws, engine, timeout=90)
     root = ws - 1

@@ -1,0 +1,309 @@
+"""Distributed optimizers: Bluefog's ``DistributedAllreduceOptimizer`` and ``DistributedNeighborAllreduceOptimizer``.
+
+Both wrap any ``torch.optim.Optimizer``. The result *is* an instance of the optimizer's class (a
+subclass made on the fly that shares the original's parameter groups and state, as Horovod and
+Bluefog do), so ``state_dict()``, ``load_state_dict()``, schedulers and
+:func:`~trainloom.comm.state.broadcast_optimizer_state` work unchanged.
+
+Communication overlaps backward: every parameter gets a post-accumulate-grad hook; parameters are
+grouped into buckets (``bucket_bytes``, in reverse registration order, which is roughly the order
+gradients arrive); a bucket is launched asynchronously as soon as all its gradients are final and
+every earlier bucket was launched (so every rank issues the same sequence of collectives). ``step()``
+launches what is left (parameters that got no gradient), waits, writes the results back and calls
+the wrapped optimizer's step.
+
+* :func:`DistributedAllreduceOptimizer` averages gradients over all ranks (data-parallel SGD).
+* :func:`DistributedNeighborAllreduceOptimizer` averages *parameters* with the in-neighbours of the
+  communicator's virtual topology (:func:`~trainloom.comm.neighbor.neighbor_allreduce`), then applies
+  the local gradient: decentralized SGD, ``x <- sum_j W_ij x_j - lr * grad_i(x_i)``.
+
+Example::
+
+    model = torch.nn.Linear(8, 1)
+    opt = DistributedAllreduceOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters())
+    loss = model(x).square().mean()
+    loss.backward()            # buckets are averaged while backward runs
+    opt.step()
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
+
+import torch
+
+from trainloom.comm import collectives as _core
+from trainloom.comm.collectives import ReduceOp
+from trainloom.comm.group import Communicator, ProcessGroup
+from trainloom.comm.neighbor import neighbor_allreduce_async
+from trainloom.comm.topology import resolve_comm
+from trainloom.comm.work import Work
+
+logger = logging.getLogger("trainloom.comm")
+
+__all__ = ["DistributedAllreduceOptimizer", "DistributedNeighborAllreduceOptimizer", "DEFAULT_BUCKET_BYTES"]
+
+#: Default bucket size: large enough to amortise per-call cost, small enough to start during backward.
+DEFAULT_BUCKET_BYTES = 1 << 20
+
+CommArg = Union[None, Communicator, ProcessGroup]
+
+
+class _Bucket:
+    def __init__(self, params: List[torch.nn.Parameter]) -> None:
+        self.params = params
+        self.ready = 0
+        self.flat: Optional[torch.Tensor] = None
+        self.work: Optional[Work] = None
+
+
+class _Reducer:
+    """Buckets, hooks and in-order asynchronous launches for one wrapped optimizer."""
+
+    def __init__(
+        self,
+        params: List[torch.nn.Parameter],
+        comm: Communicator,
+        mode: str,
+        bucket_bytes: int,
+        backward_passes_per_step: int,
+    ) -> None:
+        self.comm = comm
+        self.mode = mode
+        self.passes = backward_passes_per_step
+        self.buckets: List[_Bucket] = []
+        cur: List[torch.nn.Parameter] = []
+        size = 0
+        for p in reversed(params):
+            nbytes = p.numel() * p.element_size()
+            if cur and (size + nbytes > bucket_bytes or p.dtype != cur[0].dtype or p.device != cur[0].device):
+                self.buckets.append(_Bucket(cur))
+                cur, size = [], 0
+            cur.append(p)
+            size += nbytes
+        if cur:
+            self.buckets.append(_Bucket(cur))
+        self.where: Dict[int, int] = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
+        self.counts: Dict[int, int] = {id(p): 0 for p in params}
+        self.next = 0
+        #: buckets launched from a backward hook (before step()) in the last step: the overlap.
+        self.launched_in_backward = 0
+        self._backward_launches = 0
+        self.handles = [
+            p.register_post_accumulate_grad_hook(functools.partial(self._hook, id(p)))
+            for p in params
+            if p.requires_grad
+        ]
+
+    def _hook(self, key: int, _p: torch.Tensor) -> None:
+        self.counts[key] += 1
+        if self.counts[key] != self.passes:
+            return
+        self.buckets[self.where[key]].ready += 1
+        while self.next < len(self.buckets) and self.buckets[self.next].ready == len(
+            self.buckets[self.next].params
+        ):
+            self._launch(self.buckets[self.next])
+            self.next += 1
+            self._backward_launches += 1
+
+    def _launch(self, b: _Bucket) -> None:
+        with torch.no_grad():
+            if self.mode == "grad":
+                parts = [
+                    (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in b.params
+                ]
+                b.flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+                b.work = _core.allreduce_inplace(b.flat, ReduceOp.AVG, comm=self.comm, async_op=True)
+            else:
+                b.flat = torch.cat([p.detach().reshape(-1) for p in b.params])
+                b.work = neighbor_allreduce_async(b.flat, comm=self.comm)
+
+    def synchronize(self) -> None:
+        """Launch the buckets not launched yet (in order), wait for all, write the results back."""
+        while self.next < len(self.buckets):
+            self._launch(self.buckets[self.next])
+            self.next += 1
+        with torch.no_grad():
+            for b in self.buckets:
+                if b.work is None:
+                    continue
+                b.work.wait()
+                res = b.work.tensor if self.mode == "neighbor" else b.flat
+                off = 0
+                for p in b.params:
+                    n = p.numel()
+                    chunk = res[off : off + n].view_as(p)  # type: ignore[index]
+                    if self.mode == "grad":
+                        if p.grad is None:
+                            p.grad = chunk.clone()
+                        else:
+                            p.grad.copy_(chunk)
+                    else:
+                        p.copy_(chunk)
+                    off += n
+                b.work, b.flat, b.ready = None, None, 0
+        for k in self.counts:
+            self.counts[k] = 0
+        self.launched_in_backward = self._backward_launches
+        self._backward_launches = 0
+        self.next = 0
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+class _DistributedMixin:
+    """Methods that the generated subclass puts in front of the wrapped optimizer's class."""
+
+    _tl_reducer: _Reducer
+
+    def synchronize(self) -> None:
+        """Finish this step's communication now (``step()`` calls it)."""
+        self._tl_reducer.synchronize()
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # noqa: D102
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._tl_reducer.synchronize()
+        super().step()  # type: ignore[misc]
+        return loss
+
+    def remove_hooks(self) -> None:
+        """Detach the gradient hooks (the optimizer then steps locally)."""
+        self._tl_reducer.remove()
+
+
+def _params(optimizer: Any, named_parameters: Any, who: str) -> List[torch.nn.Parameter]:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"{who}: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if isinstance(optimizer, _DistributedMixin):
+        raise ValueError(f"{who}: the optimizer is already distributed; wrap the original optimizer once")
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if len({id(p) for p in params}) != len(params):
+        raise ValueError(f"{who}: a parameter appears twice in the optimizer's param_groups")
+    if named_parameters is not None:
+        named: List[Tuple[str, torch.Tensor]] = list(named_parameters)
+        names = [n for n, _ in named]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"{who}: named_parameters has duplicate names {dup}")
+        known = {id(p) for _, p in named}
+        missing = [i for i, p in enumerate(params) if id(p) not in known]
+        if missing:
+            raise ValueError(
+                f"{who}: {len(missing)} of the optimizer's parameters are not in named_parameters (optimizer "
+                f"parameter indices {missing[:8]}); pass the named_parameters() of the model being optimized"
+            )
+        order = {id(p): i for i, (_, p) in enumerate(named)}
+        params.sort(key=lambda p: order[id(p)])
+    return params
+
+
+def _wrap(
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]],
+    comm: CommArg,
+    mode: str,
+    bucket_bytes: int,
+    backward_passes_per_step: int,
+    who: str,
+) -> torch.optim.Optimizer:
+    params = _params(optimizer, named_parameters, who)
+    for name, v, lo in (
+        ("bucket_bytes", bucket_bytes, 1),
+        ("backward_passes_per_step", backward_passes_per_step, 1),
+    ):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"{who}: {name} must be an int >= {lo}, got {v!r}")
+    c = resolve_comm(comm, who)
+    base = type(optimizer)
+    cls = type(f"{who}[{base.__name__}]", (_DistributedMixin, base), {})
+    wrapped = cls.__new__(cls)
+    # Share (not copy) the original's param_groups, state, defaults and hooks.
+    wrapped.__dict__.update(optimizer.__dict__)
+    wrapped._tl_reducer = _Reducer(params, c, mode, bucket_bytes, backward_passes_per_step)
+    return wrapped
+
+
+def DistributedAllreduceOptimizer(  # noqa: N802 - Bluefog's name
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
+    comm: CommArg = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    backward_passes_per_step: int = 1,
+) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that ``step()`` uses gradients averaged over all ranks.
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer`` (not already wrapped).
+        named_parameters: ``model.named_parameters()``: fixes the bucket order by name order and
+            checks that it covers every parameter of the optimizer. Default: the optimizer's order.
+        comm: communicator or process group (None: the default group).
+        bucket_bytes: gradient bytes per bucket (one collective each).
+        backward_passes_per_step: backward passes accumulated locally before a bucket is reduced.
+
+    Returns:
+        An instance of ``type(optimizer)`` sharing its state, with ``step()`` synchronizing first.
+
+    Raises:
+        TypeError: not an optimizer.
+        ValueError: already wrapped, duplicate names, parameters missing from named_parameters, bad sizes.
+
+    Example::
+
+        opt = DistributedAllreduceOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                            named_parameters=model.named_parameters())
+        model(x).sum().backward()
+        opt.step()
+    """
+    return _wrap(
+        optimizer,
+        named_parameters,
+        comm,
+        "grad",
+        bucket_bytes,
+        backward_passes_per_step,
+        "DistributedAllreduceOptimizer",
+    )
+
+
+def DistributedNeighborAllreduceOptimizer(  # noqa: N802 - Bluefog's name
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
+    comm: CommArg = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    backward_passes_per_step: int = 1,
+) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` for decentralized SGD: parameters averaged with neighbours, then the local step.
+
+    Each bucket's parameters are sent to the out-neighbours (weights of the communicator's topology,
+    see :func:`~trainloom.comm.topology.set_topology`) as soon as the bucket's gradients are ready,
+    overlapping the rest of backward; ``step()`` replaces the parameters with the neighbour average
+    and applies this rank's own gradient to it.
+
+    Args: as for :func:`DistributedAllreduceOptimizer`.
+
+    Example::
+
+        set_topology(ExponentialTwoGraph(world_size))
+        opt = DistributedNeighborAllreduceOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        model(x).sum().backward()
+        opt.step()
+    """
+    return _wrap(
+        optimizer,
+        named_parameters,
+        comm,
+        "neighbor",
+        bucket_bytes,
+        backward_passes_per_step,
+        "DistributedNeighborAllreduceOptimizer",
+    )
