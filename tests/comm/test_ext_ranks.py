@@ -489,3 +489,28 @@ def optimizer_errors(rank: int, ws: int) -> Dict[str, Any]:
     out["accumulated"] = m2.weight.item()  # -(mean over ranks of 2 * (rank + 1))
     C.destroy_process_group()
     return out
+
+
+def bluefog_script(rank: int, ws: int) -> Dict[str, Any]:
+    """A Bluefog-style script, unchanged except for the import."""
+    import trainloom.comm.bluefog as bf
+
+    torch.set_num_threads(1)
+    bf.init(lambda n: bf.RingGraph(n))
+    x = torch.full((3,), float(bf.rank()))
+    out: Dict[str, Any] = {"size": bf.size(), "rank": bf.rank(), "local": (bf.local_rank(), bf.local_size())}
+    out["in"] = bf.in_neighbor_ranks()
+    out["nar"] = bf.neighbor_allreduce(x).tolist()
+    h = bf.allreduce_async(x, average=True, name="x")
+    out["ar"] = bf.synchronize(h).tolist()
+    out["nag"] = bf.neighbor_allgather(x[:1]).tolist()
+    model = torch.nn.Linear(2, 1)
+    bf.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = bf.DistributedNeighborAllreduceOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    bf.broadcast_optimizer_state(opt, root_rank=0)
+    model(torch.ones(1, 2) * (rank + 1)).sum().backward()
+    opt.step()
+    out["w"] = model.weight.detach().reshape(-1).tolist()
+    bf.barrier()
+    bf.shutdown()
+    return out

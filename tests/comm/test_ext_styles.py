@@ -83,3 +83,20 @@ def test_recv_from_any_source_times_out():
         "CommTimeoutError: recv(src=None) on rank 0: no message was sent to this rank"
     )
     assert res[0]["seconds"] < 30
+
+
+def test_bluefog_script_moves_over_by_changing_the_import():
+    res = run_ranks(R.bluefog_script, 3, timeout=60)
+    w0 = None
+    for rank, r in enumerate(res):
+        assert (r["size"], r["rank"], r["local"]) == (3, rank, (rank, 3))
+        assert r["in"] == sorted({(rank - 1) % 3, (rank + 1) % 3})
+        assert r["nar"] == [1.0] * 3  # ring of 3: (0 + 1 + 2) / 3
+        assert r["ar"] == [1.0] * 3
+        assert r["nag"] == [float(i) for i in r["in"]]
+        w0 = w0 or r["w"]
+    # same start, averaged (identical) parameters, then each rank's own gradient (its input scale)
+    for rank, r in enumerate(res):
+        torch.testing.assert_close(
+            torch.tensor(r["w"]), torch.tensor(res[0]["w"]) - 0.1 * rank * torch.ones(2), rtol=0, atol=1e-6
+        )

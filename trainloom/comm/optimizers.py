@@ -1,4 +1,4 @@
-"""Distributed optimizers: Bluefog's ``DistributedAllreduceOptimizer`` and ``DistributedNeighborAllreduceOptimizer``.
+"""Distributed optimizers: Bluefog's DistributedAllreduceOptimizer and DistributedNeighborAllreduceOptimizer.
 
 Both wrap any ``torch.optim.Optimizer``. The result *is* an instance of the optimizer's class (a
 subclass made on the fly that shares the original's parameter groups and state, as Horovod and
