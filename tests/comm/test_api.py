@@ -381,6 +381,11 @@ def test_work_wait_timeout_and_result():
     bad.set_exception(CommError("allreduce #3: ranks disagree"))
     with pytest.raises(CommError, match=r"ranks disagree"):
         FutureWork("allreduce", bad, None).wait()
+    # an operation that itself timed out reports its own error, not "Work.wait expired"
+    late: concurrent.futures.Future = concurrent.futures.Future()
+    late.set_exception(CommTimeoutError("allreduce #4 (gloo, rank 0 of 2): timed out after 2s; ranks [1]"))
+    with pytest.raises(CommTimeoutError, match=r"allreduce #4 \(gloo, rank 0 of 2\): timed out after 2s"):
+        FutureWork("allreduce", late, None).wait()
 
 
 def test_unreachable_master_is_a_timeout_not_a_hang(clean_env):

@@ -161,7 +161,8 @@ class Communicator:
         self._cpu: Optional[Any] = None
         self._cuda: Dict[int, Any] = {}
         self._cuda_device: Optional[int] = None
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # held while an operation runs on an engine
+        self._submit_lock = threading.Lock()  # held while queueing an asynchronous operation
         self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._last: Optional[concurrent.futures.Future] = None
         self._destroyed = False
@@ -306,7 +307,9 @@ class Communicator:
                     fn(self._cpu if self._cpu is not None else self.engine(device))
 
         if async_op:
-            with self._lock:
+            # Only the submission is serialised here, not the operation: the worker thread takes
+            # self._lock per operation, so several asynchronous operations can be in flight.
+            with self._submit_lock:
                 if self._executor is None:
                     self._executor = concurrent.futures.ThreadPoolExecutor(
                         max_workers=1, thread_name_prefix=f"trainloom-{self.name}"

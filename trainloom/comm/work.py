@@ -103,14 +103,16 @@ class FutureWork(Work):
     def wait(self, timeout: Optional[float] = None) -> bool:
         if self._done:
             return True
-        try:
-            self._future.result(timeout=timeout)
-        except concurrent.futures.TimeoutError:
+        # Wait first, then take the result: the operation's own exception may be a TimeoutError
+        # (CommTimeoutError is one), which must not be mistaken for this wait expiring.
+        done, _ = concurrent.futures.wait([self._future], timeout=timeout)
+        if not done:
             raise CommTimeoutError(
                 f"{self.op_name}: Work.wait(timeout={timeout}) expired before the operation finished; "
                 "it is still running on the communicator's worker thread (wait again, or raise the "
                 "timeout)"
-            ) from None
+            )
+        self._future.result()  # re-raises the operation's exception, if any
         if self._finish is not None:
             self._finish()
             self._finish = None
