@@ -234,6 +234,14 @@ def features(rank: int, ws: int, engine: str) -> Dict[str, Any]:
     works = [C.allreduce_inplace(t, async_op=True) for t in ts]
     out["async"] = [w.wait() and w.result().tolist() for w in works]
     out["async_completed"] = all(w.is_completed() for w in works)
+    # a composite operation on the worker thread may call the same communicator synchronously
+    gc = pg.get_global_communicator()
+    t = torch.ones(2)
+    w = gc.execute(
+        "composite", "cpu", lambda _e: C.allreduce_inplace(t, comm=gc), True, t, needs_engine=False
+    )
+    w.wait(timeout=20)
+    out["composite"] = t.tolist()
     # a sync call after async ones keeps the order on every rank
     w = C.broadcast(torch.full((2,), float(rank)), 0, async_op=True)
     t = torch.full((2,), float(rank))

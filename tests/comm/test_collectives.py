@@ -35,6 +35,7 @@ def test_async_views_empty_groups_hierarchical(engine):
         assert r["async"] == [[3.0 + 3 * i] * 4 for i in range(3)]
         assert r["async_completed"] is True
         assert r["mixed"] == [3.0, 3.0]
+        assert r["composite"] == [3.0, 3.0]
         col = [
             [float(3 * i + 0 + 100 * rank), float(3 * (3 * i + 1) + 300), float(3 * i + 2 + 100 * rank)]
             for i in range(4)

@@ -163,6 +163,7 @@ class Communicator:
         self._cuda_device: Optional[int] = None
         self._lock = threading.RLock()  # held while an operation runs on an engine
         self._submit_lock = threading.Lock()  # held while queueing an asynchronous operation
+        self._tls = threading.local()  # .inside: this thread is running one of our operations
         self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._last: Optional[concurrent.futures.Future] = None
         self._destroyed = False
@@ -301,10 +302,14 @@ class Communicator:
 
         def run() -> None:
             with self._lock:
-                if not needs_engine:
-                    fn(None)
-                else:
-                    fn(self._cpu if self._cpu is not None else self.engine(device))
+                self._tls.inside = True
+                try:
+                    if not needs_engine:
+                        fn(None)
+                    else:
+                        fn(self._cpu if self._cpu is not None else self.engine(device))
+                finally:
+                    self._tls.inside = False
 
         if async_op:
             # Only the submission is serialised here, not the operation: the worker thread takes
@@ -318,7 +323,9 @@ class Communicator:
                 self._last = fut
             return FutureWork(opname, fut, result, finish)
         last = self._last
-        if last is not None and not last.done():
+        # (not from inside a running operation: a composite op calling this communicator would
+        # otherwise wait for itself)
+        if last is not None and not last.done() and not getattr(self._tls, "inside", False):
             concurrent.futures.wait([last])  # keep the issue order identical on every rank
         run()
         if finish is not None:
