@@ -380,6 +380,43 @@ cdef extern from *:
     #define tl_apply_f32_avx2 tl_apply_f32_scalar
     #define tl_apply_f64_avx2 tl_apply_f64_scalar
     #endif
+
+    /* torch's for-loop/foreach Adam in one cache-blocked pass: for each block of TL_BLK elements,
+       the moments, then the square root from the very function torch's sqrt calls on this build
+       (MKL's vmsSqrt/vmdSqrt, looked up and checked bit for bit against torch.sqrt by the Python
+       layer), then the update. Every array is read or written once per step, as in a one-pass
+       kernel, while each intermediate stays in L1. */
+    #define TL_BLK 1024
+    typedef void (*tl_vml_f32)(int, const float *, float *, long long);
+    typedef void (*tl_vml_f64)(int, const double *, double *, long long);
+    static void tl_adam_loop_f32(float *p, const float *g, float *m, float *v, float *vmax,
+                                 int64_t n, const tl_adam_args *a, tl_vml_f32 sq, long long mode,
+                                 int avx) {
+        float tmp[TL_BLK];
+        for (int64_t s = 0; s < n; s += TL_BLK) {
+            const int64_t k = (n - s) < TL_BLK ? (n - s) : TL_BLK;
+            float *vm = a->amsgrad ? vmax + s : NULL;
+            if (avx) tl_mom_f32_avx2(p + s, g + s, m + s, v + s, vm, k, a);
+            else tl_mom_f32_scalar(p + s, g + s, m + s, v + s, vm, k, a);
+            sq((int)k, a->amsgrad ? vm : v + s, tmp, mode);
+            if (avx) tl_apply_f32_avx2(p + s, m + s, tmp, k, a);
+            else tl_apply_f32_scalar(p + s, m + s, tmp, k, a);
+        }
+    }
+    static void tl_adam_loop_f64(double *p, const double *g, double *m, double *v, double *vmax,
+                                 int64_t n, const tl_adam_args *a, tl_vml_f64 sq, long long mode,
+                                 int avx) {
+        double tmp[TL_BLK];
+        for (int64_t s = 0; s < n; s += TL_BLK) {
+            const int64_t k = (n - s) < TL_BLK ? (n - s) : TL_BLK;
+            double *vm = a->amsgrad ? vmax + s : NULL;
+            if (avx) tl_mom_f64_avx2(p + s, g + s, m + s, v + s, vm, k, a);
+            else tl_mom_f64_scalar(p + s, g + s, m + s, v + s, vm, k, a);
+            sq((int)k, a->amsgrad ? vm : v + s, tmp, mode);
+            if (avx) tl_apply_f64_avx2(p + s, m + s, tmp, k, a);
+            else tl_apply_f64_scalar(p + s, m + s, tmp, k, a);
+        }
+    }
     """
     ctypedef struct tl_adam_args:
         double w, lerp_small, b2, c2, bc2s, eps, nss, wd, decay
@@ -408,6 +445,12 @@ cdef extern from *:
     void tl_apply_f64_scalar(double*, const double*, const double*, int64_t, const tl_adam_args*) noexcept nogil
     void tl_apply_f32_avx2(float*, const float*, const float*, int64_t, const tl_adam_args*) noexcept nogil
     void tl_apply_f64_avx2(double*, const double*, const double*, int64_t, const tl_adam_args*) noexcept nogil
+    ctypedef void (*tl_vml_f32)(int, const float*, float*, long long) noexcept nogil
+    ctypedef void (*tl_vml_f64)(int, const double*, double*, long long) noexcept nogil
+    void tl_adam_loop_f32(float*, const float*, float*, float*, float*, int64_t, const tl_adam_args*,
+                          tl_vml_f32, long long, int) noexcept nogil
+    void tl_adam_loop_f64(double*, const double*, double*, double*, double*, int64_t, const tl_adam_args*,
+                          tl_vml_f64, long long, int) noexcept nogil
     void tl_sgd_f32_scalar(float*, const float*, float*, int64_t, int64_t, const tl_sgd_args*) noexcept nogil
     void tl_sgd_f64_scalar(double*, const double*, double*, int64_t, int64_t, const tl_sgd_args*) noexcept nogil
     void tl_sgd_f32_avx2(float*, const float*, float*, int64_t, int64_t, const tl_sgd_args*) noexcept nogil
@@ -426,6 +469,83 @@ DTYPE_F64 = DEF_F64
 # Chosen once at import: the CPU does not change under us. Tests flip it with set_isa() to check
 # that the portable and the AVX2 versions produce the same bits.
 cdef bint _use_avx2 = tl_cpu_has_avx2_fma() != 0
+
+
+# torch's own vectorised square root (see tl_adam_loop_*); NULL until set_vml_sqrt().
+cdef tl_vml_f32 _vml_s = NULL
+cdef tl_vml_f64 _vml_d = NULL
+cdef long long _vml_mode = 0
+
+
+def set_vml_sqrt(intptr_t fs, intptr_t fd, long long mode) -> None:
+    """Install the addresses of ``vmsSqrt``/``vmdSqrt`` (0, 0 to uninstall) and their mode.
+
+    The caller has checked that they reproduce ``torch.sqrt`` bit for bit; they must stay loaded
+    for the life of the process (they live in torch's own library, which is never unloaded).
+    """
+    global _vml_s, _vml_d, _vml_mode
+    if (fs == 0) != (fd == 0):
+        raise ValueError("set_vml_sqrt: give both function addresses or neither")
+    _vml_s = <tl_vml_f32>fs
+    _vml_d = <tl_vml_f64>fd
+    _vml_mode = mode
+
+
+def has_vml_sqrt() -> bool:
+    """Whether :func:`adam_loop_step` can run (a square root was installed)."""
+    return _vml_s != NULL
+
+
+def vml_sqrt(int dtype, intptr_t src, intptr_t dst, int n) -> None:
+    """Call the installed square root on ``n`` elements (used by the self-check)."""
+    if _vml_s == NULL:
+        raise ValueError("vml_sqrt: no square root installed; call set_vml_sqrt first")
+    if src == 0 or dst == 0 or n < 0:
+        raise ValueError("vml_sqrt: null pointer or negative count")
+    with nogil:
+        if dtype == DEF_F32:
+            _vml_s(n, <const float*>src, <float*>dst, _vml_mode)
+        else:
+            _vml_d(n, <const double*>src, <double*>dst, _vml_mode)
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def adam_loop_step(int dtype, intptr_t p, intptr_t g, intptr_t m, intptr_t v, intptr_t vmax,
+                   const int64_t[::1] i_start, const int64_t[::1] i_len,
+                   double w, double b2, double c2, double bc2s, double eps, double nss, double wd,
+                   double decay, bint amsgrad, bint maximize, bint l2, bint decoupled, int nthreads):
+    """torch's for-loop/foreach Adam/AdamW in one cache-blocked pass (needs set_vml_sqrt)."""
+    cdef tl_adam_args a
+    cdef Py_ssize_t k, nitems = i_start.shape[0]
+    cdef int64_t s
+    cdef bint avx = _use_avx2
+    cdef tl_vml_f32 fs = _vml_s
+    cdef tl_vml_f64 fd = _vml_d
+    cdef long long mode = _vml_mode
+    if fs == NULL or fd == NULL:
+        raise ValueError("adam_loop_step: no square root installed; call set_vml_sqrt first")
+    if i_len.shape[0] != nitems:
+        raise ValueError("adam_loop_step: plan arrays differ in length")
+    if dtype not in (DEF_F32, DEF_F64):
+        raise ValueError(f"adam_loop_step: unsupported dtype code {dtype}")
+    if p == 0 or g == 0 or m == 0 or v == 0 or (amsgrad and vmax == 0):
+        raise ValueError("adam_loop_step: null buffer pointer")
+    _fill_args(&a, w, b2, c2, bc2s, eps, nss, wd, decay, amsgrad, maximize, l2, decoupled)
+    if nthreads < 1:
+        nthreads = 1
+    # GIL released: see adam_step. vmsSqrt/vmdSqrt are thread-safe and, on blocks this small,
+    # run on the calling thread.
+    with nogil:
+        for k in prange(nitems, schedule="dynamic", num_threads=nthreads):
+            s = i_start[k]
+            if dtype == DEF_F32:
+                tl_adam_loop_f32(<float*>p + s, <const float*>g + s, <float*>m + s, <float*>v + s,
+                                 (<float*>vmax + s) if amsgrad else NULL, i_len[k], &a, fs, mode, avx)
+            else:
+                tl_adam_loop_f64(<double*>p + s, <const double*>g + s, <double*>m + s,
+                                 <double*>v + s, (<double*>vmax + s) if amsgrad else NULL, i_len[k],
+                                 &a, fd, mode, avx)
 
 
 def isa() -> str:

@@ -161,3 +161,30 @@ def test_cuda_flat_views_are_exact(name):
         opt_r.step()
         _alternate(opt_f, s)
     assert_bitwise(ref, fus)
+
+
+@pytest.mark.parametrize("name", ["adam", "adam-foreach", "adamw"])
+def test_adam_for_loop_three_pass_fallback_is_exact(name, monkeypatch):
+    """Without torch's MKL square root (other builds, TRAINLOOM_NO_VML=1) the for-loop Adam runs
+    as moments kernel + torch.sqrt + update kernel: just as exact."""
+    from trainloom.optim import fused
+
+    monkeypatch.setattr(fused, "_VML_STATE", [False])
+    make = dict(CONFIGS)[name]
+    ref, fus, _, _ = run_pair(make, _mostly_fused, 30, torch.float32, none_every=0)
+    assert_bitwise(ref, fus)
+
+
+def test_mkl_square_root_is_found_and_checked():
+    from trainloom.optim import _fused as K
+    from trainloom.optim import fused
+
+    if not fused._vml_ready():
+        pytest.skip("this torch build's sqrt is not MKL's: the three-pass path is used (tested above)")
+    assert K.has_vml_sqrt()
+    x = torch.rand(1000, dtype=torch.float64) * 1e6
+    out = torch.empty_like(x)
+    K.vml_sqrt(K.DTYPE_F64, x.data_ptr(), out.data_ptr(), x.numel())
+    assert torch.equal(out, torch.sqrt(x))
+    with pytest.raises(ValueError, match="give both function addresses or neither"):
+        K.set_vml_sqrt(1, 0, 0)

@@ -19,8 +19,10 @@ torch's own code runs instead.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
+import os
 import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -1140,6 +1142,34 @@ class _AdamKernel(_Kernel):
         vmax = sf["max_exp_avg_sq"].data_ptr() if self.amsgrad else 0
         code = _dtype_code(b.dtype)
         decay = (1 - lr * wd) if self.decoupled else 1.0
+        if not self.fused and _vml_ready():
+            # torch's for-loop and foreach paths in one cache-blocked pass, with torch's own sqrt
+            plan = _plan(b, run, 1)
+            _K.adam_loop_step(
+                code,
+                b.flat_param.data_ptr(),
+                b.flat_grad.data_ptr(),
+                sf["exp_avg"].data_ptr(),
+                sf["exp_avg_sq"].data_ptr(),
+                vmax,
+                plan[0],
+                plan[1],
+                1 - beta1,
+                beta2,
+                1 - beta2,
+                bc2s,
+                eps,
+                -(lr / bc1),
+                wd if not self.decoupled else 0.0,
+                decay,
+                self.amsgrad,
+                bool(group["maximize"]),
+                (wd != 0 and not self.decoupled),
+                (wd != 0 and self.decoupled),
+                _nthreads(plan[3]),
+            )
+            _K.bump_steps(run.step_ptrs, 1.0)
+            return
         if not self.fused:
             # torch's for-loop and foreach paths: the same rounding sequence, but the square root
             # comes from torch (MKL's vectorised sqrt is not correctly rounded): moments kernel,
@@ -1217,6 +1247,61 @@ class _AdamKernel(_Kernel):
             _nthreads(n),
         )
         _K.bump_steps(run.step_ptrs, 1.0)
+
+
+# ATen's vml.h calls MKL as vm?Sqrt(n, in, out, VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE).
+_VML_MODE = 0x2 | 0x140000 | 0x100
+_VML_STATE: List[bool] = []
+
+
+def _vml_ready() -> bool:
+    """Whether the one-pass for-loop Adam kernel can use torch's own square root.
+
+    torch.sqrt on CPU calls MKL's vmsSqrt/vmdSqrt in x86 builds; those functions are exported by
+    libtorch_cpu. They are looked up in the already loaded library (never loaded here) and used
+    only if they reproduce torch.sqrt bit for bit on a sample covering every binade, zeros,
+    subnormals, infinities and NaN. Otherwise (other builds, TRAINLOOM_NO_VML=1) the kernel runs
+    in three passes around torch.sqrt itself, which is exact too, only slower.
+    """
+    if not _VML_STATE:
+        _VML_STATE.append(_install_vml())
+    return _VML_STATE[0]
+
+
+def _install_vml() -> bool:
+    if os.environ.get("TRAINLOOM_NO_VML", "").strip() not in ("", "0"):
+        return False
+    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    try:
+        lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LOCAL)
+        fs = ctypes.cast(lib.vmsSqrt, ctypes.c_void_p).value
+        fd = ctypes.cast(lib.vmdSqrt, ctypes.c_void_p).value
+    except (OSError, AttributeError) as exc:
+        logger.info("torch's MKL square root not found (%s): Adam for-loop kernel runs in three passes", exc)
+        return False
+    if not fs or not fd:
+        return False
+    _K.set_vml_sqrt(fs, fd, _VML_MODE)
+    g = torch.Generator().manual_seed(12345)
+    for dt, code in ((torch.float32, _K.DTYPE_F32), (torch.float64, _K.DTYPE_F64)):
+        lo, hi = (-149, 128) if dt == torch.float32 else (-1074, 1024)
+        x = torch.ldexp(
+            torch.rand(1 << 16, generator=g, dtype=torch.float64) + 0.5,
+            torch.randint(lo, hi, (1 << 16,), generator=g),
+        )
+        x = x.to(dt)
+        x[:6] = torch.tensor([0.0, -0.0, float("inf"), float("nan"), -1.0, 1.0], dtype=dt)
+        out = torch.empty_like(x)
+        _K.vml_sqrt(code, x.data_ptr(), out.data_ptr(), x.numel())
+        ref = torch.sqrt(x)
+        ints = torch.int32 if dt == torch.float32 else torch.int64
+        if not torch.equal(out.view(ints), ref.view(ints)):
+            _K.set_vml_sqrt(0, 0, 0)
+            logger.info(
+                "MKL's square root differs from torch.sqrt here: Adam for-loop kernel runs in three passes"
+            )
+            return False
+    return True
 
 
 _CAPABILITY: List[str] = []
