@@ -151,6 +151,13 @@ def test_complexities_tensor_fast_path_and_defaults_without_distributed():
     assert sorted(s) == list(range(10))
 
 
+def test_complexities_are_copied_not_frozen_or_aliased():
+    values = np.arange(10, dtype=np.float64)
+    s = LoadBalancingDistributedSampler(None, complexities=values)
+    values[0] = 99.0  # the caller's array stays writable and changing it does not reach the sampler
+    assert s.complexities[0] == 0.0 and not s.complexities.flags.writeable
+
+
 def test_padding_duplicates_are_documented_and_balanced():
     lens = _lens(10, 2)
     outs = [list(s) for s in _ranks(lens, 4)]

@@ -102,7 +102,9 @@ def _as_complexities(values: Any, n_expected: Optional[int], who: str) -> np.nda
         raise ConfigError(
             f"{who}: complexities has {arr.shape[0]} entries but the dataset has {n_expected} samples"
         )
-    arr = np.ascontiguousarray(arr, dtype=np.float64)
+    # Always our own copy: the plan caches orders computed from these values, and the sampler
+    # marks them read-only; neither may leak into (or be changed through) the caller's array.
+    arr = np.array(arr, dtype=np.float64, order="C", copy=True)
     _check_finite(arr, who)
     return arr
 
