@@ -834,3 +834,23 @@ def nccl_engine_on_fake(rank: int, ws: int) -> Dict[str, Any]:
     eng.close()
     out["after_close"] = _expect(eng.allreduce, CommError, torch.ones(2), torch.ones(2), 0)
     return out
+
+
+def absent_at_init(rank: int, ws: int) -> Dict[str, Any]:
+    """Rank 2 never calls init_process_group: the others get a timeout naming it, not a hang."""
+    if rank == 2:
+        return {}
+    store = dist.TCPStore(
+        "127.0.0.1",
+        int(os.environ["MASTER_PORT"]),
+        None,
+        rank == 0,
+        datetime.timedelta(seconds=20),
+        wait_for_workers=False,
+    )
+    err = _expect(C.init_process_group, CommError, store, 2)
+    out = {"error": err, "initialized": C.is_initialized(), "torch": dist.is_initialized()}
+    store.set(f"done/{rank}", "1")
+    if rank == 0:  # keep hosting the store until rank 1 is done with it
+        store.wait(["done/1"], datetime.timedelta(seconds=20))
+    return out

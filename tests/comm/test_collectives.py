@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from commutil import (
+    absent_at_init,
     absent_rank,
     dying_peer,
     engines,
@@ -124,3 +125,12 @@ def test_cross_rank_check_used_for_nccl_operations(engine):
         assert "rank 1 sends 2 elements to rank 0 (its send_counts[0]), but rank 0 expects 3" in r["counts"]
         assert r["policy"] == {"1": engine == "shm", "all": True, "0": False}
         assert r["after"] == [2.0, 2.0]
+
+
+def test_rank_missing_at_init_times_out_naming_it():
+    res = run_ranks(absent_at_init, 3, timeout=60)
+    for rank in (0, 1):
+        err = res[rank]["error"]
+        assert err.startswith("CommTimeoutError: init_process_group (rank"), err
+        assert "ranks [2] never arrived" in err, err
+        assert res[rank]["initialized"] is False and res[rank]["torch"] is False

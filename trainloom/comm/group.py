@@ -572,20 +572,39 @@ def init_process_group(
                     f"TCPStore at {launch.master_addr}:{launch.master_port} within {t:g}s "
                     f"({str(exc).splitlines()[0][:160]}). Check MASTER_ADDR/MASTER_PORT and that rank 0 runs"
                 ) from None
-        dist.init_process_group(
-            "gloo",
-            store=dist.PrefixStore("tl/torch", base),
-            rank=launch.rank,
-            world_size=launch.world_size,
-            timeout=td,
-        )
-        owns_torch = True
     _STATE.generation += 1
     tl_store = dist.PrefixStore(f"tl/{_STATE.generation}", base)
     tl_store.set_timeout(td)
-    # Which node every rank is on: one store round, used for intra/inter-node communicators.
+    # Which node every rank is on: one store round, used for intra/inter-node communicators. The key
+    # is written first, so that a rendezvous that times out can name the ranks that never came.
     tl_store.set(f"node/{launch.rank}", node_identity())
-    node_ids = [bytes(tl_store.get(f"node/{r}")).decode() for r in range(launch.world_size)]
+    try:
+        if not dist.is_initialized():
+            dist.init_process_group(
+                "gloo",
+                store=dist.PrefixStore("tl/torch", base),
+                rank=launch.rank,
+                world_size=launch.world_size,
+                timeout=td,
+            )
+            owns_torch = True
+        node_ids = [bytes(tl_store.get(f"node/{r}")).decode() for r in range(launch.world_size)]
+    except RuntimeError as exc:  # DistStoreError / DistNetworkError / gloo connect errors
+        try:
+            missing = [r for r in range(launch.world_size) if not tl_store.check([f"node/{r}"])]
+            who = (
+                f"ranks {missing} never arrived"
+                if missing
+                else "every rank arrived but the rendezvous failed"
+            )
+        except RuntimeError:  # the store is gone with rank 0
+            who = "the store (rank 0) went away"
+        if owns_torch and dist.is_initialized():
+            dist.destroy_process_group()
+        raise CommTimeoutError(
+            f"init_process_group (rank {launch.rank} of {launch.world_size}): the rendezvous did not "
+            f"complete within {t:g}s; {who} ({str(exc).splitlines()[0][:160]})"
+        ) from None
     _STATE.launch = launch
     _STATE.store = tl_store
     _STATE.timeout = t
