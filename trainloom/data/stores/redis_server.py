@@ -48,12 +48,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent(parent_pid: int) -> None:  # runs in the child between fork and exec
+def _prctl() -> Any:
+    """libc's prctl, looked up in the parent: the child between fork and exec must not dlopen (another
+    thread of the parent may have held the loader lock at fork time)."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        return ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):  # not Linux: the atexit stop still applies
+        return None
+
+
+def _die_with_parent(prctl: Any, parent_pid: int) -> None:  # runs in the child between fork and exec
+    if prctl is None:
         return
+    prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
 
@@ -147,7 +154,7 @@ class RedisServer:
                     stdin=subprocess.DEVNULL,
                     stdout=logf,
                     stderr=subprocess.STDOUT,
-                    preexec_fn=functools.partial(_die_with_parent, parent),
+                    preexec_fn=functools.partial(_die_with_parent, _prctl(), parent),
                     close_fds=True,
                 )
             self.port = port
