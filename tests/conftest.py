@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 
 import pytest
 import torch
+
+# hypothesis would otherwise write ./.hypothesis into the checkout.
+os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", tempfile.mkdtemp(prefix="trainloom-hypothesis-"))
 
 # tests/multiproc.py is imported by the forkserver that starts ranks; make it importable by name.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
