@@ -596,7 +596,8 @@ cdef int _exchange(State* st, const tl_desc_t* d, const char* send, char* recv, 
 
     Per chunk every rank copies its c-element piece of each destination's block into its slot;
     after the barrier rank r takes piece r from every slot: copies them into recv block p
-    (alltoall) or reduces them in rank order into recv (reduce_scatter).
+    (alltoall) or reduces them in rank order into recv (reduce_scatter). A rank's own piece never
+    goes through its slot: it is read straight from send (1/W less memory traffic).
     """
     cdef int W = st.world, me = st.rank, p, q, rc, first = 1
     cdef size_t off = 0, c, per = st.S // <size_t>W // esz
@@ -616,7 +617,8 @@ cdef int _exchange(State* st, const tl_desc_t* d, const char* send, char* recv, 
         if c:
             s = _slot(st, me, use)
             for q in range(W):
-                memcpy(s + <size_t>q * c * esz, send + (<size_t>q * n + off) * esz, c * esz)
+                if q != me:
+                    memcpy(s + <size_t>q * c * esz, send + (<size_t>q * n + off) * esz, c * esz)
         if first:
             rc = _first_step(st, d, deadline)
             first = 0
@@ -628,11 +630,18 @@ cdef int _exchange(State* st, const tl_desc_t* d, const char* send, char* recv, 
             if fn != NULL:
                 for p in range(W):
                     sp[p] = _slot(st, p, use) + <size_t>me * c * esz
+                # (in place, recv is my block of send: the kernel allows out to alias a source)
+                sp[me] = send + (<size_t>me * n + off) * esz
                 fn(recv + off * esz, sp, W, c, div)
             else:
                 for p in range(W):
-                    memcpy(recv + (<size_t>p * n + off) * esz, _slot(st, p, use) + <size_t>me * c * esz,
-                           c * esz)
+                    if p == me:
+                        if send != <const char*>recv:
+                            memcpy(recv + (<size_t>me * n + off) * esz, send + (<size_t>me * n + off) * esz,
+                                   c * esz)
+                    else:
+                        memcpy(recv + (<size_t>p * n + off) * esz, _slot(st, p, use) + <size_t>me * c * esz,
+                               c * esz)
         off += c
     if sp != srcs:
         free(sp)

@@ -234,6 +234,9 @@ def _w_everything(rank, world):
                 out,
                 torch.cat([big[p][rank * n : (rank + 1) * n] for p in range(world)]),
             )
+            buf = big[rank].clone()
+            comm.alltoall(buf, buf)  # in place
+            check(f"alltoall in place {dt} n={n}", buf, out)
             # reduce_scatter with every op of the dtype
             for op in ops_for(dt):
                 big = [make_input(r, world * n, dt, op, salt=4) for r in range(world)]
@@ -241,6 +244,9 @@ def _w_everything(rank, world):
                 comm.reduce_scatter(big[rank], out, op)
                 want = reference([b[rank * n : (rank + 1) * n] for b in big], op, dt)
                 check(f"reduce_scatter {dt} op={op} n={n}", out, want)
+                buf = big[rank].clone()
+                comm.reduce_scatter(buf, buf[rank * n : (rank + 1) * n], op)  # in place
+                check(f"reduce_scatter in place {dt} op={op} n={n}", buf[rank * n : (rank + 1) * n], want)
 
     # larger than the whole segment (slots, pair buffers and all), not just one slot
     n = comm._engine.total_bytes // 4 + 17
