@@ -131,7 +131,8 @@ def test_topology_bad_inputs():
 
 def test_exchange_strategy(monkeypatch):
     monkeypatch.delenv("TRAINLOOM_NEIGHBOR_EXCHANGE", raising=False)
-    assert tp.exchange_strategy(tp.FullyConnectedGraph(4)) == "allgather"
+    assert tp.exchange_strategy(tp.FullyConnectedGraph(4), 4096) == "allgather"
+    assert tp.exchange_strategy(tp.FullyConnectedGraph(4), 1 << 20) == "exchange"
     assert tp.exchange_strategy(tp.RingGraph(16)) == "exchange"
     assert tp.exchange_strategy(tp.RingGraph(2)) == "exchange"
     monkeypatch.setenv("TRAINLOOM_NEIGHBOR_EXCHANGE", "allgather")
@@ -196,13 +197,7 @@ def test_neighbor_bad_inputs_raise_exact_errors():
         assert r["topo_mismatch"].startswith("CommError"), r["topo_mismatch"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="trainloom.comm.group.Communicator.execute holds self._lock while submitting an async CPU op, "
-    "and the worker holds it for the whole op, so a second async call blocks until the first finished; "
-    "fix requested from the core comm owner (a separate submit lock); remove this mark then",
-)
-@pytest.mark.parametrize("engine", ENGINES[-1:])
+@pytest.mark.parametrize("engine", ENGINES)
 def test_two_handles_in_flight_at_once(engine):
     res = run_ranks(R.overlap, 3, engine, timeout=60)
     assert res[0]["both_pending"] is True

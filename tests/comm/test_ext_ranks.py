@@ -132,7 +132,7 @@ def neighbor_errors(rank: int, ws: int) -> Dict[str, Any]:
 def overlap(rank: int, ws: int, engine: str) -> Dict[str, Any]:
     """Two handles in flight at once on rank 0: the other ranks only join once rank 0 saw both pending."""
     _engine(engine)
-    C.init_process_group(timeout=4)
+    C.init_process_group(timeout=20)
     tp.set_topology(tp.RingGraph(ws))
     store = dist.distributed_c10d._get_default_store()
     x = torch.full((1000,), float(rank))
@@ -272,6 +272,7 @@ def late_neighbor(rank: int, ws: int, engine: str) -> Dict[str, Any]:
     _engine(engine)
     C.init_process_group(timeout=3)
     tp.set_topology(tp.RingGraph(ws))
+    nb.barrier()  # every rank has joined the engine; only the neighbour operation is missing
     if rank == 1:
         time.sleep(6)
         return {}
@@ -513,4 +514,57 @@ def bluefog_script(rank: int, ws: int) -> Dict[str, Any]:
     out["w"] = model.weight.detach().reshape(-1).tolist()
     bf.barrier()
     bf.shutdown()
+    return out
+
+
+# ---------------------------------------------------------------------------- windows
+def windows_suite(rank: int, ws: int) -> Dict[str, Any]:
+    from trainloom.comm import windows as win
+
+    torch.set_num_threads(1)
+    C.init_process_group(timeout=30)
+    tp.set_topology(tp.RingGraph(ws))
+    left, right = (rank - 1) % ws, (rank + 1) % ws
+    x = torch.full((5,), float(rank), dtype=torch.float64)
+    out: Dict[str, Any] = {}
+    win.win_create(x, "w", zero_init=True)
+    out["created_sync"] = win.win_sync("w", clone=True).tolist()  # zero neighbour slots
+    nb.barrier()
+    win.win_put(x, "w")
+    nb.barrier()
+    out["sync"] = win.win_sync("w").tolist()  # uniform average with the neighbours' puts
+    out["in_place"] = x.tolist()
+    nb.barrier()
+    win.win_accumulate(torch.ones(5, dtype=torch.float64), "w", dst_weights={right: 2.0})
+    win.win_accumulate(torch.ones(5, dtype=torch.float64), "w", dst_weights={right: 2.0})
+    nb.barrier()
+    ins = tp.in_neighbor_ranks()
+    weights = {i: (0.5 if i == left else 0.0) for i in ins}
+    out["accumulated"] = win.win_sync("w", self_weight=0.5, neighbor_weights=weights, clone=True).tolist()
+    nb.barrier()
+    win.win_get("w", src_weights={left: 1.0})
+    out["got"] = win.win_sync("w", self_weight=0.0, neighbor_weights={left: 1.0}, clone=True).tolist()
+    nb.barrier()
+    out["collect"] = win.win_sync_then_collect("w").tolist()
+    out["handle"] = win.win_poll(win.win_put_async(x, "w")) and win.win_wait(win.win_get_async("w"))
+    nb.barrier()
+    out["bad_dst"] = _expect(win.win_put, ValueError, x, "w", {rank: 1.0}) if ws > 2 else "skip"
+    out["bad_shape"] = _expect(win.win_put, ValueError, torch.ones(3, dtype=torch.float64), "w")
+    out["bad_weight"] = _expect(win.win_accumulate, ValueError, x, "w", {right: -1.0})
+    out["bad_sum"] = _expect(win.win_sync, ValueError, "w", 0.5, {left: 0.1})
+    out["dup"] = _expect(win.win_create, ValueError, x, "w")
+    win.win_free("w")
+    out["after_free"] = _expect(win.win_sync, ValueError, "w")
+    out["shm_left"] = sorted(n for n in os.listdir("/dev/shm") if n.startswith("tlwin-"))
+    C.destroy_process_group()
+    return out
+
+
+def windows_two_nodes(rank: int, ws: int) -> Dict[str, Any]:
+    from trainloom.comm import windows as win
+
+    os.environ["TRAINLOOM_NODE_ID"] = f"n{rank}"
+    C.init_process_group(timeout=30)
+    out = {"error": _expect(win.win_create, NotImplementedError, torch.ones(2), "w")}
+    C.destroy_process_group()
     return out

@@ -10,11 +10,11 @@ A Bluefog script moves over by changing its import::
     h = bf.allreduce_async(x); ...; z = bf.synchronize(h)
 
 Everything here is a re-export of :mod:`trainloom.comm.neighbor`, :mod:`trainloom.comm.topology`,
-:mod:`trainloom.comm.state` and :mod:`trainloom.comm.optimizers`, plus ``init``/``shutdown`` and the
-rank queries. Handles are the core :class:`~trainloom.comm.work.Work` objects (Bluefog returns ints).
-Not provided: the one-sided window operations (``win_create``, ``win_put``, ...) and
-``DistributedBluefogOptimizer``; use :func:`neighbor_allreduce` /
-:func:`DistributedNeighborAllreduceOptimizer` instead (see docs/comm-ext.md).
+:mod:`trainloom.comm.state`, :mod:`trainloom.comm.optimizers` and :mod:`trainloom.comm.windows`,
+plus ``init``/``shutdown`` and the rank queries. Handles are the core
+:class:`~trainloom.comm.work.Work` objects (Bluefog returns ints). Not provided:
+``DistributedBluefogOptimizer``, ``win_lock``/``win_mutex`` (slots are always locked); use
+:func:`DistributedNeighborAllreduceOptimizer` (see docs/comm-ext.md).
 """
 
 from __future__ import annotations
@@ -44,6 +44,20 @@ from trainloom.comm.neighbor import (
 )
 from trainloom.comm.optimizers import DistributedAllreduceOptimizer, DistributedNeighborAllreduceOptimizer
 from trainloom.comm.state import broadcast_optimizer_state, broadcast_parameters
+from trainloom.comm.windows import (
+    win_accumulate,
+    win_accumulate_async,
+    win_create,
+    win_free,
+    win_get,
+    win_get_async,
+    win_poll,
+    win_put,
+    win_put_async,
+    win_sync,
+    win_sync_then_collect,
+    win_wait,
+)
 from trainloom.comm.topology import (
     ExponentialTwoGraph,
     FullyConnectedGraph,
@@ -93,6 +107,18 @@ __all__ = [
     "load_topology",
     "out_neighbor_ranks",
     "set_topology",
+    "win_accumulate",
+    "win_accumulate_async",
+    "win_create",
+    "win_free",
+    "win_get",
+    "win_get_async",
+    "win_poll",
+    "win_put",
+    "win_put_async",
+    "win_sync",
+    "win_sync_then_collect",
+    "win_wait",
 ]
 
 

@@ -11,10 +11,10 @@ asynchronous. :func:`poll` and :func:`synchronize` (Bluefog) and ``Work.wait()``
 * :func:`allreduce`, :func:`allgather`, :func:`broadcast` -- functional forms that return a new
   tensor (``allreduce_`` / ``broadcast_``: in place), each with an ``_async`` variant.
 
-How neighbour data moves depends on the topology only (so every rank picks the same collective):
-sparse graphs (ring, exponential-2 on many ranks) use one neighbour exchange (``alltoall_v`` with
-zero counts for non-neighbours, every destination reading the same send buffer); dense graphs
-(more than half of all possible edges) use one ``allgather``. See docs/comm-ext.md for the figures.
+How neighbour data moves depends only on the topology and the tensor size (so every rank picks the
+same collective): one neighbour exchange (``alltoall_v`` with zero counts for non-neighbours, every
+destination reading the same send buffer), except for small tensors (< 64 KiB) on dense graphs
+(at least half of all possible edges), which use one ``allgather``. See docs/comm-ext.md.
 
 .. warning::
     As with every asynchronous collective, do not modify the input tensor until the handle has been
@@ -232,7 +232,7 @@ def neighbor_allreduce_async(
     flat = src.reshape(-1)
     if n == 1:
         return CompletedWork(opname, out)
-    strategy = exchange_strategy(topo)
+    strategy = exchange_strategy(topo, numel * src.element_size())
     if strategy == "allgather":
         buf = torch.empty(n * numel, dtype=src.dtype, device=src.device)
         inner = _core.allgather(flat, buf, comm=c, async_op=True)
@@ -325,7 +325,7 @@ def neighbor_allgather_async(tensor: torch.Tensor, name: Optional[str] = None, c
     if n == 1:
         return CompletedWork(opname, torch.empty(shape, dtype=src.dtype, device=src.device))
     flat = src.reshape(-1)
-    if exchange_strategy(topo) == "allgather":
+    if exchange_strategy(topo, numel * src.element_size()) == "allgather":
         buf = torch.empty(n * numel, dtype=src.dtype, device=src.device)
         inner = _core.allgather(flat, buf, comm=c, async_op=True)
         out = torch.empty(shape, dtype=src.dtype, device=src.device)

@@ -415,16 +415,20 @@ def topology_entry(c: Communicator) -> Tuple[Topology, bool]:
     return _entry(c)
 
 
-#: Above this fraction of possible edges, neighbour collectives use one allgather instead of a
-#: neighbour exchange (alltoall_v); see docs/comm-ext.md for the measurement behind it.
+#: With at least this fraction of possible edges a topology is dense.
 DENSE_FRACTION = 0.5
+#: Dense topologies use one allgather for tensors below this many bytes, the neighbour exchange
+#: (alltoall_v) above: measured with `trainloom bench neighbor` (docs/comm-ext.md), the exchange was
+#: faster at 4 MiB even on a fully connected graph of 4 ranks, the allgather at 4 KiB.
+DENSE_ALLGATHER_BYTES = 64 * 1024
 
 
-def exchange_strategy(topo: Topology) -> str:
-    """``"allgather"`` or ``"exchange"``: how neighbour collectives move data for ``topo``.
+def exchange_strategy(topo: Topology, nbytes: int = 0) -> str:
+    """``"allgather"`` or ``"exchange"``: how neighbour collectives move ``nbytes`` for ``topo``.
 
-    Depends on the topology only, so every rank picks the same collective. ``TRAINLOOM_NEIGHBOR_EXCHANGE``
-    (``auto``, ``allgather``, ``exchange``) overrides it.
+    Depends only on the topology and the tensor size (equal on every rank), so every rank picks the
+    same collective. ``TRAINLOOM_NEIGHBOR_EXCHANGE`` (``auto``, ``allgather``, ``exchange``)
+    overrides it.
     """
     choice = os.environ.get("TRAINLOOM_NEIGHBOR_EXCHANGE", "auto").strip().lower() or "auto"
     if choice not in ("auto", "allgather", "exchange"):
@@ -434,4 +438,5 @@ def exchange_strategy(topo: Topology) -> str:
     n = topo.size
     if n <= 2:
         return "exchange"
-    return "allgather" if topo.num_edges() >= DENSE_FRACTION * n * (n - 1) else "exchange"
+    dense = topo.num_edges() >= DENSE_FRACTION * n * (n - 1)
+    return "allgather" if dense and nbytes < DENSE_ALLGATHER_BYTES else "exchange"
