@@ -121,7 +121,7 @@ def main(argv: List[str] | None = None) -> int:
     p.add_argument("--topologies", default="ring,exp2,full")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--budget-bytes", type=float, default=64e6, help="bytes moved per round and method")
-    p.add_argument("--quick", action="store_true", help="one tiny size, 2 ranks, 1 round, no lock (smoke test)")
+    p.add_argument("--quick", action="store_true", help="tiny smoke test: 2 ranks, 1 round, no lock")
     p.add_argument("--out", default=None)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -44,6 +44,17 @@ from trainloom.comm.neighbor import (
 )
 from trainloom.comm.optimizers import DistributedAllreduceOptimizer, DistributedNeighborAllreduceOptimizer
 from trainloom.comm.state import broadcast_optimizer_state, broadcast_parameters
+from trainloom.comm.topology import (
+    ExponentialTwoGraph,
+    FullyConnectedGraph,
+    RingGraph,
+    Topology,
+    in_neighbor_ranks,
+    is_topo_weighted,
+    load_topology,
+    out_neighbor_ranks,
+    set_topology,
+)
 from trainloom.comm.windows import (
     win_accumulate,
     win_accumulate_async,
@@ -57,17 +68,6 @@ from trainloom.comm.windows import (
     win_sync,
     win_sync_then_collect,
     win_wait,
-)
-from trainloom.comm.topology import (
-    ExponentialTwoGraph,
-    FullyConnectedGraph,
-    RingGraph,
-    Topology,
-    in_neighbor_ranks,
-    is_topo_weighted,
-    load_topology,
-    out_neighbor_ranks,
-    set_topology,
 )
 
 __all__ = [
