@@ -13,13 +13,15 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from conftest import requires_redis
 from torch.utils.data import DataLoader, Dataset
 
+from trainloom._locate import find_redis_server
 from trainloom.data.cache import CachedDataset, CacheLoader
 from trainloom.data.codec import CodecError
 from trainloom.data.stores import LmdbStore, StoreError
 from trainloom.data.stores.base import StoreUnavailableError
+
+requires_redis = pytest.mark.skipif(find_redis_server() is None, reason="needs a redis-server binary")
 
 
 class CountingDataset(Dataset):

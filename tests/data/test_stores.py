@@ -10,10 +10,12 @@ import sys
 import textwrap
 
 import pytest
-from conftest import requires_redis
 
+from trainloom._locate import find_redis_server
 from trainloom.data.stores import ClusterStore, LmdbStore, StoreError, StoreFullError, shard_of
 from trainloom.data.stores.base import StoreOutOfMemoryError, StoreUnavailableError
+
+requires_redis = pytest.mark.skipif(find_redis_server() is None, reason="needs a redis-server binary")
 
 
 def test_lmdb_basic_api(tmp_path):
