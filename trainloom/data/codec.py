@@ -56,8 +56,8 @@ def encode(obj: Any) -> bytes:
 
     Example::
 
-        >>> len(encode(torch.zeros(10, dtype=torch.uint8)))  # header + metadata + padding + 10
-        138
+        >>> len(encode(torch.zeros(10, dtype=torch.uint8)))  # 32 header + 21 metadata + pad + 10
+        74
     """
     try:
         return _codec.encode(obj)
