@@ -56,7 +56,7 @@ def encode(obj: Any) -> bytes:
 
     Example::
 
-        >>> len(encode(torch.zeros(10, dtype=torch.uint8)))  # 32 header + 21 metadata + pad + 10
+        >>> len(encode(torch.zeros(10, dtype=torch.uint8)))  # 32 header + 19 metadata, pad to 64, + 10
         74
     """
     try:
