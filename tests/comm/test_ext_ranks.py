@@ -137,9 +137,11 @@ def overlap(rank: int, ws: int, engine: str) -> Dict[str, Any]:
     store = dist.distributed_c10d._get_default_store()
     x = torch.full((1000,), float(rank))
     out: Dict[str, Any] = {}
+    nb.barrier()  # creates the engine on every rank
     if rank == 0:
         h1 = nb.allreduce_async(x)
         h2 = nb.neighbor_allreduce_async(x)
+        # (the engine exists already: creating it would need the store, which the main thread uses)
         out["both_pending"] = (not nb.poll(h1)) and (not nb.poll(h2)) and not h1.is_completed()
         # compute while the operations wait for the peers
         a = torch.randn(64, 64)
@@ -333,13 +335,19 @@ def styles_suite(rank: int, ws: int, engine: str) -> Dict[str, Any]:
             s = cd.recv(buf)
             senders.append((s, buf.tolist()))
         out["any"] = sorted(senders)
-        # explicit src after any-source: still in order
-        buf = torch.empty(1)
-        out["explicit"] = cd.recv(buf, src=ws - 1), buf.tolist()
     else:
         cd.send(torch.full((2,), float(rank)), 0)
-        if rank == ws - 1:
-            cd.send(torch.full((1,), 42.0), 0)
+    # (a message sent before the barrier could be matched by either any-source recv: MPI semantics)
+    cd.barrier()
+    if rank == 0:
+        # an explicit src after any-source receives; then any-source skips the announcement it consumed
+        buf = torch.empty(1)
+        out["explicit"] = cd.recv(buf, src=ws - 1), buf.tolist()
+        buf = torch.empty(3)
+        out["any_after"] = cd.recv(buf), buf.tolist()
+    elif rank == ws - 1:
+        cd.send(torch.full((1,), 42.0), 0)
+        cd.send(torch.full((3,), 7.0), 0)
     cd.barrier()
     lst = [torch.empty(2, 2) for _ in range(ws)]
     cd.all_gather(lst, torch.full((2, 2), float(rank)))

@@ -67,6 +67,7 @@ def test_colossal_and_classic_forms(ws, engine):
         assert r["c_backend"].startswith("ConfigError: init_process_group: backend 'ucc' is not one of")
     assert res[0]["any"] == [(s, [float(s)] * 2) for s in range(1, ws)]
     assert res[0]["explicit"] == (ws - 1, [42.0])
+    assert res[0]["any_after"] == (ws - 1, [7.0] * 3)
     assert res[0]["gather"] == [[2.0 * i] * 3 for i in range(ws)]
 
 
