@@ -466,6 +466,17 @@ def train(rank: int, ws: int, engine: str, mode: str, topo: str, steps: int = 25
     out["buckets"] = len(opt._tl_reducer.buckets) if mode != "local" else 0
     out["overlap"] = min(overlap) if overlap else 0
     out["state_keys"] = len(opt.state_dict()["param_groups"][0]["params"])
+    if mode == "neighbor":
+        # control in the same processes: the same training without any communication
+        local = regression_model()
+        lopt = torch.optim.SGD(local.parameters(), lr=0.05)
+        for _ in range(steps):
+            lopt.zero_grad()
+            torch.nn.functional.mse_loss(local(xs), ys).backward()
+            lopt.step()
+        with torch.no_grad():
+            out["local_loss"] = float(torch.nn.functional.mse_loss(local(x), y))
+        out["local_params"] = [p.detach().reshape(-1).tolist() for p in local.parameters()]
     C.destroy_process_group()
     return out
 
