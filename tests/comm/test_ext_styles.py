@@ -11,7 +11,7 @@ from multiproc import run_ranks
 ENGINES = engines()
 
 
-@pytest.mark.parametrize("ws,engine", [(2, "gloo"), (3, ENGINES[-1])])
+@pytest.mark.parametrize("ws,engine", [(2, "gloo"), (3, ENGINES[-1]), (4, ENGINES[-1])])
 def test_colossal_and_classic_forms(ws, engine):
     res = run_ranks(R.styles_suite, ws, engine, timeout=90)
     xs = [torch.arange(24, dtype=torch.float32).reshape(2, 3, 4) + 100 * r for r in range(ws)]
