@@ -66,13 +66,21 @@ def batches(order):
 
 def rate(fn, n: int, repeat: int) -> float:
     """Median samples/s of fn() processing n samples (one untimed warm-up call first)."""
-    fn()
-    times = []
+    return interleaved({"x": fn}, n, repeat)["x"]
+
+
+def interleaved(readers: dict, n: int, repeat: int) -> dict:
+    """Median samples/s of each reader; rounds alternate between readers, so load that drifts during
+    the run (other people's jobs on a shared machine) hits every reader alike."""
+    for fn in readers.values():
+        fn()  # warm-up
+    times: dict = {name: [] for name in readers}
     for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return n / median(times)
+        for name, fn in readers.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: n / median(ts) for name, ts in times.items()}
 
 
 def bench_kind(kind: str, n: int, repeat: int, tmp: Path, redis_hosts, rows: list, notes: list) -> dict:
@@ -85,23 +93,24 @@ def bench_kind(kind: str, n: int, repeat: int, tmp: Path, redis_hosts, rows: lis
 
     # Miss epoch: fresh cache, every sample encoded and written.
     def miss():
-        ds = CachedDataset(
-            MemDataset(samples), path=tmp / f"miss-{kind}-{time.monotonic_ns()}", dataset_name=kind
-        )
+        path = tmp / f"miss-{kind}-{time.monotonic_ns()}"
+        ds = CachedDataset(MemDataset(samples), path=path, dataset_name=kind)
         for b in bs:
             ds.__getitems__(b)
         ds.close()
+        shutil.rmtree(path, ignore_errors=True)
 
     out["miss epoch (LMDB)"] = rate(miss, n, max(1, repeat // 2))
 
     ds = CachedDataset(MemDataset(samples), path=tmp / "lmdb", dataset_name=kind)
     ds.warmup(progress=False, batch_size=256)
+    readers = {}
 
     def cached():
         for b in bs:
             ds.__getitems__(b)
 
-    out["CachedDataset (LMDB)"] = rate(cached, n, repeat)
+    readers["CachedDataset (LMDB)"] = cached
 
     # Raw py-lmdb on the same encoded values, one read transaction per batch, bytes copied out.
     env = lmdb.open(str(tmp / f"raw-{kind}"), map_size=1 << 34, readahead=False, sync=False)
@@ -118,7 +127,7 @@ def bench_kind(kind: str, n: int, repeat: int, tmp: Path, redis_hosts, rows: lis
                 for k in b:
                     t.get(k)
 
-    out["raw py-lmdb get"] = rate(raw_lmdb, n, repeat)
+    readers["raw py-lmdb get"] = raw_lmdb
 
     def raw_lmdb_kept():  # the batch is kept until the next one, as a data loader must
         for b in kb:
@@ -126,9 +135,9 @@ def bench_kind(kind: str, n: int, repeat: int, tmp: Path, redis_hosts, rows: lis
                 batch = [t.get(k) for k in b]
         return batch
 
-    out["raw py-lmdb get, batch kept"] = rate(raw_lmdb_kept, n, repeat)
-    env.close()
+    readers["raw py-lmdb get, batch kept"] = raw_lmdb_kept
 
+    client = None
     if redis_hosts is not None:
         import redis
 
@@ -140,7 +149,7 @@ def bench_kind(kind: str, n: int, repeat: int, tmp: Path, redis_hosts, rows: lis
             for b in bs:
                 rds.__getitems__(b)
 
-        out["CachedDataset (Redis)"] = rate(cached_redis, n, repeat)
+        readers["CachedDataset (Redis)"] = cached_redis
         h = redis_hosts[0]
         client = redis.Redis(host=h["host"], port=h["port"], password=h["password"])
         pkeys = [b"pickled:" + k for k in keys]
@@ -158,35 +167,39 @@ def bench_kind(kind: str, n: int, repeat: int, tmp: Path, redis_hosts, rows: lis
                     p.get(k)
                 p.execute()
 
-        out["raw redis-py pipeline"] = rate(raw_redis, n, repeat)
+        readers["raw redis-py pipeline"] = raw_redis
         porder = [pkeys[i] for i in order]
 
         def per_sample():
             for k in porder:
                 pickle.loads(client.get(k))
 
-        out["Redis 1 RTT/sample + pickle"] = rate(per_sample, n, max(1, repeat // 2))
+        readers["Redis 1 RTT/sample + pickle"] = per_sample
+
+    out.update(interleaved(readers, n, repeat))
+    env.close()
+    if client is not None:
         rds.cache_loader.clear()
         client.delete(*[b"raw:" + k for k in keys], *pkeys)
         client.close()
 
     # Through a DataLoader with 2 workers (persistent, so worker start-up is not counted).
-    def loader_rate(dataset) -> float:
-        holder = [
-            DataLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=2, persistent_workers=True,
-                       multiprocessing_context="fork")
-        ]  # fmt: skip
+    loaders = {
+        name: DataLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=2, persistent_workers=True,
+                         multiprocessing_context="fork")
+        for name, dataset in (("uncached", MemDataset(samples)), ("CachedDataset (LMDB)", ds))
+    }  # fmt: skip
 
+    def epoch_of(dl):
         def epoch():
-            for _ in holder[0]:
+            for _ in dl:
                 pass
 
-        r = rate(epoch, n, repeat)
-        holder.clear()  # stops the persistent workers
-        return r
+        return epoch
 
-    out["DataLoader 2 workers: uncached"] = loader_rate(MemDataset(samples))
-    out["DataLoader 2 workers: CachedDataset (LMDB)"] = loader_rate(ds)
+    for name, r in interleaved({k: epoch_of(v) for k, v in loaders.items()}, n, repeat).items():
+        out[f"DataLoader 2 workers: {name}"] = r
+    loaders.clear()  # stops the persistent workers
     ds.close()
 
     for name, v in out.items():
