@@ -244,7 +244,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     n_small = args.small or (1000 if args.quick else 20000)
     n_img = args.images or (64 if args.quick else 1000)
-    repeat = 1 if args.quick else 3
+    repeat = 1 if args.quick else 5
     tmp = Path(tempfile.mkdtemp(prefix="trainloom-bench-cache-"))
     store = None
     rows: list = []
