@@ -78,7 +78,12 @@ cdef extern from *:
         const T w = (T)a->w, wm1 = (T)a->w - (T)1, b2 = (T)a->b2, c2 = (T)a->c2;           \\
         const T bc2s = (T)a->bc2s, eps = (T)a->eps, nss = (T)a->nss;                       \\
         const T wd = (T)a->wd, decay = (T)a->decay;                                        \\
-        const int small = a->lerp_small != 0.0;
+        const int small = a->lerp_small != 0.0;                                            \\
+        /* flags in locals: with -fno-strict-aliasing every store to the arrays could change */ \\
+        /* *a, so reading a->flag in a loop would reload and re-test it each iteration. */    \\
+        const int f_max = a->maximize, f_l2 = a->l2, f_dec = a->decoupled;                 \\
+        const int f_ams = a->amsgrad, f_valt = a->body_v_alt;                              \\
+        (void)f_max; (void)f_l2; (void)f_dec; (void)f_ams; (void)f_valt;
 
     /* Portable scalar versions: fmaf/fma are exact by definition (libm uses the hardware
        instruction when there is one), sqrt and division are correctly rounded, so these give the
@@ -180,6 +185,47 @@ cdef extern from *:
     #define TL_HAVE_X86 1
     /* AVX2+FMA versions, compiled for that target only (the rest of the module stays baseline
        x86-64) and selected at run time with __builtin_cpu_supports. */
+    /* Vector body of the fused Adam for one combination of flags. Expanded once per
+       (amsgrad, L2, decoupled) combination by the switch below, so that the loop has no
+       per-iteration tests, keeps its constants in registers and can be unrolled. */
+    #define TL_ADAM_VLOOP(V, SUF, VL, AMS, L2, DEC)                                        \\
+        _Pragma("GCC unroll 2")                                                            \\
+        for (; i < vend; i += VL) {                                                        \\
+            V gv = _mm256_loadu_##SUF(g + i), pv = _mm256_loadu_##SUF(p + i);              \\
+            if (f_max) gv = _mm256_xor_##SUF(gv, NEG);                                     \\
+            if (L2) gv = _mm256_fmadd_##SUF(pv, WD, gv);                                   \\
+            if (DEC) pv = _mm256_mul_##SUF(pv, DEC_V);                                     \\
+            V mv = _mm256_loadu_##SUF(m + i);                                              \\
+            mv = _mm256_fmadd_##SUF(W, _mm256_sub_##SUF(gv, mv), _mm256_blendv_##SUF(gv, mv, SMALL_M)); \\
+            V vv = _mm256_loadu_##SUF(v + i);                                              \\
+            vv = f_valt ? _mm256_fmadd_##SUF(vv, B2, _mm256_mul_##SUF(_mm256_mul_##SUF(C2, gv), gv)) \\
+                        : _mm256_fmadd_##SUF(_mm256_mul_##SUF(C2, gv), gv, _mm256_mul_##SUF(vv, B2)); \\
+            _mm256_storeu_##SUF(m + i, mv);                                                \\
+            _mm256_storeu_##SUF(v + i, vv);                                                \\
+            if (AMS) {                                                                     \\
+                /* torch.maximum: NaN wins; otherwise the larger value. */                 \\
+                V mx = _mm256_loadu_##SUF(vmax + i);                                       \\
+                V r = _mm256_max_##SUF(vv, mx);                                            \\
+                r = _mm256_blendv_##SUF(r, vv, _mm256_cmp_##SUF(vv, vv, _CMP_UNORD_Q));    \\
+                r = _mm256_blendv_##SUF(r, mx, _mm256_cmp_##SUF(mx, mx, _CMP_UNORD_Q));    \\
+                _mm256_storeu_##SUF(vmax + i, r);                                          \\
+                vv = r;                                                                    \\
+            }                                                                              \\
+            V den = _mm256_add_##SUF(_mm256_div_##SUF(_mm256_sqrt_##SUF(vv), BC), EPS);   \\
+            _mm256_storeu_##SUF(p + i, _mm256_add_##SUF(pv, _mm256_div_##SUF(_mm256_mul_##SUF(NSS, mv), den))); \\
+        }
+    #define TL_ADAM_VSWITCH(V, SUF, VL)                                                    \\
+        switch ((f_ams ? 4 : 0) | (f_l2 ? 2 : 0) | (f_dec ? 1 : 0)) {                      \\
+            case 0: TL_ADAM_VLOOP(V, SUF, VL, 0, 0, 0) break;                              \\
+            case 1: TL_ADAM_VLOOP(V, SUF, VL, 0, 0, 1) break;                              \\
+            case 2: TL_ADAM_VLOOP(V, SUF, VL, 0, 1, 0) break;                              \\
+            case 3: TL_ADAM_VLOOP(V, SUF, VL, 0, 1, 1) break;                              \\
+            case 4: TL_ADAM_VLOOP(V, SUF, VL, 1, 0, 0) break;                              \\
+            case 5: TL_ADAM_VLOOP(V, SUF, VL, 1, 0, 1) break;                              \\
+            case 6: TL_ADAM_VLOOP(V, SUF, VL, 1, 1, 0) break;                              \\
+            default: TL_ADAM_VLOOP(V, SUF, VL, 1, 1, 1) break;                             \\
+        }
+
     __attribute__((target("avx2,fma")))
     static void tl_adam_f32_avx2(float *p, const float *g, float *m, float *v, float *vmax,
                                  int64_t body, int64_t n, const tl_adam_args *a) {
@@ -187,34 +233,13 @@ cdef extern from *:
         const __m256 W = _mm256_set1_ps(small ? w : wm1), B2 = _mm256_set1_ps(b2);
         const __m256 C2 = _mm256_set1_ps(c2), BC = _mm256_set1_ps(bc2s);
         const __m256 EPS = _mm256_set1_ps(eps), NSS = _mm256_set1_ps(nss);
-        const __m256 WD = _mm256_set1_ps(wd), DEC = _mm256_set1_ps(decay);
+        const __m256 WD = _mm256_set1_ps(wd), DEC_V = _mm256_set1_ps(decay);
         const __m256 NEG = _mm256_set1_ps(-0.0f);
+        /* all-ones lanes pick exp_avg as the lerp base (weight < 0.5), else the gradient */
+        const __m256 SMALL_M = _mm256_castsi256_ps(_mm256_set1_epi32(small ? -1 : 0));
         int64_t i = 0;
         const int64_t vend = body - body % 8;
-        for (; i < vend; i += 8) {
-            __m256 gv = _mm256_loadu_ps(g + i), pv = _mm256_loadu_ps(p + i);
-            if (a->maximize) gv = _mm256_xor_ps(gv, NEG);
-            if (a->l2) gv = _mm256_fmadd_ps(pv, WD, gv);
-            if (a->decoupled) pv = _mm256_mul_ps(pv, DEC);
-            __m256 mv = _mm256_loadu_ps(m + i);
-            mv = _mm256_fmadd_ps(W, _mm256_sub_ps(gv, mv), small ? mv : gv);
-            __m256 vv = _mm256_loadu_ps(v + i);
-            vv = a->body_v_alt ? _mm256_fmadd_ps(vv, B2, _mm256_mul_ps(_mm256_mul_ps(C2, gv), gv))
-                               : _mm256_fmadd_ps(_mm256_mul_ps(C2, gv), gv, _mm256_mul_ps(vv, B2));
-            _mm256_storeu_ps(m + i, mv);
-            _mm256_storeu_ps(v + i, vv);
-            if (a->amsgrad) {
-                __m256 mx = _mm256_loadu_ps(vmax + i);
-                /* torch.maximum: NaN wins; otherwise the larger value. */
-                __m256 r = _mm256_max_ps(vv, mx);
-                r = _mm256_blendv_ps(r, vv, _mm256_cmp_ps(vv, vv, _CMP_UNORD_Q));
-                r = _mm256_blendv_ps(r, mx, _mm256_cmp_ps(mx, mx, _CMP_UNORD_Q));
-                _mm256_storeu_ps(vmax + i, r);
-                vv = r;
-            }
-            __m256 den = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vv), BC), EPS);
-            _mm256_storeu_ps(p + i, _mm256_add_ps(pv, _mm256_div_ps(_mm256_mul_ps(NSS, mv), den)));
-        }
+        TL_ADAM_VSWITCH(__m256, ps, 8)
         for (; i < body; i++) TL_ADAM_SCALAR(float, fmaf, sqrtf, a->body_v_alt)
         for (; i < n; i++) TL_ADAM_SCALAR(float, fmaf, sqrtf, a->tail_v_alt)
     }
@@ -225,33 +250,12 @@ cdef extern from *:
         const __m256d W = _mm256_set1_pd(small ? w : wm1), B2 = _mm256_set1_pd(b2);
         const __m256d C2 = _mm256_set1_pd(c2), BC = _mm256_set1_pd(bc2s);
         const __m256d EPS = _mm256_set1_pd(eps), NSS = _mm256_set1_pd(nss);
-        const __m256d WD = _mm256_set1_pd(wd), DEC = _mm256_set1_pd(decay);
+        const __m256d WD = _mm256_set1_pd(wd), DEC_V = _mm256_set1_pd(decay);
         const __m256d NEG = _mm256_set1_pd(-0.0);
+        const __m256d SMALL_M = _mm256_castsi256_pd(_mm256_set1_epi64x(small ? -1 : 0));
         int64_t i = 0;
         const int64_t vend = body - body % 4;
-        for (; i < vend; i += 4) {
-            __m256d gv = _mm256_loadu_pd(g + i), pv = _mm256_loadu_pd(p + i);
-            if (a->maximize) gv = _mm256_xor_pd(gv, NEG);
-            if (a->l2) gv = _mm256_fmadd_pd(pv, WD, gv);
-            if (a->decoupled) pv = _mm256_mul_pd(pv, DEC);
-            __m256d mv = _mm256_loadu_pd(m + i);
-            mv = _mm256_fmadd_pd(W, _mm256_sub_pd(gv, mv), small ? mv : gv);
-            __m256d vv = _mm256_loadu_pd(v + i);
-            vv = a->body_v_alt ? _mm256_fmadd_pd(vv, B2, _mm256_mul_pd(_mm256_mul_pd(C2, gv), gv))
-                               : _mm256_fmadd_pd(_mm256_mul_pd(C2, gv), gv, _mm256_mul_pd(vv, B2));
-            _mm256_storeu_pd(m + i, mv);
-            _mm256_storeu_pd(v + i, vv);
-            if (a->amsgrad) {
-                __m256d mx = _mm256_loadu_pd(vmax + i);
-                __m256d r = _mm256_max_pd(vv, mx);
-                r = _mm256_blendv_pd(r, vv, _mm256_cmp_pd(vv, vv, _CMP_UNORD_Q));
-                r = _mm256_blendv_pd(r, mx, _mm256_cmp_pd(mx, mx, _CMP_UNORD_Q));
-                _mm256_storeu_pd(vmax + i, r);
-                vv = r;
-            }
-            __m256d den = _mm256_add_pd(_mm256_div_pd(_mm256_sqrt_pd(vv), BC), EPS);
-            _mm256_storeu_pd(p + i, _mm256_add_pd(pv, _mm256_div_pd(_mm256_mul_pd(NSS, mv), den)));
-        }
+        TL_ADAM_VSWITCH(__m256d, pd, 4)
         for (; i < body; i++) TL_ADAM_SCALAR(double, fma, sqrt, a->body_v_alt)
         for (; i < n; i++) TL_ADAM_SCALAR(double, fma, sqrt, a->tail_v_alt)
     }
@@ -318,14 +322,14 @@ cdef extern from *:
         for (; i < vend; i += VL) {                                                        \
             V gv = _mm256_loadu_##SUF(g + i);                                              \
             if (a->maximize) gv = _mm256_xor_##SUF(gv, NEG);                               \
-            if (a->l2) gv = _mm256_fmadd_##SUF(_mm256_loadu_##SUF(p + i), WD, gv);          \
+            if (f_l2) gv = _mm256_fmadd_##SUF(_mm256_loadu_##SUF(p + i), WD, gv);          \
             V mv = _mm256_loadu_##SUF(m + i);                                              \
             mv = _mm256_fmadd_##SUF(W, _mm256_sub_##SUF(gv, mv), small ? mv : gv);         \
             V vv = _mm256_fmadd_##SUF(_mm256_mul_##SUF(C2, gv), gv,                        \
                                       _mm256_mul_##SUF(_mm256_loadu_##SUF(v + i), B2));     \
             _mm256_storeu_##SUF(m + i, mv);                                                \
             _mm256_storeu_##SUF(v + i, vv);                                                \
-            if (a->amsgrad) {                                                              \
+            if (f_ams) {                                                                   \
                 V mx = _mm256_loadu_##SUF(vmax + i);                                       \
                 V r = _mm256_max_##SUF(vv, mx);                                            \
                 r = _mm256_blendv_##SUF(r, vv, _mm256_cmp_##SUF(vv, vv, _CMP_UNORD_Q));    \
@@ -343,7 +347,7 @@ cdef extern from *:
         const int64_t vend = n - n % VL;                                                   \
         for (; i < vend; i += VL) {                                                        \
             V pv = _mm256_loadu_##SUF(p + i);                                              \
-            if (a->decoupled) pv = _mm256_mul_##SUF(pv, DEC);                              \
+            if (f_dec) pv = _mm256_mul_##SUF(pv, DEC);                              \
             V den = _mm256_add_##SUF(_mm256_div_##SUF(_mm256_loadu_##SUF(sq + i), BC), EPS); \
             V up = _mm256_div_##SUF(_mm256_mul_##SUF(NSS, _mm256_loadu_##SUF(m + i)), den); \
             _mm256_storeu_##SUF(p + i, _mm256_add_##SUF(pv, up));                          \
