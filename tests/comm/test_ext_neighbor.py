@@ -213,7 +213,7 @@ def test_world_size_one():
     x = R.value(0)
     assert r["in"] == [] and r["avg"] == x.tolist() and r["gather"] == [0, 3]
     assert r["allreduce"] == x.tolist() and r["allgather"] == x.tolist() and r["broadcast"] == x.tolist()
-    assert r["poll"] is True and r["params_same"] is True
+    assert r["poll"] is True and r["params_same"] is True and r["win"] == [0.0, 1.0, 2.0]
 
 
 def test_missing_neighbor_times_out():

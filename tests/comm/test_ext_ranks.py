@@ -183,6 +183,13 @@ def world_one(rank: int, ws: int) -> Dict[str, Any]:
     opt = torch.optim.Adam(m.parameters())
     st.broadcast_optimizer_state(opt, 0)
     out["params_same"] = all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
+    from trainloom.comm import windows as win
+
+    w = torch.arange(3.0)
+    win.win_create(w, "one")
+    win.win_put(w, "one")
+    out["win"] = win.win_sync("one").tolist()
+    win.win_free()
     C.destroy_process_group()
     return out
 
