@@ -52,7 +52,16 @@ from trainloom.comm.group import (
     is_initialized,
     new_group,
 )
+from trainloom.comm.neighbor import neighbor_allgather, neighbor_allreduce, poll, synchronize
+from trainloom.comm.optimizers import DistributedAllreduceOptimizer, DistributedNeighborAllreduceOptimizer
+from trainloom.comm.state import broadcast_optimizer_state, broadcast_parameters
+from trainloom.comm.topology import load_topology, set_topology
 from trainloom.comm.work import Work
+
+# Drop-in namespaces for scripts written against other libraries (import them directly):
+#   import trainloom.comm.bluefog as bf          (Bluefog: bluefog.torch)
+#   import trainloom.comm.colossal as collective (ColossalAI: colossalai.communication.collective)
+#   import trainloom.comm.classic as dist        (early torch.distributed)
 
 __all__ = [
     "ReduceOp",
@@ -93,4 +102,14 @@ __all__ = [
     "is_initialized",
     "new_group",
     "Work",
+    "neighbor_allgather",
+    "neighbor_allreduce",
+    "poll",
+    "synchronize",
+    "DistributedAllreduceOptimizer",
+    "DistributedNeighborAllreduceOptimizer",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
+    "load_topology",
+    "set_topology",
 ]
