@@ -414,7 +414,6 @@ cdef int _allreduce(State* st, const tl_desc_t* d, const char* send, char* recv,
     cdef int64_t* zp = zcs
     cdef int any_zc = 0, par
     cdef tl_desc_t dz
-    cdef char* myheap = st.heap + <size_t>me * st.H
     if W > 256:
         sp = <const void**>calloc(W, sizeof(void*))
     if nbytes <= small_bytes:
