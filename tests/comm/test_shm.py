@@ -712,6 +712,10 @@ def test_bad_constructor_arguments():
         ShmCommunicator(None, 0, 1, prefix="")
     with pytest.raises(ValueError, match="slot_bytes must be a multiple of 4096 >= 4096, got 1000"):
         ShmCommunicator(None, 0, 1, prefix="p", slot_bytes=1000)
+    with pytest.raises(
+        ValueError, match="slot_bytes=4096 is too small for world_size 100; use at least 8192"
+    ):
+        ShmCommunicator(None, 0, 100, prefix="p", slot_bytes=4096)
     with pytest.raises(ValueError, match="timeout must be a positive number of seconds, got -1"):
         ShmCommunicator(None, 0, 1, prefix="p", timeout=-1)
 

@@ -216,6 +216,12 @@ class ShmCommunicator:
         for name, v, lo in (("slot_bytes", slot, 4096), ("heap_bytes", heap_bytes, 0)):
             if not isinstance(v, int) or isinstance(v, bool) or v < lo or v % 4096:
                 raise ValueError(f"ShmCommunicator: {name} must be a multiple of 4096 >= {lo}, got {v!r}")
+        if slot < 64 * world_size:
+            # alltoall, reduce_scatter and scatter give every rank a piece of each slot per step
+            raise ValueError(
+                f"ShmCommunicator: slot_bytes={slot} is too small for world_size {world_size}; "
+                f"use at least {(64 * world_size + 4095) // 4096 * 4096}"
+            )
         if not shm_supported():
             raise CommError("ShmCommunicator: shared-memory collectives need Linux with a writable /dev/shm")
         self.rank = rank
