@@ -505,58 +505,98 @@ cdef int _allreduce(State* st, const tl_desc_t* d, const char* send, char* recv,
     return rc
 
 
-cdef int _broadcast(State* st, const tl_desc_t* d, char* buf, size_t nbytes, int root,
+cdef int _broadcast(State* st, const tl_desc_t* d, char* buf, size_t nbytes, int root, int64_t zc_off,
                     double deadline) noexcept nogil:
+    """Root copies one slot per step, the others copy it out. Zero-copy (zc_off >= 0 on the root:
+    its tensor is in its heap): the others read it in place and a final barrier keeps the root
+    from returning (and changing it) before they are done."""
     cdef size_t off = 0, c
     cdef int rc, first = 1
+    cdef int64_t zr = -1
     cdef uint64_t use
+    cdef tl_desc_t dz
+    memcpy(&dz, d, sizeof(tl_desc_t))
+    dz.zc = zc_off + 1 if st.rank == root else 0
     while first or off < nbytes:
         c = nbytes - off
         if c > st.S:
             c = st.S
         use = st.nbuf
         st.nbuf += 1
-        if st.rank == root and c:
+        if st.rank == root and c and zc_off < 0:
             memcpy(_slot(st, root, use), buf + off, c)
         if first:
-            rc = _first_step(st, d, deadline)
+            rc = _first_step(st, &dz, deadline)
             first = 0
+            if rc == 0:
+                zr = st.ranks[root].desc[st.step & 1].zc - 1
         else:
             rc = _step(st, deadline)
         if rc != 0:
             return rc
         if st.rank != root and c:
-            memcpy(buf + off, _slot(st, root, use), c)
+            if zr >= 0:
+                memcpy(buf + off, st.heap + <size_t>root * st.H + <size_t>zr + off, c)
+            else:
+                memcpy(buf + off, _slot(st, root, use), c)
         off += c
+    if zr >= 0:
+        return _step(st, deadline)
     return 0
 
 
 cdef int _allgather(State* st, const tl_desc_t* d, const char* send, char* recv, size_t nbytes, int dst,
-                    double deadline) noexcept nogil:
-    """Allgather (dst < 0) or gather to dst; each rank contributes nbytes."""
+                    int64_t zc_off, double deadline) noexcept nogil:
+    """Allgather (dst < 0) or gather to dst; each rank contributes nbytes. A rank's own block goes
+    straight from send to recv. Zero-copy for ranks whose send is in their heap (zc_off >= 0):
+    no copy into the slot, readers take it in place, and a final barrier follows."""
     cdef size_t off = 0, c
-    cdef int rc, p, first = 1
+    cdef int rc, p, first = 1, any_zc = 0, W = st.world
     cdef uint64_t use
+    cdef int64_t zcs[256]
+    cdef int64_t* zp = zcs
+    cdef const char* src
+    cdef tl_desc_t dz
+    if W > 256:
+        zp = <int64_t*>calloc(W, sizeof(int64_t))
+    memcpy(&dz, d, sizeof(tl_desc_t))
+    dz.zc = zc_off + 1
+    rc = 0
     while first or off < nbytes:
         c = nbytes - off
         if c > st.S:
             c = st.S
         use = st.nbuf
         st.nbuf += 1
-        if c:
+        if c and zc_off < 0:
             memcpy(_slot(st, st.rank, use), send + off, c)
         if first:
-            rc = _first_step(st, d, deadline)
+            rc = _first_step(st, &dz, deadline)
             first = 0
+            if rc == 0:
+                for p in range(W):
+                    zp[p] = st.ranks[p].desc[st.step & 1].zc - 1
+                    if zp[p] >= 0:
+                        any_zc = 1
         else:
             rc = _step(st, deadline)
         if rc != 0:
-            return rc
+            break
         if c and (dst < 0 or dst == st.rank):
-            for p in range(st.world):
-                memcpy(recv + <size_t>p * nbytes + off, _slot(st, p, use), c)
+            for p in range(W):
+                if p == st.rank:
+                    src = send + off
+                    if src == <const char*>(recv + <size_t>p * nbytes + off):
+                        continue  # in place: my block already is where it belongs
+                else:
+                    src = _csrc(st, p, zp, use, off)
+                memcpy(recv + <size_t>p * nbytes + off, src, c)
         off += c
-    return 0
+    if rc == 0 and any_zc:
+        rc = _step(st, deadline)
+    if zp != zcs:
+        free(zp)
+    return rc
 
 
 cdef int _scatter(State* st, const tl_desc_t* d, const char* send, char* recv, size_t nbytes, int root,
@@ -1107,6 +1147,12 @@ cdef class Engine:
             raise CommError("shared-memory engine used after close()")
         return 0
 
+    cdef int _check_zc(self, uintptr_t ptr, size_t nbytes, int64_t zc_off) except -1:
+        if (<size_t>zc_off + nbytes > self.st.H
+                or ptr != <uintptr_t>(self.st.heap + <size_t>self.st.rank * self.st.H + <size_t>zc_off)):
+            raise ValueError(f"zero-copy offset {zc_off} does not match a tensor inside this rank's heap")
+        return 0
+
     cdef int _enter(self) except -1:
         if self.st.base == NULL or self.closed:
             raise CommError("shared-memory engine used after close()")
@@ -1206,14 +1252,17 @@ cdef class Engine:
             _reraise_pending()
         return rc
 
-    def broadcast(self, tuple desc, uintptr_t buf, size_t nbytes, int root, double timeout):
+    def broadcast(self, tuple desc, uintptr_t buf, size_t nbytes, int root, double timeout,
+                  int64_t zc_off=-1):
         cdef tl_desc_t d
         cdef double deadline = tl_now() + timeout
         cdef int rc
+        if zc_off >= 0:
+            self._check_zc(buf, nbytes, zc_off)
         _fill_desc(&d, desc)
         self._enter()
         with nogil:
-            rc = _broadcast(&self.st, &d, <char*>buf, nbytes, root, deadline)
+            rc = _broadcast(&self.st, &d, <char*>buf, nbytes, root, zc_off, deadline)
             if rc != 0:
                 self._fail(rc)
         self.busy = 0
@@ -1221,14 +1270,17 @@ cdef class Engine:
             _reraise_pending()
         return rc
 
-    def allgather(self, tuple desc, uintptr_t send, uintptr_t recv, size_t nbytes, int dst, double timeout):
+    def allgather(self, tuple desc, uintptr_t send, uintptr_t recv, size_t nbytes, int dst, double timeout,
+                  int64_t zc_off=-1):
         cdef tl_desc_t d
         cdef double deadline = tl_now() + timeout
         cdef int rc
+        if zc_off >= 0:
+            self._check_zc(send, nbytes, zc_off)
         _fill_desc(&d, desc)
         self._enter()
         with nogil:
-            rc = _allgather(&self.st, &d, <const char*>send, <char*>recv, nbytes, dst, deadline)
+            rc = _allgather(&self.st, &d, <const char*>send, <char*>recv, nbytes, dst, zc_off, deadline)
             if rc != 0:
                 self._fail(rc)
         self.busy = 0

@@ -339,7 +339,7 @@ def test_results_are_bitwise_identical_on_every_rank():
 # larger than a slot, zero-copy heap, pinning
 # ------------------------------------------------------------------------------------------------
 def _w_large(rank, world):
-    comm = _comm(rank, world, pin_cpu=True, heap_bytes=4 << 20)
+    comm = _comm(rank, world, pin_cpu=True, heap_bytes=8 << 20)
     cpus = sorted(comm._saved_affinity)
     pinned = os.sched_getaffinity(0) == {cpus[rank % len(cpus)]}
     n = 3 * (1 << 20) // 4 + 123  # 3 MiB of float32: three default slots and an odd tail
@@ -370,7 +370,21 @@ def _w_large(rank, world):
     s0 = comm._engine.step
     comm.allreduce(t, t, ReduceOp.SUM)
     steps.append(comm._engine.step - s0)  # 4 chunks + 1 without zero-copy, one more with it
-    ok = ok and steps == [6, 6, 5] and torch.equal(t, want)
+    ok = ok and torch.equal(t, want)
+    # zero-copy broadcast (the root's tensor is in its heap) and allgather (rank 0's send only)
+    m = 300_000  # 2 slots
+    zb = comm.shared_empty(m, torch.float32)
+    zb.copy_(torch.arange(m, dtype=torch.float32) * (rank + 1))
+    s0 = comm._engine.step
+    comm.broadcast(zb, 0)
+    steps.append(comm._engine.step - s0)  # 2 chunks + the final barrier of zero-copy
+    ok = ok and torch.equal(zb, torch.arange(m, dtype=torch.float32))
+    g = torch.empty(world * m)
+    s0 = comm._engine.step
+    comm.allgather(zb if rank == 0 else zb.clone(), g)
+    steps.append(comm._engine.step - s0)
+    ok = ok and torch.equal(g, torch.arange(m, dtype=torch.float32).repeat(world))
+    ok = ok and steps == [6, 6, 5, 3, 3]
     try:
         comm.shared_empty(1 << 20, torch.float32)
         heap_err = ""
@@ -386,7 +400,7 @@ def test_larger_than_slot_pinning_and_shared_empty():
     out = run_ranks(_w_large, 2, timeout=60)
     for ok, pinned, restored, heap_err, _ in out:
         assert ok and pinned and restored
-        assert "heap_bytes=4194304 left on rank" in heap_err and "larger heap_bytes" in heap_err, heap_err
+        assert "heap_bytes=8388608 left on rank" in heap_err and "larger heap_bytes" in heap_err, heap_err
     assert _leftovers([o[4] for o in out]) == []
 
 

@@ -446,6 +446,13 @@ class ShmCommunicator:
                 "separate tensors"
             )
 
+    def _heap_offset(self, ptr: int, nbytes: int) -> int:
+        """Offset of [ptr, ptr + nbytes) in this rank's heap (a shared_empty tensor), else -1."""
+        if not self._heap_base:
+            return -1
+        off = ptr - self._heap_base
+        return off if 0 <= off and off + nbytes <= self._heap_bytes else -1
+
     def _desc(
         self, kind: int, dcode: int, redop: int, root: int, numel: int, extra: int, shape: Any
     ) -> tuple:
@@ -593,11 +600,8 @@ class ShmCommunicator:
         n = send.numel() * mult
         sp = send.data_ptr()
         out = recv.data_ptr() if (dst < 0 or dst == self.rank) else 0
-        zc = -1
-        if self._heap_base and dst < 0 and sp == out:
-            off = sp - self._heap_base
-            if 0 <= off and off + n * kes <= self._heap_bytes:
-                zc = off  # a shared_empty tensor: peers read it in place (no copy into the slots)
+        # a shared_empty tensor reduced in place: peers read it where it is (no copy into the slots)
+        zc = self._heap_offset(sp, n * kes) if (dst < 0 and sp == out) else -1
         rc = eng.allreduce(d, sp, out, n, kes, kdt, code, self.world_size, dst, t, zc)
         if rc:
             self._raise(rc, name, d[1], t)
@@ -637,7 +641,9 @@ class ShmCommunicator:
         d = self._desc(_shm.OP_BROADCAST, dcode, -1, src, tensor.numel(), 0, tensor.shape)
         if self.world_size == 1:
             return
-        rc = eng.broadcast(d, tensor.data_ptr(), tensor.numel() * tensor.element_size(), src, t)
+        nbytes = tensor.numel() * tensor.element_size()
+        zc = self._heap_offset(tensor.data_ptr(), nbytes) if self.rank == src else -1
+        rc = eng.broadcast(d, tensor.data_ptr(), nbytes, src, t, zc)
         if rc:
             self._raise(rc, "broadcast", d[1], t)
 
@@ -670,7 +676,9 @@ class ShmCommunicator:
                 recv.view(-1).copy_(send.view(-1))
             return
         out = recv.data_ptr() if (dst < 0 or dst == self.rank) else 0
-        rc = eng.allgather(d, send.data_ptr(), out, send.numel() * send.element_size(), dst, t)
+        nbytes = send.numel() * send.element_size()
+        zc = self._heap_offset(send.data_ptr(), nbytes)
+        rc = eng.allgather(d, send.data_ptr(), out, nbytes, dst, t, zc)
         if rc:
             self._raise(rc, opname, d[1], t)
 
@@ -961,7 +969,8 @@ class ShmCommunicator:
         any such tensor is alive, also after :meth:`close`. An in-place :meth:`allreduce` of such a
         tensor (or of a view of it) above ``small_bytes`` is zero-copy: peers read it where it is
         and the reduced parts are written back in place (about half the CPU time and memory
-        traffic). Every other op accepts these tensors like any other.
+        traffic); :meth:`broadcast` from such a tensor (root) and :meth:`allgather`/:meth:`gather`
+        of one (send) are read in place too. Every other op copies them like any other tensor.
 
         Raises:
             CommError: the heap is exhausted (says how much is left) or the communicator is closed.
