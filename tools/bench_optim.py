@@ -139,7 +139,7 @@ def main() -> None:
                 nparam = sum(math.prod(s) for s in shapes)
                 small = nparam < 1_000_000
                 params = make_params(shapes)
-                repeat = 1 if args.quick else (7 if small else (2 if nparam > 50_000_000 else 3))
+                repeat = 1 if args.quick else (7 if small else (3 if nparam > 50_000_000 else 7))
                 number = (200 if small else 1) if not args.quick else 2
                 for nt in args.threads:
                     torch.set_num_threads(nt)

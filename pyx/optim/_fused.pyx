@@ -10,7 +10,12 @@
 # torch's fused=True Adam uses one formula in its vector body and a slightly different one in the
 # scalar tail of each tensor (the last numel % vector_width elements, see tests/optim), so the
 # Python layer passes segments (one per parameter) with a "body" length, and this file applies the
-# body formula to [0, body) and the tail formula to [body, length) of each segment.
+# body formula to [0, body) and the tail formula to [body, length) of each segment. Fused SGD has
+# the same split (its tail rounds the momentum update differently).
+#
+# torch's for-loop/foreach Adam takes exp_avg_sq.sqrt() from MKL's vmsSqrt/vmdSqrt, which is not
+# correctly rounded; adam_loop_step calls that very function (address installed by the Python
+# layer after a bit-for-bit check against torch.sqrt) on L1-sized blocks between the two halves.
 #
 # Threading: the Python layer hands over a plan of work items (segment pieces of at most a few
 # hundred KiB); prange distributes items over OpenMP threads with the GIL released. Items never
@@ -541,15 +546,28 @@ def adam_loop_step(int dtype, intptr_t p, intptr_t g, intptr_t m, intptr_t v, in
     # GIL released: see adam_step. vmsSqrt/vmdSqrt are thread-safe and, on blocks this small,
     # run on the calling thread.
     with nogil:
-        for k in prange(nitems, schedule="dynamic", num_threads=nthreads):
-            s = i_start[k]
-            if dtype == DEF_F32:
-                tl_adam_loop_f32(<float*>p + s, <const float*>g + s, <float*>m + s, <float*>v + s,
-                                 (<float*>vmax + s) if amsgrad else NULL, i_len[k], &a, fs, mode, avx)
-            else:
-                tl_adam_loop_f64(<double*>p + s, <const double*>g + s, <double*>m + s,
-                                 <double*>v + s, (<double*>vmax + s) if amsgrad else NULL, i_len[k],
-                                 &a, fd, mode, avx)
+        if nthreads == 1:
+            # no OpenMP region at all: inside even a one-thread region, MKL's square root
+            # (adam_loop_step) would open a nested team per call, costing milliseconds
+            for k in range(nitems):
+                s = i_start[k]
+                if dtype == DEF_F32:
+                    tl_adam_loop_f32(<float*>p + s, <const float*>g + s, <float*>m + s, <float*>v + s,
+                                     (<float*>vmax + s) if amsgrad else NULL, i_len[k], &a, fs, mode, avx)
+                else:
+                    tl_adam_loop_f64(<double*>p + s, <const double*>g + s, <double*>m + s,
+                                     <double*>v + s, (<double*>vmax + s) if amsgrad else NULL, i_len[k],
+                                     &a, fd, mode, avx)
+        else:
+            for k in prange(nitems, schedule="dynamic", num_threads=nthreads):
+                s = i_start[k]
+                if dtype == DEF_F32:
+                    tl_adam_loop_f32(<float*>p + s, <const float*>g + s, <float*>m + s, <float*>v + s,
+                                     (<float*>vmax + s) if amsgrad else NULL, i_len[k], &a, fs, mode, avx)
+                else:
+                    tl_adam_loop_f64(<double*>p + s, <const double*>g + s, <double*>m + s,
+                                     <double*>v + s, (<double*>vmax + s) if amsgrad else NULL, i_len[k],
+                                     &a, fd, mode, avx)
 
 
 def isa() -> str:
@@ -673,27 +691,55 @@ def adam_step(int dtype, intptr_t p, intptr_t g, intptr_t m, intptr_t v, intptr_
     # alive for the duration of this call, and nothing below touches a Python object.
     with nogil:
         if dtype == DEF_F32:
-            for k in prange(nitems, schedule="dynamic", num_threads=nthreads):
-                s = i_start[k]
-                if avx:
-                    tl_adam_f32_avx2(<float*>p + s, <const float*>g + s, <float*>m + s,
-                                     <float*>v + s, (<float*>vmax + s) if amsgrad else NULL,
-                                     i_body[k], i_len[k], &a)
-                else:
-                    tl_adam_f32_scalar(<float*>p + s, <const float*>g + s, <float*>m + s,
-                                       <float*>v + s, (<float*>vmax + s) if amsgrad else NULL,
-                                       i_body[k], i_len[k], &a)
+            if nthreads == 1:
+                # no OpenMP region at all: inside even a one-thread region, MKL's square root
+                # (adam_loop_step) would open a nested team per call, costing milliseconds
+                for k in range(nitems):
+                    s = i_start[k]
+                    if avx:
+                        tl_adam_f32_avx2(<float*>p + s, <const float*>g + s, <float*>m + s,
+                                         <float*>v + s, (<float*>vmax + s) if amsgrad else NULL,
+                                         i_body[k], i_len[k], &a)
+                    else:
+                        tl_adam_f32_scalar(<float*>p + s, <const float*>g + s, <float*>m + s,
+                                           <float*>v + s, (<float*>vmax + s) if amsgrad else NULL,
+                                           i_body[k], i_len[k], &a)
+            else:
+                for k in prange(nitems, schedule="dynamic", num_threads=nthreads):
+                    s = i_start[k]
+                    if avx:
+                        tl_adam_f32_avx2(<float*>p + s, <const float*>g + s, <float*>m + s,
+                                         <float*>v + s, (<float*>vmax + s) if amsgrad else NULL,
+                                         i_body[k], i_len[k], &a)
+                    else:
+                        tl_adam_f32_scalar(<float*>p + s, <const float*>g + s, <float*>m + s,
+                                           <float*>v + s, (<float*>vmax + s) if amsgrad else NULL,
+                                           i_body[k], i_len[k], &a)
         else:
-            for k in prange(nitems, schedule="dynamic", num_threads=nthreads):
-                s = i_start[k]
-                if avx:
-                    tl_adam_f64_avx2(<double*>p + s, <const double*>g + s, <double*>m + s,
-                                     <double*>v + s, (<double*>vmax + s) if amsgrad else NULL,
-                                     i_body[k], i_len[k], &a)
-                else:
-                    tl_adam_f64_scalar(<double*>p + s, <const double*>g + s, <double*>m + s,
-                                       <double*>v + s, (<double*>vmax + s) if amsgrad else NULL,
-                                       i_body[k], i_len[k], &a)
+            if nthreads == 1:
+                # no OpenMP region at all: inside even a one-thread region, MKL's square root
+                # (adam_loop_step) would open a nested team per call, costing milliseconds
+                for k in range(nitems):
+                    s = i_start[k]
+                    if avx:
+                        tl_adam_f64_avx2(<double*>p + s, <const double*>g + s, <double*>m + s,
+                                         <double*>v + s, (<double*>vmax + s) if amsgrad else NULL,
+                                         i_body[k], i_len[k], &a)
+                    else:
+                        tl_adam_f64_scalar(<double*>p + s, <const double*>g + s, <double*>m + s,
+                                           <double*>v + s, (<double*>vmax + s) if amsgrad else NULL,
+                                           i_body[k], i_len[k], &a)
+            else:
+                for k in prange(nitems, schedule="dynamic", num_threads=nthreads):
+                    s = i_start[k]
+                    if avx:
+                        tl_adam_f64_avx2(<double*>p + s, <const double*>g + s, <double*>m + s,
+                                         <double*>v + s, (<double*>vmax + s) if amsgrad else NULL,
+                                         i_body[k], i_len[k], &a)
+                    else:
+                        tl_adam_f64_scalar(<double*>p + s, <const double*>g + s, <double*>m + s,
+                                           <double*>v + s, (<double*>vmax + s) if amsgrad else NULL,
+                                           i_body[k], i_len[k], &a)
 
 
 cdef int _fill_args(tl_adam_args* a, double w, double b2, double c2, double bc2s, double eps,
@@ -745,22 +791,42 @@ def adam_moments(int dtype, intptr_t p, intptr_t g, intptr_t m, intptr_t v, intp
         nthreads = 1
     # GIL released: see adam_step.
     with nogil:
-        for k in prange(nitems, schedule="dynamic", num_threads=nthreads):
-            s = i_start[k]
-            if dtype == DEF_F32:
-                if avx:
-                    tl_mom_f32_avx2(<const float*>p + s, <const float*>g + s, <float*>m + s,
-                                    <float*>v + s, (<float*>vmax + s) if amsgrad else NULL, i_len[k], &a)
+        if nthreads == 1:
+            # no OpenMP region at all: inside even a one-thread region, MKL's square root
+            # (adam_loop_step) would open a nested team per call, costing milliseconds
+            for k in range(nitems):
+                s = i_start[k]
+                if dtype == DEF_F32:
+                    if avx:
+                        tl_mom_f32_avx2(<const float*>p + s, <const float*>g + s, <float*>m + s,
+                                        <float*>v + s, (<float*>vmax + s) if amsgrad else NULL, i_len[k], &a)
+                    else:
+                        tl_mom_f32_scalar(<const float*>p + s, <const float*>g + s, <float*>m + s,
+                                          <float*>v + s, (<float*>vmax + s) if amsgrad else NULL, i_len[k], &a)
                 else:
-                    tl_mom_f32_scalar(<const float*>p + s, <const float*>g + s, <float*>m + s,
-                                      <float*>v + s, (<float*>vmax + s) if amsgrad else NULL, i_len[k], &a)
-            else:
-                if avx:
-                    tl_mom_f64_avx2(<const double*>p + s, <const double*>g + s, <double*>m + s,
-                                    <double*>v + s, (<double*>vmax + s) if amsgrad else NULL, i_len[k], &a)
+                    if avx:
+                        tl_mom_f64_avx2(<const double*>p + s, <const double*>g + s, <double*>m + s,
+                                        <double*>v + s, (<double*>vmax + s) if amsgrad else NULL, i_len[k], &a)
+                    else:
+                        tl_mom_f64_scalar(<const double*>p + s, <const double*>g + s, <double*>m + s,
+                                          <double*>v + s, (<double*>vmax + s) if amsgrad else NULL, i_len[k], &a)
+        else:
+            for k in prange(nitems, schedule="dynamic", num_threads=nthreads):
+                s = i_start[k]
+                if dtype == DEF_F32:
+                    if avx:
+                        tl_mom_f32_avx2(<const float*>p + s, <const float*>g + s, <float*>m + s,
+                                        <float*>v + s, (<float*>vmax + s) if amsgrad else NULL, i_len[k], &a)
+                    else:
+                        tl_mom_f32_scalar(<const float*>p + s, <const float*>g + s, <float*>m + s,
+                                          <float*>v + s, (<float*>vmax + s) if amsgrad else NULL, i_len[k], &a)
                 else:
-                    tl_mom_f64_scalar(<const double*>p + s, <const double*>g + s, <double*>m + s,
-                                      <double*>v + s, (<double*>vmax + s) if amsgrad else NULL, i_len[k], &a)
+                    if avx:
+                        tl_mom_f64_avx2(<const double*>p + s, <const double*>g + s, <double*>m + s,
+                                        <double*>v + s, (<double*>vmax + s) if amsgrad else NULL, i_len[k], &a)
+                    else:
+                        tl_mom_f64_scalar(<const double*>p + s, <const double*>g + s, <double*>m + s,
+                                          <double*>v + s, (<double*>vmax + s) if amsgrad else NULL, i_len[k], &a)
 
 
 @cython.boundscheck(False)
@@ -787,18 +853,34 @@ def adam_apply(int dtype, intptr_t p, intptr_t m, intptr_t sq,
         nthreads = 1
     # GIL released: see adam_step.
     with nogil:
-        for k in prange(nitems, schedule="dynamic", num_threads=nthreads):
-            s = i_start[k]
-            if dtype == DEF_F32:
-                if avx:
-                    tl_apply_f32_avx2(<float*>p + s, <const float*>m + s, <const float*>sq + s, i_len[k], &a)
+        if nthreads == 1:
+            # no OpenMP region at all: inside even a one-thread region, MKL's square root
+            # (adam_loop_step) would open a nested team per call, costing milliseconds
+            for k in range(nitems):
+                s = i_start[k]
+                if dtype == DEF_F32:
+                    if avx:
+                        tl_apply_f32_avx2(<float*>p + s, <const float*>m + s, <const float*>sq + s, i_len[k], &a)
+                    else:
+                        tl_apply_f32_scalar(<float*>p + s, <const float*>m + s, <const float*>sq + s, i_len[k], &a)
                 else:
-                    tl_apply_f32_scalar(<float*>p + s, <const float*>m + s, <const float*>sq + s, i_len[k], &a)
-            else:
-                if avx:
-                    tl_apply_f64_avx2(<double*>p + s, <const double*>m + s, <const double*>sq + s, i_len[k], &a)
+                    if avx:
+                        tl_apply_f64_avx2(<double*>p + s, <const double*>m + s, <const double*>sq + s, i_len[k], &a)
+                    else:
+                        tl_apply_f64_scalar(<double*>p + s, <const double*>m + s, <const double*>sq + s, i_len[k], &a)
+        else:
+            for k in prange(nitems, schedule="dynamic", num_threads=nthreads):
+                s = i_start[k]
+                if dtype == DEF_F32:
+                    if avx:
+                        tl_apply_f32_avx2(<float*>p + s, <const float*>m + s, <const float*>sq + s, i_len[k], &a)
+                    else:
+                        tl_apply_f32_scalar(<float*>p + s, <const float*>m + s, <const float*>sq + s, i_len[k], &a)
                 else:
-                    tl_apply_f64_scalar(<double*>p + s, <const double*>m + s, <const double*>sq + s, i_len[k], &a)
+                    if avx:
+                        tl_apply_f64_avx2(<double*>p + s, <const double*>m + s, <const double*>sq + s, i_len[k], &a)
+                    else:
+                        tl_apply_f64_scalar(<double*>p + s, <const double*>m + s, <const double*>sq + s, i_len[k], &a)
 
 
 @cython.boundscheck(False)
@@ -837,23 +919,47 @@ def sgd_step(int dtype, intptr_t p, intptr_t g, intptr_t buf,
     # GIL released: see adam_step.
     with nogil:
         if dtype == DEF_F32:
-            for k in prange(nitems, schedule="dynamic", num_threads=nthreads):
-                s = i_start[k]
-                if avx:
-                    tl_sgd_f32_avx2(<float*>p + s, <const float*>g + s,
-                                    (<float*>buf + s) if a.has_momentum else NULL, i_body[k], i_len[k], &a)
-                else:
-                    tl_sgd_f32_scalar(<float*>p + s, <const float*>g + s,
-                                      (<float*>buf + s) if a.has_momentum else NULL, i_body[k], i_len[k], &a)
+            if nthreads == 1:
+                # no OpenMP region at all: inside even a one-thread region, MKL's square root
+                # (adam_loop_step) would open a nested team per call, costing milliseconds
+                for k in range(nitems):
+                    s = i_start[k]
+                    if avx:
+                        tl_sgd_f32_avx2(<float*>p + s, <const float*>g + s,
+                                        (<float*>buf + s) if a.has_momentum else NULL, i_body[k], i_len[k], &a)
+                    else:
+                        tl_sgd_f32_scalar(<float*>p + s, <const float*>g + s,
+                                          (<float*>buf + s) if a.has_momentum else NULL, i_body[k], i_len[k], &a)
+            else:
+                for k in prange(nitems, schedule="dynamic", num_threads=nthreads):
+                    s = i_start[k]
+                    if avx:
+                        tl_sgd_f32_avx2(<float*>p + s, <const float*>g + s,
+                                        (<float*>buf + s) if a.has_momentum else NULL, i_body[k], i_len[k], &a)
+                    else:
+                        tl_sgd_f32_scalar(<float*>p + s, <const float*>g + s,
+                                          (<float*>buf + s) if a.has_momentum else NULL, i_body[k], i_len[k], &a)
         else:
-            for k in prange(nitems, schedule="dynamic", num_threads=nthreads):
-                s = i_start[k]
-                if avx:
-                    tl_sgd_f64_avx2(<double*>p + s, <const double*>g + s,
-                                    (<double*>buf + s) if a.has_momentum else NULL, i_body[k], i_len[k], &a)
-                else:
-                    tl_sgd_f64_scalar(<double*>p + s, <const double*>g + s,
-                                      (<double*>buf + s) if a.has_momentum else NULL, i_body[k], i_len[k], &a)
+            if nthreads == 1:
+                # no OpenMP region at all: inside even a one-thread region, MKL's square root
+                # (adam_loop_step) would open a nested team per call, costing milliseconds
+                for k in range(nitems):
+                    s = i_start[k]
+                    if avx:
+                        tl_sgd_f64_avx2(<double*>p + s, <const double*>g + s,
+                                        (<double*>buf + s) if a.has_momentum else NULL, i_body[k], i_len[k], &a)
+                    else:
+                        tl_sgd_f64_scalar(<double*>p + s, <const double*>g + s,
+                                          (<double*>buf + s) if a.has_momentum else NULL, i_body[k], i_len[k], &a)
+            else:
+                for k in prange(nitems, schedule="dynamic", num_threads=nthreads):
+                    s = i_start[k]
+                    if avx:
+                        tl_sgd_f64_avx2(<double*>p + s, <const double*>g + s,
+                                        (<double*>buf + s) if a.has_momentum else NULL, i_body[k], i_len[k], &a)
+                    else:
+                        tl_sgd_f64_scalar(<double*>p + s, <const double*>g + s,
+                                          (<double*>buf + s) if a.has_momentum else NULL, i_body[k], i_len[k], &a)
 
 
 @cython.boundscheck(False)
