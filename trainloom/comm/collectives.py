@@ -13,13 +13,13 @@ result is in place (CPU) or ordered before the current stream (CUDA).
 
 from __future__ import annotations
 
-import enum
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from trainloom.comm.group import _STATE, Communicator
+from trainloom.comm.ops import ReduceOp
 from trainloom.comm.work import CompletedWork, Work
 from trainloom.errors import CommError
 
@@ -47,19 +47,6 @@ __all__ = [
     "barrier",
     "SUPPORTED_DTYPES",
 ]
-
-
-class ReduceOp(enum.IntEnum):
-    """Reduction operations, with Bagua's values."""
-
-    SUM = 0
-    PRODUCT = 1
-    MIN = 2
-    MAX = 3
-    BOR = 7
-    BAND = 8
-    BXOR = 9
-    AVG = 10
 
 
 _TORCH_TO_OURS = {

@@ -30,6 +30,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from trainloom._build_check import import_compiled
+from trainloom.comm.ops import OP_NAMES, ReduceOp
 from trainloom.errors import CommError, CommTimeoutError
 
 _shm = import_compiled("trainloom.comm._shm")
@@ -39,20 +40,7 @@ __all__ = ["ShmCommunicator", "ReduceOp", "node_identity", "shm_supported"]
 log = logging.getLogger("trainloom.comm")
 
 
-class ReduceOp:
-    """Reduce op codes (Bagua's ``ReduceOp`` int values; any IntEnum with these values works)."""
-
-    SUM = 0
-    PRODUCT = 1
-    MIN = 2
-    MAX = 3
-    BOR = 7
-    BAND = 8
-    BXOR = 9
-    AVG = 10
-
-
-_OP_NAMES = {0: "SUM", 1: "PRODUCT", 2: "MIN", 3: "MAX", 7: "BOR", 8: "BAND", 9: "BXOR", 10: "AVG"}
+_OP_NAMES = OP_NAMES
 
 # kernel dtype codes of _shm_kernels.h
 _K_F16, _K_BF16, _K_F32, _K_F64, _K_I8, _K_U8, _K_I16, _K_I32, _K_I64, _K_BOOL = range(10)
