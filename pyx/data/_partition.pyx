@@ -728,3 +728,50 @@ def packed_plan(const double[::1] cs, int64_t world, double budget, int64_t nste
         free(tmp)
         free(step_items)
     return items_a, bounds_a, steps
+
+
+def gather_batches(const int64_t[::1] items, const int64_t[::1] bounds, const int64_t[::1] perm):
+    """Lay batches out in a new order: batch i of the result is batch ``perm[i]`` of the input.
+
+    Padded mode groups batches of similar padded cost into the same step; every batch stays one
+    contiguous run of items, so this is a sequence of block copies.
+
+    Args:
+        items: int64 items, batch b being items[bounds[b]:bounds[b + 1]].
+        bounds: int64 offsets, non-decreasing, bounds[0] == 0, bounds[-1] == len(items).
+        perm: int64 permutation of range(len(bounds) - 1).
+
+    Returns:
+        tuple: (new_items, new_bounds), int64 arrays of the same sizes as items and bounds.
+    """
+    cdef int64_t nb = bounds.shape[0] - 1
+    cdef int64_t n = items.shape[0]
+    cdef int64_t i, b, pos = 0, k
+    if nb < 0 or perm.shape[0] != nb:
+        raise ValueError(f"gather_batches: {perm.shape[0]} entries in perm for {max(nb, 0)} batches")
+    if bounds[0] != 0 or bounds[nb] != n:
+        raise ValueError(f"gather_batches: bounds must run from 0 to {n}")
+    for i in range(nb):
+        if bounds[i + 1] < bounds[i]:
+            raise ValueError(f"gather_batches: bounds decrease at {i}")
+    seen = np.zeros(nb, dtype=np.uint8)
+    cdef unsigned char[::1] sn = seen
+    for i in range(nb):
+        b = perm[i]
+        if b < 0 or b >= nb or sn[b]:
+            raise ValueError(f"gather_batches: perm[{i}] = {b} is out of range or repeated")
+        sn[b] = 1
+    out_items = np.empty(n, dtype=np.int64)
+    out_bounds = np.empty(nb + 1, dtype=np.int64)
+    cdef int64_t[::1] oi = out_items
+    cdef int64_t[::1] ob = out_bounds
+    with nogil:  # block copies between validated ranges of arrays we own or only read
+        ob[0] = 0
+        for i in range(nb):
+            b = perm[i]
+            k = bounds[b + 1] - bounds[b]
+            if k > 0:
+                memcpy(&oi[pos], &items[bounds[b]], k * sizeof(int64_t))
+            pos += k
+            ob[i + 1] = pos
+    return out_items, out_bounds

@@ -119,6 +119,33 @@ def test_padded_steps_cap_and_contiguity():
     assert np.all((ends[:nb] - starts) * cs[starts] <= 1000.0)
 
 
+def test_gather_batches_moves_whole_batches():
+    items = np.arange(10, dtype=np.int64) * 10
+    bounds = np.array([0, 3, 4, 8, 10], dtype=np.int64)
+    out, ob = P.gather_batches(items, bounds, np.array([2, 0, 3, 1], dtype=np.int64))
+    assert out.tolist() == [40, 50, 60, 70, 0, 10, 20, 80, 90, 30]
+    assert ob.tolist() == [0, 4, 7, 9, 10]
+    with pytest.raises(ValueError, match=r"gather_batches: perm\[1\] = 2 is out of range or repeated"):
+        P.gather_batches(items, bounds, np.array([2, 2, 0, 1], dtype=np.int64))
+    with pytest.raises(ValueError, match="gather_batches: 3 entries in perm for 4 batches"):
+        P.gather_batches(items, bounds, np.array([0, 1, 2], dtype=np.int64))
+
+
+def test_padded_steps_group_batches_of_similar_cost():
+    # A long tail of unique lengths: contiguous steps mixed 2 x 900 with 3 x 520 and the like.
+    lens = np.concatenate([_lens(4000, 21, hi=60), 300 + np.arange(200) * 3])
+    bs = _batch_ranks(lens, 8, max_complexity=2000)[0]
+    plan = bs._plan()
+    first = lens[plan.items[plan.bounds[:-1]]]
+    cost = np.diff(plan.bounds) * first
+    steps = cost[plan.slot_matrix()]
+    assert np.all(steps.max(axis=1) <= 2000)
+    # Steps are neighbours in padded cost: sorted by cost, no two steps overlap.
+    srt = steps[np.argsort(-steps.max(axis=1))]
+    assert np.all(srt[:-1].min(axis=1) >= srt[1:].max(axis=1))
+    assert bs.plan_stats()["straggler_mean"] < 1.02
+
+
 def test_kernels_reject_bad_arrays():
     with pytest.raises(ValueError, match=r"argsort: order_in\[1\] = 9 is outside \[0, 3\)"):
         P.argsort(np.zeros(3), np.array([0, 9], dtype=np.int64))
