@@ -13,6 +13,7 @@ small shared machines this runs on the DataLoader workers want the second core.
 
 from libc.stdint cimport int64_t, uint64_t
 from libc.stdlib cimport free, malloc
+from libc.math cimport INFINITY
 from libc.string cimport memcpy, memset
 
 import numpy as np
@@ -775,3 +776,111 @@ def gather_batches(const int64_t[::1] items, const int64_t[::1] bounds, const in
             pos += k
             ob[i + 1] = pos
     return out_items, out_bounds
+
+
+def padded_min_padding_cut(const double[::1] csorted, double budget, double batch_penalty, int64_t[::1] ends):
+    """Cut items (costs sorted longest first) into batches that minimise padding + a cost per batch.
+
+    A dynamic program over cut positions: a batch [i, j) costs its padding
+    ``(j - i) * cs[i] - sum(cs[i:j])`` plus ``batch_penalty * (budget / padded)**2`` (``padded`` =
+    ``(j - i) * cs[i]``; small batches make uneven steps, so they are priced up) and must keep
+    ``padded <= budget`` (one item alone may exceed it). Only cuts at the end of a run
+    of equal costs or at the fullest end are tried: an end strictly inside a run pads nothing
+    less than the run's end would, and the fullest end is what the greedy cut takes. This keeps
+    the program linear in practice (few run ends fall in one batch's window).
+
+    Args:
+        csorted: cost of each item, non-increasing, >= 0.
+        budget: hard cap on count * cost(longest).
+        batch_penalty: padding (in cost units) that one full batch fewer is worth.
+        ends: output, end position of each batch (capacity >= len(csorted)).
+
+    Returns:
+        int: the number of batches written to ends.
+    """
+    cdef int64_t n = csorted.shape[0]
+    cdef int64_t i, j, e, k, nb = 0
+    cdef double c, v, si
+    if not budget > 0.0 or not batch_penalty >= 0.0:
+        raise ValueError(f"padded_min_padding_cut: budget={budget}, batch_penalty={batch_penalty}")
+    if ends.shape[0] < n:
+        raise ValueError(f"padded_min_padding_cut: ends has {ends.shape[0]} slots for {n} items")
+    if n == 0:
+        return 0
+    cdef int64_t bad = -1
+    f_a = np.empty(n + 1, dtype=np.float64)
+    prev_a = np.empty(n + 1, dtype=np.int64)
+    pre_a = np.empty(n + 1, dtype=np.float64)
+    nxt_a = np.empty(n + 1, dtype=np.int64)
+    cdef double[::1] f = f_a
+    cdef int64_t[::1] prev = prev_a
+    cdef double[::1] pre = pre_a
+    cdef int64_t[::1] nxt = nxt_a
+    cdef const double* cs = &csorted[0]
+    with nogil:  # dynamic program over arrays we own and the costs, checked in the first pass
+        # One pass checks the costs, sums the prefix and marks every position unreached (fewer
+        # passes over memory: this runs on every epoch's plan).
+        pre[0] = 0.0
+        f[0] = INFINITY
+        for i in range(n):
+            if not (cs[i] >= 0.0) or (i > 0 and cs[i] > cs[i - 1]):
+                bad = i
+                break
+            pre[i + 1] = pre[i] + cs[i]
+            f[i + 1] = INFINITY
+    if bad >= 0:
+        raise ValueError(f"padded_min_padding_cut: at position {bad}, costs are negative, NaN or rising")
+    with nogil:  # dynamic program over validated costs and arrays we own
+        # nxt[i]: the end of the run of equal costs that holds position i (the first position
+        # after i whose cost differs, or n).
+        nxt[n] = n
+        nxt[n - 1] = n
+        i = n - 2
+        while i >= 0:
+            nxt[i] = nxt[i + 1] if cs[i] == cs[i + 1] else i + 1
+            i -= 1
+        f[0] = 0.0
+        for i in range(n):
+            if f[i] == INFINITY:
+                continue  # no batch ends here: not a run end, nor the fullest end of any batch
+            c = cs[i]
+            if c <= 0.0:
+                k = n - i  # zero-cost items pad to nothing: one batch takes them all
+            else:
+                k = <int64_t>(budget / c)
+                if k < 1:
+                    k = 1
+                if k > n - i:
+                    k = n - i
+            e = i + k
+            si = pre[i]
+            j = nxt[i]
+            while True:
+                if j > e:
+                    j = e
+                v = (j - i) * c  # the batch's padded cost
+                if v > 0.0:
+                    v = f[i] + v - (pre[j] - si) + batch_penalty * (budget / v) * (budget / v)
+                else:
+                    v = f[i] + batch_penalty
+                if v < f[j]:
+                    f[j] = v
+                    prev[j] = i
+                if j >= e:
+                    break
+                j = nxt[j]
+        # Walk back from n, then reverse the ends in place.
+        j = n
+        while j > 0:
+            ends[nb] = j
+            nb += 1
+            j = prev[j]
+        i = 0
+        k = nb - 1
+        while i < k:
+            e = ends[i]
+            ends[i] = ends[k]
+            ends[k] = e
+            i += 1
+            k -= 1
+    return nb

@@ -146,6 +146,33 @@ def test_padded_steps_group_batches_of_similar_cost():
     assert bs.plan_stats()["straggler_mean"] < 1.02
 
 
+def test_min_padding_cut_ends_batches_where_lengths_change():
+    cs = np.array([5.0] * 3 + [4.0] * 4 + [3.0] * 5)
+    ends = np.empty(12, dtype=np.int64)
+    # The greedy cut (4 x 5, 5 x 4, 3 x 3) pads 3; runs of one length fit the budget whole.
+    assert P.padded_min_padding_cut(cs, 20.0, 1.0, ends) == 3
+    assert ends[:3].tolist() == [3, 7, 12]
+    # A high price per batch buys fewer batches with padding; the cap still holds.
+    nb = P.padded_min_padding_cut(cs, 20.0, 1e6, ends)
+    starts = np.concatenate([[0], ends[: nb - 1]])
+    assert nb == 3 and ends[nb - 1] == 12 and np.all((ends[:nb] - starts) * cs[starts] <= 20.0)
+    with pytest.raises(ValueError, match="at position 3, costs are negative, NaN or rising"):
+        P.padded_min_padding_cut(np.array([5.0, 5.0, 4.0, 6.0]), 20.0, 1.0, ends)
+    with pytest.raises(ValueError, match="padded_min_padding_cut: budget=0.0, batch_penalty=1.0"):
+        P.padded_min_padding_cut(cs, 0.0, 1.0, ends)
+
+
+def test_padded_mode_cuts_where_lengths_change(monkeypatch):
+    # Few samples per length (a long tail): batches straddling two lengths pad.
+    lens = np.random.default_rng(22).geometric(0.02, 20000)
+    lens = np.minimum(lens, 2000)
+    new = _batch_ranks(lens, 2, max_complexity=4096)[0].plan_stats()
+    monkeypatch.setattr(LoadBalancingDistributedBatchSampler, "_padded_min_padding", lambda *a: None)
+    old = _batch_ranks(lens, 2, max_complexity=4096)[0].plan_stats()
+    assert new["padding_waste"] < 0.5 * old["padding_waste"]
+    assert new["max_batch_cost_ratio"] <= 1.0 and new["duplicates"] == new["dropped"] == 0
+
+
 def test_kernels_reject_bad_arrays():
     with pytest.raises(ValueError, match=r"argsort: order_in\[1\] = 9 is outside \[0, 3\)"):
         P.argsort(np.zeros(3), np.array([0, 9], dtype=np.int64))

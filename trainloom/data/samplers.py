@@ -43,6 +43,13 @@ __all__ = ["LoadBalancingDistributedSampler", "LoadBalancingDistributedBatchSamp
 
 _STATE_VERSION = 1
 _MODES = ("padded", "packed")
+# Padded mode's minimum-padding cut: a batch costs budget / this (8 tokens at a 16384-token budget)
+# times (budget / its padded cost)^2, so a full batch is worth 8 tokens of padding and a quarter-full
+# one 131: small batches (which make uneven steps) are avoided, and the step count stays within a
+# few % of the step-wise cut's (tuned on docstring token counts, N = 100k and 2M).
+_PAD_BATCH_PENALTY_DIV = 2000.0
+# ... tried only when the step-wise cut pads more than this share of the padded cost.
+_PAD_DP_WASTE = 1e-3
 
 
 def _seed64(*parts: object) -> int:
@@ -635,6 +642,7 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         self.num_replicas = sampler.num_replicas
         self.rank = sampler.rank
         self._cs: Optional[np.ndarray] = None
+        self._cs_sum: Optional[float] = None
         self._plan_cache: Optional[Tuple[Tuple[Any, ...], _Plan]] = None
         self._delivered = 0
         self._tracked = False
@@ -671,6 +679,12 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
                 cs = a * lens if b == 0 else a * lens + b * lens * lens
                 self._cs = np.ascontiguousarray(cs, dtype=np.float64)
         return self._cs
+
+    def _cost_sum(self) -> float:
+        """Sum of all items' costs (computed once)."""
+        if self._cs_sum is None:
+            self._cs_sum = float(self._costs_desc().sum())
+        return self._cs_sum
 
     def _step_order(self, steps: int) -> Tuple[np.ndarray, np.ndarray]:
         s = self.sampler
@@ -720,12 +734,62 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
             raise ConfigError(
                 "LoadBalancingDistributedBatchSampler: the plan has no complete step (drop_last=True)"
             )
-        order, bounds_a = self._group_by_cost(order, np.asarray(bounds, dtype=np.int64))
+        cut_order = order  # longest first, aligned with cs (no duplicates or drops are used below)
+        bounds_a = np.asarray(bounds, dtype=np.int64)
+        padded_total = float((np.diff(bounds_a) * cs[np.minimum(bounds_a[:-1], max(n - 1, 0))]).sum())
+        order, bounds_a, span = self._group_by_cost(cut_order, bounds_a)
+        if (
+            duplicates == dropped == 0
+            and padded_total > 0
+            and 1.0 - self._cost_sum() / padded_total > _PAD_DP_WASTE
+        ):
+            # The step-wise cut pads more than _PAD_DP_WASTE (few samples per length): try the
+            # minimum-padding cut. Dense epochs (2M samples: 0.03 %) skip its extra passes.
+            alt = self._padded_min_padding(cut_order, cs, budget)
+            if alt is not None and alt[2] < span:
+                order, bounds_a = alt[0], alt[1]
         steps = (bounds_a.shape[0] - 1) // w
         step_order, rot = self._step_order(steps)
         return _Plan(order, bounds_a, step_order, rot, w, duplicates, dropped)
 
-    def _group_by_cost(self, order: np.ndarray, bounds: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    def _padded_min_padding(
+        self, order: np.ndarray, cs: np.ndarray, budget: float
+    ) -> Optional[Tuple[np.ndarray, np.ndarray, float]]:
+        """The other padded plan: cuts that minimise padding, then grouped by cost.
+
+        The step-wise cut fills batches to a common target and pays padding wherever a batch
+        straddles two lengths; with few samples per length (a 100k-sample epoch) that is 0.5 % of
+        the padded tokens. This cut weighs padding against a price per batch (see
+        ``_PAD_BATCH_PENALTY_DIV``), so batches end where lengths change. Its batches are less even,
+        so the caller keeps whichever plan has the smaller sum over steps of the step's largest
+        padded cost (the epoch's time). Returns None when the batches cannot fill whole steps.
+        """
+        w = self.num_replicas
+        n = int(cs.shape[0])
+        ends = np.empty(n, dtype=np.int64)
+        nb = _P.padded_min_padding_cut(cs, budget, budget / _PAD_BATCH_PENALTY_DIV, ends)
+        want = -(-nb // w) * w
+        if nb == 0 or want > n:
+            return None
+        bounds = np.concatenate([[0], ends[:nb]]).astype(np.int64)
+        if want > nb:
+            # Whole steps: split the W - 1 or fewer batches with the most items in two (a part of a
+            # batch is within the cap and pads no more). want <= n, so when fewer batches than
+            # splits have 2 items or more, the loop splits the largest one repeatedly.
+            sizes = np.diff(bounds)
+            big = np.argsort(-sizes, kind="stable")[: want - nb]
+            if sizes[big[-1]] >= 2:
+                bounds = np.sort(np.concatenate([bounds, bounds[big] + sizes[big] // 2]))
+            else:
+                cuts = bounds.tolist()
+                for _ in range(want - nb):
+                    sz = np.diff(np.asarray(cuts, dtype=np.int64))
+                    i = int(np.argmax(sz))
+                    cuts.insert(i + 1, cuts[i] + int(sz[i]) // 2)
+                bounds = np.asarray(cuts, dtype=np.int64)
+        return self._group_by_cost(order, bounds)
+
+    def _group_by_cost(self, order: np.ndarray, bounds: np.ndarray) -> Tuple[np.ndarray, np.ndarray, float]:
         """Put batches of similar padded cost into the same step.
 
         The cuts leave some steps mixing coarse batches (2 items of 8000 tokens next to 3 of 4500);
@@ -738,7 +802,11 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         first = self.sampler.complexities[order[bounds[:-1]]]
         padded = counts * (a * first + b * first * first)
         perm = np.argsort(-padded, kind="stable").astype(np.int64)
-        return _P.gather_batches(np.ascontiguousarray(order, dtype=np.int64), bounds, perm)
+        # The epoch's time in cost units: each step waits for its largest batch, which is the first
+        # of its W in this descending order.
+        span = float(padded[perm[:: self.num_replicas]].sum())
+        items, new_bounds = _P.gather_batches(np.ascontiguousarray(order, dtype=np.int64), bounds, perm)
+        return items, new_bounds, span
 
     def _plan_packed(self) -> _Plan:
         s = self.sampler
