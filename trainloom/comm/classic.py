@@ -42,6 +42,7 @@ from trainloom.comm import group as _group
 from trainloom.comm.collectives import ReduceOp
 from trainloom.comm.group import Communicator, ProcessGroup
 from trainloom.comm.neighbor import ThenWork
+from trainloom.comm.topology import group_rank_of as _local
 from trainloom.comm.topology import resolve_comm
 from trainloom.comm.work import CompletedWork, Work
 from trainloom.errors import CommTimeoutError, ConfigError
@@ -162,16 +163,6 @@ def get_rank(group: GroupArg = None) -> int:  # noqa: A002 - torch's name
 def get_world_size(group: GroupArg = None) -> int:  # noqa: A002 - torch's name
     """The number of ranks in ``group`` (default: the world)."""
     return _comm(group, "get_world_size").nranks()
-
-
-def _local(rank: Any, arg: str, c: Communicator, opname: str) -> int:
-    if isinstance(rank, bool) or not isinstance(rank, int):
-        raise TypeError(f"{opname}: {arg} must be an int (global rank), got {rank!r}")
-    if rank not in c.global_ranks:
-        raise ValueError(
-            f"{opname}: {arg}={rank} is not a member of the group (global ranks {c.global_ranks})"
-        )
-    return c.global_ranks.index(rank)
 
 
 def _tensor(t: Any, arg: str, opname: str) -> torch.Tensor:

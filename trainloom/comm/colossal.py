@@ -30,6 +30,7 @@ from trainloom.comm import collectives as _core
 from trainloom.comm.collectives import ReduceOp
 from trainloom.comm.group import Communicator, ProcessGroup
 from trainloom.comm.neighbor import ThenWork
+from trainloom.comm.topology import group_rank_of as _local_rank
 from trainloom.comm.topology import resolve_comm
 from trainloom.comm.work import CompletedWork, Work
 
@@ -76,16 +77,6 @@ def _comm(parallel_mode: Any, opname: str) -> Communicator:
             "registered; call trainloom.comm.colossal.register_parallel_mode(mode, group) first"
         )
     return resolve_comm(group, opname)
-
-
-def _local_rank(rank: Any, arg: str, c: Communicator, opname: str) -> int:
-    if isinstance(rank, bool) or not isinstance(rank, int):
-        raise TypeError(f"{opname}: {arg} must be an int (global rank), got {rank!r}")
-    if rank not in c.global_ranks:
-        raise ValueError(
-            f"{opname}: {arg}={rank} is not a member of the group (global ranks {c.global_ranks})"
-        )
-    return c.global_ranks.index(rank)
 
 
 def _tensor(t: Any, opname: str) -> torch.Tensor:

@@ -337,6 +337,18 @@ def resolve_comm(comm: Union[None, Communicator, ProcessGroup], opname: str) -> 
     return comm
 
 
+def group_rank_of(rank: Any, arg: str, c: Communicator, opname: str) -> int:
+    """The group rank of global rank ``rank`` in ``c`` (the ColossalAI and torch-classic styles take
+    global ranks); TypeError or ValueError naming ``arg`` otherwise."""
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise TypeError(f"{opname}: {arg} must be an int (global rank), got {rank!r}")
+    if rank not in c.global_ranks:
+        raise ValueError(
+            f"{opname}: {arg}={rank} is not a member of the group (global ranks {c.global_ranks})"
+        )
+    return c.global_ranks.index(rank)
+
+
 def set_topology(
     topology: Optional[Topology] = None,
     is_weighted: bool = False,
