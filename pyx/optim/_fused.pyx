@@ -647,6 +647,25 @@ def make_plan(const int64_t[::1] starts, const int64_t[::1] lengths, const int64
     return out_start, out_len, out_body
 
 
+cdef inline void _adam_item(int dtype, bint avx, bint amsgrad, intptr_t p, intptr_t g, intptr_t m,
+                            intptr_t v, intptr_t vmax, int64_t s, int64_t body, int64_t n,
+                            const tl_adam_args* a) noexcept nogil:
+    # One work item of adam_step: pick the kernel for (dtype, CPU) and offset the flat buffers.
+    if dtype == DEF_F32:
+        if avx:
+            tl_adam_f32_avx2(<float*>p + s, <const float*>g + s, <float*>m + s, <float*>v + s,
+                             (<float*>vmax + s) if amsgrad else NULL, body, n, a)
+        else:
+            tl_adam_f32_scalar(<float*>p + s, <const float*>g + s, <float*>m + s, <float*>v + s,
+                               (<float*>vmax + s) if amsgrad else NULL, body, n, a)
+    elif avx:
+        tl_adam_f64_avx2(<double*>p + s, <const double*>g + s, <double*>m + s, <double*>v + s,
+                         (<double*>vmax + s) if amsgrad else NULL, body, n, a)
+    else:
+        tl_adam_f64_scalar(<double*>p + s, <const double*>g + s, <double*>m + s, <double*>v + s,
+                           (<double*>vmax + s) if amsgrad else NULL, body, n, a)
+
+
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def adam_step(int dtype, intptr_t p, intptr_t g, intptr_t m, intptr_t v, intptr_t vmax,
@@ -662,7 +681,6 @@ def adam_step(int dtype, intptr_t p, intptr_t g, intptr_t m, intptr_t v, intptr_
     """
     cdef tl_adam_args a
     cdef Py_ssize_t k, nitems = i_start.shape[0]
-    cdef int64_t s
     cdef bint avx = _use_avx2
     if i_len.shape[0] != nitems or i_body.shape[0] != nitems:
         raise ValueError("adam_step: plan arrays differ in length")
@@ -690,57 +708,14 @@ def adam_step(int dtype, intptr_t p, intptr_t g, intptr_t m, intptr_t v, intptr_
     # The GIL is released for the whole update: the buffers are owned by tensors the caller keeps
     # alive for the duration of this call, and nothing below touches a Python object.
     with nogil:
-        if dtype == DEF_F32:
-            if nthreads == 1:
-                # no OpenMP region at all: inside even a one-thread region, MKL's square root
-                # (adam_loop_step) would open a nested team per call, costing milliseconds
-                for k in range(nitems):
-                    s = i_start[k]
-                    if avx:
-                        tl_adam_f32_avx2(<float*>p + s, <const float*>g + s, <float*>m + s,
-                                         <float*>v + s, (<float*>vmax + s) if amsgrad else NULL,
-                                         i_body[k], i_len[k], &a)
-                    else:
-                        tl_adam_f32_scalar(<float*>p + s, <const float*>g + s, <float*>m + s,
-                                           <float*>v + s, (<float*>vmax + s) if amsgrad else NULL,
-                                           i_body[k], i_len[k], &a)
-            else:
-                for k in prange(nitems, schedule="dynamic", num_threads=nthreads):
-                    s = i_start[k]
-                    if avx:
-                        tl_adam_f32_avx2(<float*>p + s, <const float*>g + s, <float*>m + s,
-                                         <float*>v + s, (<float*>vmax + s) if amsgrad else NULL,
-                                         i_body[k], i_len[k], &a)
-                    else:
-                        tl_adam_f32_scalar(<float*>p + s, <const float*>g + s, <float*>m + s,
-                                           <float*>v + s, (<float*>vmax + s) if amsgrad else NULL,
-                                           i_body[k], i_len[k], &a)
+        if nthreads == 1:
+            # no OpenMP region at all: inside even a one-thread region, MKL's square root
+            # (adam_loop_step) would open a nested team per call, costing milliseconds
+            for k in range(nitems):
+                _adam_item(dtype, avx, amsgrad, p, g, m, v, vmax, i_start[k], i_body[k], i_len[k], &a)
         else:
-            if nthreads == 1:
-                # no OpenMP region at all: inside even a one-thread region, MKL's square root
-                # (adam_loop_step) would open a nested team per call, costing milliseconds
-                for k in range(nitems):
-                    s = i_start[k]
-                    if avx:
-                        tl_adam_f64_avx2(<double*>p + s, <const double*>g + s, <double*>m + s,
-                                         <double*>v + s, (<double*>vmax + s) if amsgrad else NULL,
-                                         i_body[k], i_len[k], &a)
-                    else:
-                        tl_adam_f64_scalar(<double*>p + s, <const double*>g + s, <double*>m + s,
-                                           <double*>v + s, (<double*>vmax + s) if amsgrad else NULL,
-                                           i_body[k], i_len[k], &a)
-            else:
-                for k in prange(nitems, schedule="dynamic", num_threads=nthreads):
-                    s = i_start[k]
-                    if avx:
-                        tl_adam_f64_avx2(<double*>p + s, <const double*>g + s, <double*>m + s,
-                                         <double*>v + s, (<double*>vmax + s) if amsgrad else NULL,
-                                         i_body[k], i_len[k], &a)
-                    else:
-                        tl_adam_f64_scalar(<double*>p + s, <const double*>g + s, <double*>m + s,
-                                           <double*>v + s, (<double*>vmax + s) if amsgrad else NULL,
-                                           i_body[k], i_len[k], &a)
-
+            for k in prange(nitems, schedule="dynamic", num_threads=nthreads):
+                _adam_item(dtype, avx, amsgrad, p, g, m, v, vmax, i_start[k], i_body[k], i_len[k], &a)
 
 cdef int _fill_args(tl_adam_args* a, double w, double b2, double c2, double bc2s, double eps,
                     double nss, double wd, double decay, bint amsgrad, bint maximize, bint l2,
