@@ -15,6 +15,8 @@ from libc.stdint cimport int64_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.math cimport INFINITY
 from libc.string cimport memcpy, memset
+from posix.mman cimport MADV_HUGEPAGE, madvise
+from posix.stdlib cimport posix_memalign
 
 import numpy as np
 
@@ -27,6 +29,101 @@ cdef extern from *:
     }
     """
     uint64_t tl_bounded(uint64_t x, uint64_t n) noexcept nogil
+
+
+# --------------------------------------------------------------------------------------------
+# Scratch memory. A plan at 100k items needs a few MB of temporaries (sort buffers, the padded
+# cut's dynamic program, the packed deal's step arrays). Fresh from malloc they are fresh pages
+# from the kernel, and on the VMs this runs on a page fault costs about 2.4 us: 3 MB of scratch
+# cost 2 ms, more than the work done in it. So the temporaries come from one buffer per process
+# that is kept between plans (every epoch replans), up to SCRATCH_KEEP bytes; buffers of 2 MiB
+# and more are 2 MiB-aligned and advised as huge pages, so even the first use faults once per
+# 2 MiB instead of once per 4 KiB. The buffer is handed out with the GIL held and marked busy
+# for the nogil section that uses it; a second thread planning meanwhile gets its own malloc.
+# --------------------------------------------------------------------------------------------
+DEF HUGE = 2097152
+DEF SCRATCH_KEEP = 268435456  # 256 MiB: a 2M-item packed plan needs 64 MiB
+
+cdef void* _scratch = NULL
+cdef size_t _scratch_cap = 0
+cdef bint _scratch_busy = False
+
+
+cdef void* _alloc_big(size_t nbytes, size_t* cap) noexcept:
+    """malloc, or a huge-page-advised 2 MiB-aligned block for 2 MiB and more; cap gets the size."""
+    cdef void* p = NULL
+    cdef size_t sz
+    if nbytes < HUGE:
+        cap[0] = nbytes
+        return malloc(nbytes if nbytes > 0 else 1)
+    sz = (nbytes + HUGE - 1) // HUGE * HUGE
+    if posix_memalign(&p, HUGE, sz) != 0:
+        return NULL
+    madvise(p, sz, MADV_HUGEPAGE)  # advice only: without transparent huge pages it is a no-op
+    cap[0] = sz
+    return p
+
+
+cdef void* _scratch_get(size_t nbytes, bint* owned) except NULL:
+    """Scratch of at least nbytes (GIL held). Give it back with _scratch_put(p, owned[0])."""
+    global _scratch, _scratch_cap, _scratch_busy
+    cdef size_t cap = 0
+    cdef void* p
+    if not _scratch_busy and nbytes <= SCRATCH_KEEP:
+        if _scratch_cap < nbytes:
+            free(_scratch)
+            _scratch = NULL
+            _scratch_cap = 0
+            _scratch = _alloc_big(nbytes, &cap)
+            if _scratch == NULL:
+                raise MemoryError(f"cannot allocate {nbytes} bytes of planning scratch")
+            _scratch_cap = cap
+        _scratch_busy = True
+        owned[0] = False
+        return _scratch
+    p = _alloc_big(nbytes, &cap)
+    if p == NULL:
+        raise MemoryError(f"cannot allocate {nbytes} bytes of planning scratch")
+    owned[0] = True
+    return p
+
+
+cdef void _scratch_put(void* p, bint owned) noexcept:
+    """Give scratch back (GIL held)."""
+    global _scratch_busy
+    if owned:
+        free(p)
+    elif p != NULL:
+        _scratch_busy = False
+
+
+def scratch_bytes():
+    """Bytes of planning scratch this process keeps between plans (0 before the first plan).
+
+    Returns:
+        int: the size of the kept buffer.
+    """
+    return _scratch_cap
+
+
+def _hold_scratch(bint hold):
+    """Mark the kept scratch busy (or free) as a plan in another thread would (tests only)."""
+    global _scratch_busy
+    _scratch_busy = hold
+
+
+def release_scratch():
+    """Free the kept planning scratch (the next plan allocates it again).
+
+    Raises:
+        RuntimeError: a plan is using it right now (in another thread).
+    """
+    global _scratch, _scratch_cap
+    if _scratch_busy:
+        raise RuntimeError("release_scratch: a plan in another thread is using the scratch buffer")
+    free(_scratch)
+    _scratch = NULL
+    _scratch_cap = 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -136,6 +233,8 @@ def shuffle_runs(const double[::1] keys, int64_t[::1] order, uint64_t seed):
 # Stable LSD radix argsort on float64 keys (8 passes of 8 bits at most). Passes whose byte is the
 # same for every key are skipped: integer-valued lengths stored as doubles have all-zero low
 # mantissa bytes, so sorting token counts takes 2 to 3 passes, not 8.
+# order_in == NULL stands for the identity order (item i at position i): sort_desc sorts all
+# items, and materialising range(n) would be one more array of fresh pages.
 # --------------------------------------------------------------------------------------------
 cdef inline uint64_t _sortable(double x) noexcept nogil:
     cdef uint64_t u
@@ -146,29 +245,35 @@ cdef inline uint64_t _sortable(double x) noexcept nogil:
     return u | (<uint64_t>1 << 63)
 
 
-cdef int _radix_argsort(const double* keys, const int64_t* order_in, int64_t* out, int64_t n,
-                        bint descending) noexcept nogil:
-    """Returns 0, or -1 when out of memory (the caller raises MemoryError with the GIL)."""
-    cdef uint64_t* ka = <uint64_t*>malloc(n * sizeof(uint64_t))
-    cdef uint64_t* kb = <uint64_t*>malloc(n * sizeof(uint64_t))
-    cdef int64_t* ib = <int64_t*>malloc(n * sizeof(int64_t))
-    cdef int64_t* hist = <int64_t*>malloc(8 * 256 * sizeof(int64_t))
+cdef inline int64_t _item(const int64_t* order_in, int64_t i) noexcept nogil:
+    return i if order_in == NULL else order_in[i]
+
+
+cdef inline size_t _sort_scratch_bytes(int64_t n) noexcept nogil:
+    """Scratch for either sort: the radix's 3n + 2048 words or the counting's 4n + 1025 counts."""
+    return <size_t>(4 * n + 2048) * sizeof(int64_t)
+
+
+cdef void _radix_argsort(const double* keys, const int64_t* order_in, int64_t* out, int64_t n,
+                         bint descending, int64_t* scratch) noexcept nogil:
+    """scratch holds _sort_scratch_bytes(n)."""
+    cdef uint64_t* ka = <uint64_t*>scratch
+    cdef uint64_t* kb = ka + n
+    cdef int64_t* ib = scratch + 2 * n
+    cdef int64_t* hist = scratch + 3 * n
     cdef int64_t* ia = out
     cdef int64_t i, pos, c
     cdef int d, b
     cdef uint64_t k
     cdef uint64_t* tk
     cdef int64_t* ti
-    if ka == NULL or kb == NULL or ib == NULL or hist == NULL:
-        free(ka); free(kb); free(ib); free(hist)
-        return -1
     memset(hist, 0, 8 * 256 * sizeof(int64_t))
     for i in range(n):
-        k = _sortable(keys[order_in[i]])
+        k = _sortable(keys[_item(order_in, i)])
         if descending:
             k = ~k
         ka[i] = k
-        ia[i] = order_in[i]
+        ia[i] = _item(order_in, i)
         for d in range(8):
             hist[d * 256 + ((k >> (8 * d)) & 255)] += 1
     for d in range(8):
@@ -190,9 +295,6 @@ cdef int _radix_argsort(const double* keys, const int64_t* order_in, int64_t* ou
         ti = ia; ia = ib; ib = ti
     if ia != out:
         memcpy(out, ia, n * sizeof(int64_t))
-        ib = ia  # the buffer we malloc'ed is now in ia; free that one
-    free(ka); free(kb); free(ib); free(hist)
-    return 0
 
 
 # Lengths are usually small non-negative integers (token counts, frames): then one counting
@@ -201,13 +303,15 @@ DEF COUNTING_MAX = 4194304
 
 
 cdef int _counting_argsort(const double* keys, const int64_t* order_in, int64_t* out, int64_t n,
-                           bint descending, double* out_keys) noexcept nogil:
-    """0 when sorted, 1 when the keys are not small non-negative integers, -1 out of memory."""
+                           bint descending, double* out_keys, int64_t* hist) noexcept nogil:
+    """0 when sorted, 1 when the keys are not small non-negative integers (nothing written).
+
+    hist is scratch of _sort_scratch_bytes(n); only the first max(key) + 1 counts are touched.
+    """
     cdef double x, mx = 0.0
-    cdef int64_t i, b, nb, pos, c
-    cdef int64_t* hist
+    cdef int64_t i, b, nb, pos, c, end
     for i in range(n):
-        x = keys[order_in[i]]
+        x = keys[_item(order_in, i)]
         if not (x >= 0.0 and x <= COUNTING_MAX and x == <double>(<int64_t>x)):
             return 1
         if x > mx:
@@ -215,12 +319,9 @@ cdef int _counting_argsort(const double* keys, const int64_t* order_in, int64_t*
     nb = <int64_t>mx + 1
     if nb > 4 * n + 1024:
         return 1  # sparse keys: the radix sort touches less memory
-    hist = <int64_t*>malloc(nb * sizeof(int64_t))
-    if hist == NULL:
-        return -1
     memset(hist, 0, nb * sizeof(int64_t))
     for i in range(n):
-        b = <int64_t>keys[order_in[i]]
+        b = <int64_t>keys[_item(order_in, i)]
         if descending:
             b = nb - 1 - b
         hist[b] += 1
@@ -230,16 +331,40 @@ cdef int _counting_argsort(const double* keys, const int64_t* order_in, int64_t*
         hist[b] = pos
         pos += c
     for i in range(n):
-        x = keys[order_in[i]]
-        b = <int64_t>x
+        b = <int64_t>keys[_item(order_in, i)]
         if descending:
             b = nb - 1 - b
-        out[hist[b]] = order_in[i]
-        if out_keys != NULL:
-            # Writing the key next to its index here saves a random gather of keys[out] later.
-            out_keys[hist[b]] = x
+        out[hist[b]] = _item(order_in, i)
         hist[b] += 1
-    free(hist)
+    if out_keys != NULL:
+        # hist[b] is now the end of bucket b: the sorted keys are runs of one value per bucket,
+        # written sequentially (a scatter of the keys next to the indices cost a second random
+        # write per item).
+        pos = 0
+        for b in range(nb):
+            end = hist[b]
+            x = <double>(nb - 1 - b if descending else b)
+            while pos < end:
+                out_keys[pos] = x
+                pos += 1
+    return 0
+
+
+cdef int _sort_into(const double* keys, const int64_t* order_in, int64_t* out, int64_t n,
+                    bint descending, double* out_keys) except -1:
+    """Counting sort when the keys allow it, else radix; out_keys (or NULL) gets keys in order."""
+    cdef bint owned
+    cdef int64_t* scratch = <int64_t*>_scratch_get(_sort_scratch_bytes(n), &owned)
+    cdef int rc
+    cdef int64_t i
+    with nogil:  # the sort reads keys and writes out and scratch only; no Python object touched
+        rc = _counting_argsort(keys, order_in, out, n, descending, out_keys, scratch)
+        if rc == 1:
+            _radix_argsort(keys, order_in, out, n, descending, scratch)
+            if out_keys != NULL:
+                for i in range(n):
+                    out_keys[i] = keys[out[i]]
+    _scratch_put(scratch, owned)
     return 0
 
 
@@ -264,45 +389,33 @@ def argsort(const double[::1] keys, const int64_t[::1] order_in, bint descending
     if n == 0:
         return out
     cdef int64_t[::1] o = out
-    cdef int rc
-    with nogil:  # the sort reads keys and writes buffers it owns; no Python object is touched
-        rc = _counting_argsort(&keys[0], &order_in[0], &o[0], n, descending, NULL)
-        if rc == 1:
-            rc = _radix_argsort(&keys[0], &order_in[0], &o[0], n, descending)
-    if rc != 0:
-        raise MemoryError(f"argsort: cannot allocate sort buffers for {n} items")
+    _sort_into(&keys[0], &order_in[0], &o[0], n, descending, NULL)
     return out
 
 
-def sort_desc(const double[::1] keys):
+def sort_desc(const double[::1] keys, bint with_keys=True):
     """Items sorted by key, largest first, ties by index, and the keys in that order.
 
     Args:
         keys: float64 key per item (finite).
+        with_keys: also return the sorted keys (the plain sampler needs only the order).
 
     Returns:
-        tuple: (order, sorted_keys): int64 and float64 arrays of len(keys).
+        tuple: (order, sorted_keys): int64 and float64 arrays of len(keys); sorted_keys is None
+        without ``with_keys``.
     """
     cdef int64_t n = keys.shape[0]
-    cdef int64_t i
-    order = np.arange(n, dtype=np.int64)
     out = np.empty(n, dtype=np.int64)
-    sk = np.empty(n, dtype=np.float64)
+    sk = np.empty(n, dtype=np.float64) if with_keys else None
     if n == 0:
         return out, sk
-    cdef int64_t[::1] ident = order
     cdef int64_t[::1] o = out
-    cdef double[::1] k = sk
-    cdef int rc
-    with nogil:  # sorts into buffers it owns
-        rc = _counting_argsort(&keys[0], &ident[0], &o[0], n, True, &k[0])
-        if rc == 1:
-            rc = _radix_argsort(&keys[0], &ident[0], &o[0], n, True)
-            if rc == 0:
-                for i in range(n):
-                    k[i] = keys[o[i]]
-    if rc != 0:
-        raise MemoryError(f"sort_desc: cannot allocate sort buffers for {n} items")
+    cdef double[::1] k
+    cdef double* kp = NULL
+    if with_keys:
+        k = sk
+        kp = &k[0]
+    _sort_into(&keys[0], NULL, &o[0], n, True, kp)
     return out, sk
 
 
@@ -694,21 +807,18 @@ def packed_plan(const double[::1] cs, int64_t world, double budget, int64_t nste
         if not (cs[i] >= 0.0) or (i > 0 and cs[i] > cs[i - 1]):
             raise ValueError(f"packed_plan: at position {i}, cs is negative, NaN or not non-increasing")
     cdef int64_t ntmp = 2 * n + 3 * world + (DEAL_TILE + 1) * nsteps + 1
-    cdef int64_t* tmp = <int64_t*>malloc(ntmp * sizeof(int64_t))
-    if tmp == NULL:
-        raise MemoryError(f"packed_plan: cannot allocate scratch for {n} items")
-    cdef int64_t* step_items = NULL
-    cdef int64_t* step_slot
+    cdef bint owned
+    # One block of kept scratch (see _scratch_get): the deal's tmp, then step_items and step_slot.
+    cdef int64_t* tmp = <int64_t*>_scratch_get((ntmp + 2 * n) * sizeof(int64_t), &owned)
+    cdef int64_t* step_items = tmp + ntmp
+    cdef int64_t* step_slot = step_items + n
     bounds_a = None
-    items_a = np.empty(n, dtype=np.int64)
-    cdef int64_t[::1] items = items_a
+    cdef int64_t[::1] items
     cdef int64_t[::1] bounds
     try:
-        step_items = <int64_t*>malloc(2 * n * sizeof(int64_t))
-        if step_items == NULL:
-            raise MemoryError(f"packed_plan: cannot allocate scratch for {n} items")
-        step_slot = step_items + n
-        with nogil:  # the whole deal runs on validated arrays and private scratch memory
+        items_a = np.empty(n, dtype=np.int64)
+        items = items_a
+        with nogil:  # the whole deal runs on validated arrays and scratch we hold
             steps = _packed(&cs[0], n, shuffle, useed, world, budget, nsteps, step_items, step_slot, tmp)
         nslots = steps * world
         bounds_a = np.zeros(nslots + 1, dtype=np.int64)
@@ -726,9 +836,67 @@ def packed_plan(const double[::1] cs, int64_t world, double budget, int64_t nste
                 bounds[s] = bounds[s - 1]
             bounds[0] = 0
     finally:
-        free(tmp)
-        free(step_items)
+        _scratch_put(tmp, owned)
     return items_a, bounds_a, steps
+
+
+def rank_batches(const int64_t[::1] items, const int64_t[::1] bounds, const int64_t[::1] slots, ids=None):
+    """One rank's batches for the epoch, flat: the items of ``slots`` in order, and their offsets.
+
+    Replaces a numpy repeat/arange/gather chain (four temporaries of the rank's item count) with
+    one pass that writes only the two results.
+
+    Args:
+        items: int64 items, slot s being items[bounds[s]:bounds[s + 1]].
+        bounds: int64 offsets, non-decreasing, bounds[0] == 0, bounds[-1] == len(items).
+        slots: int64 slot ids of this rank's batches, in yield order.
+        ids: optional int64 array; when given, items are positions and ids[items] the results.
+
+    Returns:
+        tuple: (flat, offsets): batch i is flat[offsets[i]:offsets[i + 1]].
+    """
+    cdef int64_t ns = bounds.shape[0] - 1
+    cdef int64_t nb = slots.shape[0]
+    cdef int64_t n = items.shape[0]
+    cdef int64_t i, s, j, total = 0
+    cdef const int64_t[::1] idv
+    cdef int64_t nid = 0
+    cdef bint map_ids = ids is not None
+    if ns < 0 or bounds[0] != 0 or bounds[ns] != n:
+        raise ValueError(f"rank_batches: bounds must run from 0 to {n}")
+    for i in range(ns):
+        if bounds[i + 1] < bounds[i]:
+            raise ValueError(f"rank_batches: bounds decrease at {i}")
+    for i in range(nb):
+        s = slots[i]
+        if s < 0 or s >= ns:
+            raise ValueError(f"rank_batches: slots[{i}] = {s} is outside [0, {ns})")
+        total += bounds[s + 1] - bounds[s]
+    if map_ids:
+        idv = ids
+        nid = idv.shape[0]
+        for i in range(n):
+            if items[i] < 0 or items[i] >= nid:
+                raise ValueError(f"rank_batches: items[{i}] = {items[i]} is outside [0, {nid})")
+    flat_a = np.empty(total, dtype=np.int64)
+    offs_a = np.empty(nb + 1, dtype=np.int64)
+    cdef int64_t[::1] flat = flat_a
+    cdef int64_t[::1] offs = offs_a
+    cdef int64_t pos = 0
+    with nogil:  # copies between validated ranges
+        offs[0] = 0
+        for i in range(nb):
+            s = slots[i]
+            if map_ids:
+                for j in range(bounds[s], bounds[s + 1]):
+                    flat[pos] = idv[items[j]]
+                    pos += 1
+            else:
+                for j in range(bounds[s], bounds[s + 1]):
+                    flat[pos] = items[j]
+                    pos += 1
+            offs[i + 1] = pos
+    return flat_a, offs_a
 
 
 def gather_batches(const int64_t[::1] items, const int64_t[::1] bounds, const int64_t[::1] perm):
@@ -799,24 +967,36 @@ def padded_min_padding_cut(const double[::1] csorted, double budget, double batc
         int: the number of batches written to ends.
     """
     cdef int64_t n = csorted.shape[0]
-    cdef int64_t i, j, e, k, nb = 0
-    cdef double c, v, si
+    cdef int64_t nb = 0
     if not budget > 0.0 or not batch_penalty >= 0.0:
         raise ValueError(f"padded_min_padding_cut: budget={budget}, batch_penalty={batch_penalty}")
     if ends.shape[0] < n:
         raise ValueError(f"padded_min_padding_cut: ends has {ends.shape[0]} slots for {n} items")
     if n == 0:
         return 0
-    cdef int64_t bad = -1
-    f_a = np.empty(n + 1, dtype=np.float64)
-    prev_a = np.empty(n + 1, dtype=np.int64)
-    pre_a = np.empty(n + 1, dtype=np.float64)
-    nxt_a = np.empty(n + 1, dtype=np.int64)
-    cdef double[::1] f = f_a
-    cdef int64_t[::1] prev = prev_a
-    cdef double[::1] pre = pre_a
-    cdef int64_t[::1] nxt = nxt_a
+    cdef bint owned
+    # f, prev, pre, nxt: n + 1 entries each, in the kept scratch (see _scratch_get).
+    cdef int64_t* prev = <int64_t*>_scratch_get(4 * (n + 1) * sizeof(int64_t), &owned)
+    cdef int64_t* nxt = prev + (n + 1)
+    cdef double* f = <double*>(prev + 2 * (n + 1))
+    cdef double* pre = <double*>(prev + 3 * (n + 1))
     cdef const double* cs = &csorted[0]
+    try:
+        nb = _min_padding_dp(cs, n, budget, batch_penalty, &ends[0], prev, nxt, f, pre)
+    finally:
+        _scratch_put(prev, owned)
+    if nb < 0:
+        raise ValueError(f"padded_min_padding_cut: at position {-nb - 1}, costs are negative, NaN or rising")
+    return nb
+
+
+cdef int64_t _min_padding_dp(const double* cs, int64_t n, double budget, double batch_penalty,
+                             int64_t* ends, int64_t* prev, int64_t* nxt, double* f,
+                             double* pre) noexcept:
+    """The dynamic program of padded_min_padding_cut; -1 - i when cs is bad at position i."""
+    cdef int64_t i, j, e, k, nb = 0
+    cdef double c, v, si
+    cdef int64_t bad = -1
     with nogil:  # dynamic program over arrays we own and the costs, checked in the first pass
         # One pass checks the costs, sums the prefix and marks every position unreached (fewer
         # passes over memory: this runs on every epoch's plan).
@@ -829,8 +1009,8 @@ def padded_min_padding_cut(const double[::1] csorted, double budget, double batc
             pre[i + 1] = pre[i] + cs[i]
             f[i + 1] = INFINITY
     if bad >= 0:
-        raise ValueError(f"padded_min_padding_cut: at position {bad}, costs are negative, NaN or rising")
-    with nogil:  # dynamic program over validated costs and arrays we own
+        return -1 - bad
+    with nogil:  # dynamic program over validated costs and scratch we hold
         # nxt[i]: the end of the run of equal costs that holds position i (the first position
         # after i whose cost differs, or n).
         nxt[n] = n

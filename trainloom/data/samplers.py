@@ -321,14 +321,21 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
     def _desc_order(self) -> np.ndarray:
         """Items by complexity, largest first, ties by index (computed once, compiled sort)."""
         if self._desc is None:
-            self._desc, self._desc_keys = _P.sort_desc(self.complexities)
+            # The plain sampler needs only the order: no array of sorted keys (fresh memory is
+            # page faults, a fair share of a 100k-item plan).
+            self._desc, _ = _P.sort_desc(self.complexities, False)
             self._desc.setflags(write=False)
-            self._desc_keys.setflags(write=False)
         return self._desc
 
     def _sorted_complexities(self) -> np.ndarray:
-        """The complexities in ``_desc_order()`` order."""
-        self._desc_order()
+        """The complexities in ``_desc_order()`` order (the batch sampler's budget modes)."""
+        if self._desc_keys is None:
+            if self._desc is None:
+                self._desc, self._desc_keys = _P.sort_desc(self.complexities, True)
+                self._desc.setflags(write=False)
+            else:
+                self._desc_keys = self.complexities[self._desc]
+            self._desc_keys.setflags(write=False)
         return self._desc_keys
 
     def digest(self) -> str:
@@ -355,14 +362,21 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
             if self.shuffle:
                 _P.shuffle_runs(c, order, _seed64(self.seed, tag, "ties"))
         rng = _rng(self.seed, tag, "pad")
+        # Fewer than W samples are padded or dropped: draw just those (rng.choice), not a
+        # permutation of all n (two arrays of n fresh pages for a handful of picks).
         if self.total_size > n:
             pad = self.total_size - n
-            pick = rng.permutation(n) if self.shuffle else np.arange(n)
-            pos = np.sort(np.resize(pick, pad))
+            if pad <= n:
+                pick = rng.choice(n, pad, replace=False) if self.shuffle else np.arange(pad)
+            else:
+                pick = np.resize(rng.permutation(n) if self.shuffle else np.arange(n), pad)
+            pos = np.sort(pick)
             order = np.insert(order, pos + 1, order[pos])
         elif self.total_size < n:
             drop = (
-                rng.permutation(n)[: n - self.total_size] if self.shuffle else np.arange(n - self.total_size)
+                rng.choice(n, n - self.total_size, replace=False)
+                if self.shuffle
+                else np.arange(n - self.total_size)
             )
             order = np.delete(order, drop)
         chunks = self.num_samples
@@ -701,10 +715,11 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         budget = float(self.max_complexity)  # type: ignore[arg-type]
         c = s.complexities
         n = int(c.shape[0])
+        cs = self._costs_desc()  # first: sorts with the keys (see _sorted_complexities)
         order = s._desc_order().copy()
         if s.shuffle:
+            # Equal keys have equal costs, so the tie shuffle keeps order aligned with cs.
             _P.shuffle_runs(c, order, _seed64(s.seed, s.epoch, "ties"))
-        cs = self._costs_desc()  # equal keys have equal costs, so the tie shuffle keeps it aligned
         ends = np.empty(n, dtype=np.int64)
         nb, p = _P.padded_steps(cs, w, budget, ends)
         if 0 < n - p < w and nb >= w:
@@ -737,7 +752,7 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         cut_order = order  # longest first, aligned with cs (no duplicates or drops are used below)
         bounds_a = np.asarray(bounds, dtype=np.int64)
         padded_total = float((np.diff(bounds_a) * cs[np.minimum(bounds_a[:-1], max(n - 1, 0))]).sum())
-        order, bounds_a, span = self._group_by_cost(cut_order, bounds_a)
+        perm, span = self._group_by_cost(cut_order, bounds_a)
         if (
             duplicates == dropped == 0
             and padded_total > 0
@@ -747,7 +762,9 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
             # minimum-padding cut. Dense epochs (2M samples: 0.03 %) skip its extra passes.
             alt = self._padded_min_padding(cut_order, cs, budget)
             if alt is not None and alt[2] < span:
-                order, bounds_a = alt[0], alt[1]
+                bounds_a, perm = alt[0], alt[1]
+        # Only the kept plan is laid out (one gather of the items, not one per candidate).
+        order, bounds_a = _P.gather_batches(np.ascontiguousarray(cut_order, dtype=np.int64), bounds_a, perm)
         steps = (bounds_a.shape[0] - 1) // w
         step_order, rot = self._step_order(steps)
         return _Plan(order, bounds_a, step_order, rot, w, duplicates, dropped)
@@ -755,7 +772,7 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
     def _padded_min_padding(
         self, order: np.ndarray, cs: np.ndarray, budget: float
     ) -> Optional[Tuple[np.ndarray, np.ndarray, float]]:
-        """The other padded plan: cuts that minimise padding, then grouped by cost.
+        """The other padded plan: cuts that minimise padding, then grouped by cost: (bounds, perm, span).
 
         The step-wise cut fills batches to a common target and pays padding wherever a batch
         straddles two lengths; with few samples per length (a 100k-sample epoch) that is 0.5 % of
@@ -787,15 +804,17 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
                     i = int(np.argmax(sz))
                     cuts.insert(i + 1, cuts[i] + int(sz[i]) // 2)
                 bounds = np.asarray(cuts, dtype=np.int64)
-        return self._group_by_cost(order, bounds)
+        perm, span = self._group_by_cost(order, bounds)
+        return bounds, perm, span
 
-    def _group_by_cost(self, order: np.ndarray, bounds: np.ndarray) -> Tuple[np.ndarray, np.ndarray, float]:
-        """Put batches of similar padded cost into the same step.
+    def _group_by_cost(self, order: np.ndarray, bounds: np.ndarray) -> Tuple[np.ndarray, float]:
+        """Put batches of similar padded cost into the same step: the batch order, and its time.
 
         The cuts leave some steps mixing coarse batches (2 items of 8000 tokens next to 3 of 4500);
         sorted by padded cost (stable, so deterministic) and taken W at a time, every step holds
         neighbours in cost. Steps are the unit that the epoch's shuffle permutes, so the grouping
-        survives it; each batch stays a contiguous run of items, longest first.
+        survives it; each batch stays a contiguous run of items, longest first. Returns the
+        permutation of the batches (for ``gather_batches``) and the epoch's time in cost units.
         """
         a, b = self.cost
         counts = np.diff(bounds)
@@ -805,8 +824,7 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         # The epoch's time in cost units: each step waits for its largest batch, which is the first
         # of its W in this descending order.
         span = float(padded[perm[:: self.num_replicas]].sum())
-        items, new_bounds = _P.gather_batches(np.ascontiguousarray(order, dtype=np.int64), bounds, perm)
-        return items, new_bounds, span
+        return perm, span
 
     def _plan_packed(self) -> _Plan:
         s = self.sampler
@@ -907,17 +925,9 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         self.epoch = self.sampler.epoch
         start = self._start(self.sampler.shuffle)
         self._delivered = start
-        slots = plan.slots(self.rank)
-        lo = plan.bounds[slots]
-        sizes = plan.bounds[slots + 1] - lo
-        offs = np.zeros(sizes.shape[0] + 1, dtype=np.int64)
-        np.cumsum(sizes, out=offs[1:])
-        # Gather this rank's items for the whole epoch at once (one numpy gather, one tolist),
+        # Gather this rank's items for the whole epoch at once (one compiled pass, one tolist),
         # then hand out list slices: no numpy call per batch.
-        where = np.repeat(lo - offs[:-1], sizes) + np.arange(offs[-1], dtype=np.int64)
-        flat = plan.items[where]
-        if plan.ids is not None:
-            flat = plan.ids[flat]
+        flat, offs = _P.rank_batches(plan.items, plan.bounds, plan.slots(self.rank), plan.ids)
         values = flat.tolist()
         bounds = offs.tolist()
         for i in range(start, plan.steps):

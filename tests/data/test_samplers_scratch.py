@@ -1,0 +1,153 @@
+"""Planning scratch kept between plans, and the compiled helpers that avoid fresh memory."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from trainloom.data import samplers as S
+from trainloom.data.samplers import LoadBalancingDistributedBatchSampler, LoadBalancingDistributedSampler
+
+P = S._P
+HUGE = 2 * 1024 * 1024
+
+
+def _lens(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(1, 3000, n)
+
+
+def _plan_ranks(lens, world, mode):
+    out = []
+    for r in range(world):
+        s = LoadBalancingDistributedSampler(None, complexities=lens, num_replicas=world, rank=r)
+        out.append(list(LoadBalancingDistributedBatchSampler(s, max_complexity=6000, mode=mode)))
+    return out
+
+
+def test_scratch_is_kept_huge_page_sized_and_released():
+    keys = _lens(100_000).astype(np.float64)
+    P.release_scratch()
+    assert P.scratch_bytes() == 0
+    order, sk = P.sort_desc(keys)
+    kept = P.scratch_bytes()
+    assert kept >= (4 * keys.shape[0] + 2048) * 8 and kept % HUGE == 0  # 2 MiB-aligned block
+    again, sk2 = P.sort_desc(keys)
+    assert P.scratch_bytes() == kept  # reused, not grown
+    assert np.array_equal(order, again) and np.array_equal(sk, sk2)
+    P.release_scratch()
+    assert P.scratch_bytes() == 0
+
+
+def test_small_scratch_uses_plain_malloc_and_grows():
+    P.release_scratch()
+    keys = np.array([3.0, 1.0, 2.0])
+    P.argsort(keys, np.arange(3, dtype=np.int64))
+    small = P.scratch_bytes()
+    assert 0 < small < HUGE
+    P.argsort(_lens(80_000).astype(np.float64), np.arange(80_000, dtype=np.int64))
+    assert P.scratch_bytes() > small
+
+
+@pytest.mark.parametrize("mode", ["padded", "packed"])
+def test_plans_equal_with_busy_scratch_and_after_release(mode):
+    lens = _lens(5000, 3)
+    ref = _plan_ranks(lens, 3, mode)
+    P._hold_scratch(True)  # as if another thread were planning: every kernel mallocs its own
+    try:
+        busy = _plan_ranks(lens, 3, mode)
+        with pytest.raises(RuntimeError, match="a plan in another thread is using the scratch buffer"):
+            P.release_scratch()
+    finally:
+        P._hold_scratch(False)
+    P.release_scratch()
+    assert busy == ref
+    assert _plan_ranks(lens, 3, mode) == ref
+
+
+def test_threads_planning_at_once_agree():
+    lens = _lens(60_000, 5)
+    ref = _plan_ranks(lens, 2, "padded")
+    got = {}
+
+    def work(i: int) -> None:
+        got[i] = _plan_ranks(lens, 2, "padded")
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(got[i] == ref for i in range(3))
+
+
+def test_sort_desc_without_keys():
+    keys = np.array([2.0, 5.0, 2.0, 9.0, 0.5])
+    order, sk = P.sort_desc(keys, False)
+    assert sk is None
+    assert np.array_equal(order, np.argsort(-keys, kind="stable"))
+
+
+def test_sorted_complexities_after_the_plain_order():
+    lens = _lens(1000, 7)
+    s = LoadBalancingDistributedSampler(None, complexities=lens, num_replicas=2, rank=0)
+    list(s)  # sorts without keys
+    assert s._desc_keys is None
+    sk = s._sorted_complexities()  # then gathers them
+    assert np.array_equal(sk, lens[s._desc_order()].astype(np.float64))
+    fresh = LoadBalancingDistributedSampler(None, complexities=lens, num_replicas=2, rank=0)
+    assert np.array_equal(fresh._sorted_complexities(), sk)  # sorted with the keys
+    assert np.array_equal(fresh._desc_order(), s._desc_order())
+
+
+def _rank_batches_ref(items, bounds, slots, ids):
+    parts = [items[bounds[s] : bounds[s + 1]] for s in slots]
+    flat = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+    if ids is not None:
+        flat = ids[flat]
+    offs = np.concatenate([[0], np.cumsum([len(p) for p in parts])])
+    return flat, offs
+
+
+@pytest.mark.parametrize("with_ids", [False, True])
+def test_rank_batches_matches_numpy(with_ids):
+    rng = np.random.default_rng(2)
+    sizes = rng.integers(0, 5, 40)
+    bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    items = rng.permutation(int(bounds[-1])).astype(np.int64)
+    slots = rng.permutation(40)[:25].astype(np.int64)
+    ids = rng.permutation(int(bounds[-1])).astype(np.int64) * 3 if with_ids else None
+    flat, offs = P.rank_batches(items, bounds, slots, ids)
+    ref_flat, ref_offs = _rank_batches_ref(items, bounds, slots, ids)
+    assert np.array_equal(flat, ref_flat) and np.array_equal(offs, ref_offs)
+
+
+def test_rank_batches_rejects_bad_input():
+    items = np.arange(4, dtype=np.int64)
+    bounds = np.array([0, 2, 4], dtype=np.int64)
+    with pytest.raises(ValueError, match=r"rank_batches: slots\[1\] = 2 is outside \[0, 2\)"):
+        P.rank_batches(items, bounds, np.array([0, 2], dtype=np.int64))
+    with pytest.raises(ValueError, match="rank_batches: bounds must run from 0 to 4"):
+        P.rank_batches(items, np.array([0, 3], dtype=np.int64), np.array([0], dtype=np.int64))
+    with pytest.raises(ValueError, match="rank_batches: bounds decrease at 1"):
+        P.rank_batches(items, np.array([0, 5, 4], dtype=np.int64), np.array([0], dtype=np.int64))
+    with pytest.raises(ValueError, match=r"rank_batches: items\[3\] = 3 is outside \[0, 3\)"):
+        P.rank_batches(items, bounds, np.array([0], dtype=np.int64), np.arange(3, dtype=np.int64))
+
+
+def test_plain_padding_and_drops_still_cover_once():
+    lens = _lens(1003, 9)
+    for drop_last in (False, True):
+        ranks = [
+            LoadBalancingDistributedSampler(
+                None, complexities=lens, num_replicas=8, rank=r, drop_last=drop_last, seed=4
+            )
+            for r in range(8)
+        ]
+        got = np.concatenate([np.asarray(list(s)) for s in ranks])
+        counts = np.bincount(got, minlength=1003)
+        if drop_last:
+            assert got.shape[0] == 1000 and counts.max() == 1 and (counts == 0).sum() == 3
+        else:
+            assert got.shape[0] == 1008 and counts.min() == 1 and (counts == 2).sum() == 5
