@@ -151,3 +151,45 @@ def test_plain_padding_and_drops_still_cover_once():
             assert got.shape[0] == 1000 and counts.max() == 1 and (counts == 0).sum() == 3
         else:
             assert got.shape[0] == 1008 and counts.min() == 1 and (counts == 2).sum() == 5
+
+
+def _record_dp(monkeypatch):
+    calls = []
+    real = S._P
+
+    class Rec:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def padded_min_padding_cut(self, cs, budget, penalty, ends):
+            nb = real.padded_min_padding_cut(cs, budget, penalty, ends)
+            starts = np.concatenate(([0], ends[: nb - 1]))
+            calls.append(
+                (budget / penalty, 1.0 - cs.sum() / float(((ends[:nb] - starts) * cs[starts]).sum()))
+            )
+            return nb
+
+    monkeypatch.setattr(S, "_P", Rec())
+    return calls
+
+
+def test_min_padding_cut_tries_a_cheaper_batch_while_it_pads_too_much(monkeypatch):
+    # Very few samples per length: the first price per batch still pads > 0.1 %.
+    lens = np.round(np.random.default_rng(2).lognormal(4, 1.2, 5000)).clip(1, 4000)
+    calls = _record_dp(monkeypatch)
+    st = LoadBalancingDistributedBatchSampler(
+        LoadBalancingDistributedSampler(None, complexities=lens, num_replicas=2, rank=0), max_complexity=8192
+    ).plan_stats()
+    assert [d for d, _ in calls] == list(S._PAD_BATCH_PENALTY_DIVS)
+    assert calls[0][1] > S._PAD_DP_WASTE and calls[1][1] < calls[0][1]
+    assert st["max_batch_cost_ratio"] <= 1.0 and st["duplicates"] == st["dropped"] == 0
+
+
+def test_min_padding_cut_stops_at_the_first_price_that_pads_little(monkeypatch):
+    lens = np.minimum(np.random.default_rng(22).geometric(0.02, 20000), 2000)
+    calls = _record_dp(monkeypatch)
+    st = LoadBalancingDistributedBatchSampler(
+        LoadBalancingDistributedSampler(None, complexities=lens, num_replicas=2, rank=0), max_complexity=4096
+    ).plan_stats()
+    assert len(calls) == 1 and calls[0][1] <= S._PAD_DP_WASTE
+    assert st["padding_waste"] <= S._PAD_DP_WASTE
