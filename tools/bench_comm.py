@@ -59,6 +59,22 @@ def _worker(cfg: Dict[str, Any]) -> None:
     if "gloo" in cfg["backends"]:
         dist.init_process_group("gloo", store=dist.PrefixStore("gloo", store), rank=rank, world_size=world)
     zc_buf = None
+    comms: Dict[str, Any] = {}
+    if "shm-slot" in cfg["backends"]:
+        from trainloom.comm.shm import ShmCommunicator
+
+        # the same engine with cross-memory attach off: everything goes through the slots
+        comms["shm-slot"] = ShmCommunicator(
+            store,
+            rank,
+            world,
+            prefix="bench/shm-slot",
+            timeout=300.0,
+            slot_bytes=cfg["slot_bytes"],
+            cma=False,
+        )
+        if cfg["small_bytes"] is not None:
+            comms["shm-slot"].small_bytes = cfg["small_bytes"]
     if "shm" in cfg["backends"] or "shm-zc" in cfg["backends"]:
         from trainloom.comm.shm import ReduceOp, ShmCommunicator
 
@@ -74,6 +90,7 @@ def _worker(cfg: Dict[str, Any]) -> None:
             timeout=300.0,
             slot_bytes=cfg["slot_bytes"],
             heap_bytes=heap,
+            cma_bytes=cfg["cma_bytes"],
         )
         if heap:
             # zero-copy: tensors allocated inside the segment (like a flattened gradient bucket)
@@ -82,9 +99,14 @@ def _worker(cfg: Dict[str, Any]) -> None:
             comm.small_bytes = cfg["small_bytes"]
     dt = getattr(torch, cfg["dtype"])
     es = torch.empty((), dtype=dt).element_size()
+    comm_main = comm
+
+    from trainloom.comm.shm import ReduceOp
 
     def barrier(backend: str) -> None:
-        if backend.startswith("shm"):
+        if backend == "shm-slot":
+            comms[backend].barrier()
+        elif backend.startswith("shm"):
             comm.barrier()
         else:
             dist.barrier()
@@ -92,12 +114,13 @@ def _worker(cfg: Dict[str, Any]) -> None:
     def bcast_int(backend: str, v: int) -> int:
         t = torch.tensor([v], dtype=torch.int64)
         if backend.startswith("shm"):
-            comm.broadcast(t, 0)
+            comms.get(backend, comm_main).broadcast(t, 0)
         else:
             dist.broadcast(t, 0)
         return int(t[0])
 
     def make(op: str, backend: str, size: int):
+        comm = comms.get(backend, comm_main)
         count = max(world, size // es // world * world)
         blk = count // world
         base = (torch.arange(count) % 7).to(dt)
@@ -111,22 +134,22 @@ def _worker(cfg: Dict[str, Any]) -> None:
             return (lambda: dist.all_reduce(t)), t, count * es
         if op == "broadcast":
             t = base + rank
-            if backend == "shm":
+            if backend in ("shm", "shm-slot"):
                 return (lambda: comm.broadcast(t, 0)), t, count * es
             return (lambda: dist.broadcast(t, 0)), t, count * es
         if op == "allgather":
             s, r = base[:blk] + rank, torch.empty(count, dtype=dt)
-            if backend == "shm":
+            if backend in ("shm", "shm-slot"):
                 return (lambda: comm.allgather(s, r)), r, count * es
             return (lambda: dist.all_gather_into_tensor(r, s)), r, count * es
         if op == "reduce_scatter":
             s, r = base + rank, torch.empty(blk, dtype=dt)
-            if backend == "shm":
+            if backend in ("shm", "shm-slot"):
                 return (lambda: comm.reduce_scatter(s, r, ReduceOp.SUM)), r, count * es
             return (lambda: dist.reduce_scatter_tensor(r, s)), r, count * es
         if op == "alltoall":
             s, r = base + rank, torch.empty(count, dtype=dt)
-            if backend == "shm":
+            if backend in ("shm", "shm-slot"):
                 return (lambda: comm.alltoall(s, r)), r, count * es
             return (lambda: dist.all_to_all_single(r, s)), r, count * es
         raise ValueError(op)
@@ -171,12 +194,15 @@ def _worker(cfg: Dict[str, Any]) -> None:
                 ok = all(
                     torch.equal(r, (torch.arange(nbytes // es) % 7).to(dt)) for r in first_result.values()
                 )
-            if "shm" in first_result and "gloo" in first_result:
-                ok = ok and torch.equal(first_result["shm"], first_result["gloo"])
+            # every engine must give the same result bits as the first one
+            vals = list(first_result.values())
+            ok = ok and all(torch.equal(vals[0], v) for v in vals[1:])
             for k in range(len(cfg["backends"])):
                 out[-1 - k]["ok"] = ok
     if comm is not None:
         comm.close()
+    for c in comms.values():
+        c.close()
     if "gloo" in cfg["backends"]:
         dist.destroy_process_group()
     print("RESULT " + json.dumps(out), flush=True)
@@ -254,7 +280,8 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument(
         "--backend",
         default="shm,gloo",
-        help="comma list of shm, gloo, shm-zc (shm with tensors from shared_empty: zero-copy allreduce)",
+        help="comma list of shm, gloo, shm-zc (shm with tensors from shared_empty: zero-copy allreduce), "
+        "shm-slot (shm with cross-memory attach off: the copy-through-slots path)",
     )
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds per size (median reported)")
@@ -262,6 +289,9 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument("--pin", action="store_true", help="pin rank r to CPU r %% ncpu")
     ap.add_argument("--slot-bytes", default=None, help="shm slot size (default: the engine's, 1M)")
     ap.add_argument("--small-bytes", default=None, help="shm one-shot allreduce limit (default 32K)")
+    ap.add_argument(
+        "--cma-bytes", default=None, help="shm cross-memory attach threshold per peer message (default 256K)"
+    )
     ap.add_argument("--quick", action="store_true", help="tiny sizes, few rounds (smoke test)")
     ap.add_argument("--out", default=None, help="directory for comm.md and PNG plots")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -274,7 +304,7 @@ def main(argv: List[str] | None = None) -> int:
     backends = [b.strip() for b in args.backend.split(",") if b.strip()]
     if "shm-zc" in backends and ops != ["allreduce"]:
         ap.error("shm-zc (zero-copy) applies to allreduce only")
-    if bad or not backends or any(b not in ("shm", "gloo", "shm-zc") for b in backends):
+    if bad or not backends or any(b not in ("shm", "gloo", "shm-zc", "shm-slot") for b in backends):
         ap.error(f"unknown op/backend: ops {ops}, backends {backends}")
     nprocs = [int(x) for x in args.nproc.split(",")]
     lo, hi = benchutil.parse_size(args.min), benchutil.parse_size(args.max)
@@ -298,6 +328,7 @@ def main(argv: List[str] | None = None) -> int:
         "pin": args.pin,
         "slot_bytes": benchutil.parse_size(args.slot_bytes) if args.slot_bytes else None,
         "small_bytes": benchutil.parse_size(args.small_bytes) if args.small_bytes else None,
+        "cma_bytes": benchutil.parse_size(args.cma_bytes) if args.cma_bytes else None,
     }
     load = os.getloadavg()
     md = [

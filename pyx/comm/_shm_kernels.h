@@ -19,11 +19,12 @@
 #include <unistd.h>
 #include <fcntl.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <linux/futex.h>
 
 #define TL_LINE 64
 #define TL_MAGIC 0x544c53484d454e47ULL /* "TLSHMENG" */
-#define TL_VERSION 1u
+#define TL_VERSION 2u
 #define TL_MAXDIM 8
 
 /* ------------------------------------------------------------------------------------------ */
@@ -48,6 +49,9 @@ typedef struct {
     int64_t ndim;
     int64_t shape[TL_MAXDIM];
     int64_t zc;      /* allreduce: 1 + offset of the tensor in the sender's heap, or 0 (not compared) */
+    int64_t addr;    /* cross-memory attach: the sender's send buffer in ITS address space, or 0 when
+                      * peers must not read it directly (not compared) */
+    int64_t addr2;   /* cross-memory attach: the sender's recv buffer (allreduce), or 0 */
 } tl_desc_t;
 
 typedef struct {
@@ -141,6 +145,77 @@ static inline int tl_pid_dead(int pid) {
     if (rp && rp[1] == ' ' && (rp[2] == 'Z' || rp[2] == 'X')) return 1;
     return 0;
 }
+
+/* Cross-memory attach: copy n bytes at `remote` in process `pid` to `dst` here, with one copy
+ * (the kernel walks the peer's page tables and copies page by page). Called through syscall() so
+ * the declaration does not depend on _GNU_SOURCE. process_vm_readv may return a partial count (it
+ * stops at the first unreadable page, and at IOV_MAX iovecs, which one iovec never reaches), so
+ * loop; EINTR restarts. Returns 0 or the errno: ESRCH = the process is gone (or a zombie: its
+ * memory is released at exit), EPERM = ptrace access denied (Yama, non-dumpable, other uid),
+ * ENOSYS/EPERM = blocked by seccomp, EFAULT = the range is not mapped there. */
+static inline int tl_cma_read(int pid, void *dst, const void *remote, size_t n) {
+    char *d = (char *)dst;
+    const char *r = (const char *)remote;
+    while (n > 0) {
+        struct iovec l, rv;
+        l.iov_base = d;
+        l.iov_len = n;
+        rv.iov_base = (void *)r;
+        rv.iov_len = n;
+        long k = syscall(SYS_process_vm_readv, (long)pid, &l, 1UL, &rv, 1UL, 0UL);
+        if (k < 0) {
+            if (errno == EINTR) continue;
+            return errno ? errno : EIO;
+        }
+        if (k == 0) return EFAULT;
+        d += k;
+        r += k;
+        n -= (size_t)k;
+    }
+    return 0;
+}
+
+/* Copy with non-temporal (streaming) stores, for large copies into a destination nobody reads
+ * before the op returns (the user's recv). A normal store first reads the destination line
+ * into the cache (read-for-ownership) and later writes it back: 3 memory transfers per line
+ * instead of 2. When both ranks copy at once the two cores share the memory bandwidth, and
+ * measured here (2 processes copying 8-16 MiB each at once) streaming copies ran 13-19 GB/s per
+ * process against 8-11 GB/s for memcpy. SSE2 is the x86-64 baseline, so no dispatch is needed;
+ * elsewhere this is memcpy. */
+#if defined(__x86_64__) || defined(__SSE2__)
+#include <emmintrin.h>
+static inline void tl_copy_nt(void *dst, const void *src, size_t n) {
+    char *d = (char *)dst;
+    const char *s = (const char *)src;
+    size_t head = (size_t)(-(uintptr_t)d) & 15;
+    if (n < 256) {
+        memcpy(d, s, n);
+        return;
+    }
+    if (head) {
+        memcpy(d, s, head);
+        d += head;
+        s += head;
+        n -= head;
+    }
+    size_t body = n & ~(size_t)63;
+    for (size_t i = 0; i < body; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(s + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(s + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32));
+        __m128i e = _mm_loadu_si128((const __m128i *)(s + i + 48));
+        _mm_stream_si128((__m128i *)(d + i), a);
+        _mm_stream_si128((__m128i *)(d + i + 16), b);
+        _mm_stream_si128((__m128i *)(d + i + 32), c);
+        _mm_stream_si128((__m128i *)(d + i + 48), e);
+    }
+    /* streaming stores are weakly ordered: fence before the step that publishes the data */
+    _mm_sfence();
+    if (n > body) memcpy(d + body, s + body, n - body);
+}
+#else
+static inline void tl_copy_nt(void *dst, const void *src, size_t n) { memcpy(dst, src, n); }
+#endif
 
 /* ------------------------------------------------------------------------------------------ */
 /* fp16 / bf16 conversions, bit-exact with c10 (IEEE round to nearest even), branch-free so    */

@@ -339,7 +339,9 @@ def test_results_are_bitwise_identical_on_every_rank():
 # larger than a slot, zero-copy heap, pinning
 # ------------------------------------------------------------------------------------------------
 def _w_large(rank, world):
-    comm = _comm(rank, world, pin_cpu=True, heap_bytes=8 << 20)
+    # cma=False: the step counts below are those of the slot path's zero-copy mode (the
+    # cross-memory attach path and its use of heap tensors are tested in test_shm_cma.py)
+    comm = _comm(rank, world, pin_cpu=True, heap_bytes=8 << 20, cma=False)
     cpus = sorted(comm._saved_affinity)
     pinned = os.sched_getaffinity(0) == {cpus[rank % len(cpus)]}
     n = 3 * (1 << 20) // 4 + 123  # 3 MiB of float32: three default slots and an odd tail
@@ -797,7 +799,22 @@ def test_reduction_kernels_round_like_torch():
 def test_bench_quick_runs(tmp_path):
     env = dict(os.environ, TRAINLOOM_BENCH_LOCK=str(tmp_path / "lock"))
     r = subprocess.run(
-        [sys.executable, "-m", "trainloom.cli", "bench", "comm", "--quick", "--out", str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "trainloom.cli",
+            "bench",
+            "comm",
+            "--quick",
+            "--op",
+            "allreduce,allgather",
+            "--backend",
+            "shm,shm-slot,gloo",
+            "--cma-bytes",
+            "8K",
+            "--out",
+            str(tmp_path),
+        ],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -806,5 +823,6 @@ def test_bench_quick_runs(tmp_path):
     )
     assert r.returncode == 0, r.stdout + r.stderr
     md = (tmp_path / "comm.md").read_text()
-    assert "| shm time" in md and "gloo" in md and "busbw" in md
+    assert "| shm time" in md and "| shm-slot time" in md and "gloo" in md and "busbw" in md
+    assert "WRONG" not in md and "| ok |" in md  # every engine gave the same bits
     assert list(tmp_path.glob("comm_*.png"))

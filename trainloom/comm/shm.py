@@ -84,6 +84,7 @@ _ABORT_REASONS = {
     _shm.ABORT_TIMEOUT: "a collective timed out there",
     _shm.ABORT_DEAD: "it found a peer dead or closed",
     _shm.ABORT_INTERRUPTED: "a signal handler (Ctrl-C) interrupted a collective there",
+    _shm.ABORT_CMA: "reading a peer's memory with process_vm_readv failed there",
 }
 
 #: default bytes per slot (two per rank): about the size of a private L2, where two-shot
@@ -93,6 +94,39 @@ DEFAULT_SLOT_BYTES = 1 << 20
 DEFAULT_SMALL_BYTES = 32 << 10
 #: total budget for the per-pair send/recv buffers of one communicator
 _PAIR_BUDGET = 8 << 20
+#: smallest per-peer message (bytes) that allgather/gather/alltoall/alltoall_v move by cross-memory
+#: attach (process_vm_readv straight from the peer's buffer) instead of through the slots: below
+#: it the syscall and page-table walk cost more than the two extra in-cache copies.
+DEFAULT_CMA_BYTES = 256 << 10
+#: environment variable read when ``cma=None``: "0" turns cross-memory attach off
+CMA_ENV = "TRAINLOOM_SHM_CMA"
+#: fallback for the size of the last-level cache shared by the ranks (bytes)
+_DEFAULT_LLC_BYTES = 32 << 20
+
+
+def _llc_bytes() -> int:
+    """Size of the largest CPU cache (the L3 the ranks share), from sysfs; 32 MiB if unknown.
+
+    An allgather/alltoall whose recv buffers (summed over ranks) reach it is memory-bound: it
+    takes the slot path with streaming stores into recv instead of cross-memory attach.
+    """
+    best = 0
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return _DEFAULT_LLC_BYTES
+    for name in names:
+        try:
+            with open(f"{base}/{name}/size") as f:
+                txt = f.read().strip()
+        except OSError:
+            continue
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(txt[-1:].upper(), 1)
+        digits = txt[:-1] if mult != 1 else txt
+        if digits.isdigit():
+            best = max(best, int(digits) * mult)
+    return best or _DEFAULT_LLC_BYTES
 
 
 # (op, dtype) -> op code for every supported combination; looked up on each reduction call
@@ -128,6 +162,15 @@ def node_identity() -> str:
     return f"{socket.gethostname()}:{boot}"
 
 
+def _yama_ptrace_scope() -> Optional[int]:
+    """kernel.yama.ptrace_scope, or None without Yama (then only uid/dumpable checks apply)."""
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
 def shm_supported() -> bool:
     """True if the engine can run here (Linux with a writable /dev/shm and futex). Never raises."""
     try:
@@ -158,6 +201,13 @@ class ShmCommunicator:
         pin_cpu: pin this process to CPU ``rank % ncpu`` of its allowed set (restored by close()).
         slot_bytes: bytes per slot (two per rank); a multiple of 4096. Default 1 MiB.
         heap_bytes: bytes per rank reserved for :meth:`shared_empty` (multiple of 4096; default 0).
+        cma: move large allgather/gather/alltoall/alltoall_v messages by cross-memory attach (a peer
+            reads them straight from this process with process_vm_readv: one copy instead of three).
+            None (default): on unless the environment variable ``TRAINLOOM_SHM_CMA`` is "0". At
+            construction every rank test-reads every peer; if any rank cannot (or passed False),
+            ALL ranks use the slot path and one log line says why.
+        cma_bytes: smallest per-peer message (bytes) that goes by cross-memory attach (default
+            256 KiB); rank 0's value is used by every rank.
 
     Raises:
         CommError: ranks are on different nodes (names them), or the segment could not be created
@@ -186,6 +236,8 @@ class ShmCommunicator:
         pin_cpu: bool = False,
         slot_bytes: Optional[int] = None,
         heap_bytes: int = 0,
+        cma: Optional[bool] = None,
+        cma_bytes: Optional[int] = None,
     ) -> None:
         self._engine: Any = None
         self._closed = True
@@ -204,6 +256,13 @@ class ShmCommunicator:
         for name, v, lo in (("slot_bytes", slot, 4096), ("heap_bytes", heap_bytes, 0)):
             if not isinstance(v, int) or isinstance(v, bool) or v < lo or v % 4096:
                 raise ValueError(f"ShmCommunicator: {name} must be a multiple of 4096 >= {lo}, got {v!r}")
+        if cma is not None and not isinstance(cma, bool):
+            raise ValueError(f"ShmCommunicator: cma must be None, True or False, got {cma!r}")
+        cma_thr = DEFAULT_CMA_BYTES if cma_bytes is None else cma_bytes
+        if not isinstance(cma_thr, int) or isinstance(cma_thr, bool) or cma_thr < 1:
+            raise ValueError(f"ShmCommunicator: cma_bytes must be an int >= 1, got {cma_bytes!r}")
+        if cma is None:
+            cma = os.environ.get(CMA_ENV, "1").strip() != "0"
         if slot < 64 * world_size:
             # alltoall, reduce_scatter and scatter give every rank a piece of each slot per step
             raise ValueError(
@@ -222,6 +281,11 @@ class ShmCommunicator:
         pair = max(4096, min(slot // 4, _PAIR_BUDGET // (2 * world_size * world_size)) // 4096 * 4096)
         self._engine = self._rendezvous(store, slot, pair, heap_bytes)
         self._closed = False
+        try:
+            self._setup_cma(store, cma, cma_thr)
+        except BaseException:
+            self.close()
+            raise
         self._heap_bytes = heap_bytes
         self._heap_base = self._engine.heap_address(rank) if heap_bytes else 0
         ncpu = len(os.sched_getaffinity(0))
@@ -257,6 +321,7 @@ class ShmCommunicator:
                 "collectives need every rank of the group on one machine: use gloo for this group."
             )
         pids = [int(i[1]) for i in infos]
+        self._pids = pids
         seg_key = f"{pre}/segment"
         if r == 0:
             name = f"/tl-shm-{os.getpid()}-{secrets.token_hex(6)}"
@@ -323,6 +388,79 @@ class ShmCommunicator:
                     r,
                 )
         return eng
+
+    def _setup_cma(self, store: Any, want: bool, threshold: int) -> None:
+        """Probe cross-memory attach and make every rank agree on using it (or not).
+
+        Each rank publishes the address of a random word in its own memory; every rank reads
+        every peer's word with process_vm_readv and publishes "ok" or why not. The protocol is
+        on only if all ranks said "ok": a rank that cannot read (Yama ptrace_scope, seccomp, a
+        non-dumpable process, another pid namespace) or that disabled it turns it off for all,
+        because a collective must not run half on one protocol and half on the other.
+        """
+        eng, W, r, pre = self._engine, self.world_size, self.rank, self.prefix
+        big = _llc_bytes()
+        eng.big_bytes = big
+        if W == 1:
+            eng.set_cma(False, threshold)
+            return
+        reason = "" if want else f"disabled on rank {r} (cma=False or {CMA_ENV}=0)"
+        if not reason:
+            scope = _yama_ptrace_scope()
+            if scope is not None and scope >= 2:
+                reason = f"rank {r}: kernel.yama.ptrace_scope={scope} forbids process_vm_readv between peers"
+            elif scope == 1:
+                # Yama lets only ancestors read a process unless it names a tracer; peers are
+                # siblings, so allow any process of this user (Open MPI's CMA path does the same)
+                err = _shm.allow_ptrace_any()
+                if err:
+                    reason = f"rank {r}: prctl(PR_SET_PTRACER) failed: {os.strerror(err)}"
+        token = secrets.randbits(63) | 1
+        eng.set_probe(token)
+        mine = f"off|{reason}" if reason else f"{eng.probe_address()}|{token}|{threshold}|{big}"
+        store.set(f"{pre}/cma/{r}", mine)
+        keys = [f"{pre}/cma/{p}" for p in range(W)]
+        self._store_wait(store, keys, "probing cross-memory attach")
+        vals = [store.get(k).decode() for k in keys]
+        result = reason
+        for p in range(W):
+            if result:
+                break
+            if vals[p].startswith("off|"):
+                result = vals[p][4:]
+            elif p != r:
+                addr, tok = vals[p].split("|")[:2]
+                try:
+                    got = _shm.cma_read(self._pids[p], int(addr), 8)
+                except OSError as exc:
+                    result = f"rank {r} cannot read rank {p} (pid {self._pids[p]}): {exc}"
+                    break
+                if int.from_bytes(got, sys.byteorder) != int(tok):
+                    result = f"rank {r} read a wrong probe value from rank {p} (pid {self._pids[p]})"
+        store.set(f"{pre}/cma_ok/{r}", result or "ok")
+        ok_keys = [f"{pre}/cma_ok/{p}" for p in range(W)]
+        self._store_wait(store, ok_keys, "agreeing on cross-memory attach")
+        problems = [v for v in (store.get(k).decode() for k in ok_keys) if v != "ok"]
+        # No rank may leave before all have read the store: the rank hosting it (often rank 0)
+        # could exit and take the store down under the others. A barrier through the segment
+        # (sequence 0: user ops keep their numbers from 1).
+        rc = eng.barrier((_shm.OP_BARRIER, 0, 0, -1, -1, 0, 0, ()), self.timeout)
+        if rc:
+            self._raise(rc, "barrier (set-up)", 0, self.timeout)
+        if problems:
+            eng.set_cma(False, threshold)
+            (log.info if not want else log.warning)(
+                "shm communicator %s rank %d: cross-memory attach off (%s); large messages are copied "
+                "through the shared segment",
+                pre,
+                r,
+                problems[0],
+            )
+        else:
+            # every rank uses rank 0's thresholds: the protocol choice must not differ between ranks
+            _, _, thr0, big0 = vals[0].split("|")
+            eng.big_bytes = int(big0)
+            eng.set_cma(True, int(thr0))
 
     def _store_wait(self, store: Any, keys: List[str], what: str) -> None:
         try:
@@ -481,8 +619,15 @@ class ShmCommunicator:
         if rc == _shm.ERR_DEAD:
             p = info["peer"]
             raise CommError(
-                f"{where}: rank {p} (pid {eng.peer_pid(p)}) died while this rank waited for it; the "
-                "communicator is aborted"
+                f"{where}: rank {p} (pid {eng.peer_pid(p)}) died while this rank waited for it or read "
+                "its memory; the communicator is aborted"
+            )
+        if rc == _shm.ERR_CMA:
+            p = info["peer"]
+            raise CommError(
+                f"{where}: reading rank {p}'s buffer (pid {eng.peer_pid(p)}) with process_vm_readv "
+                f"failed: {os.strerror(info['errno'])}; the communicator is aborted. Pass cma=False (or set "
+                f"{CMA_ENV}=0) to copy through the shared segment instead."
             )
         if rc == _shm.ERR_CLOSED:
             p = info["peer"]
@@ -532,6 +677,16 @@ class ShmCommunicator:
         if not isinstance(value, int) or value < 0:
             raise ValueError(f"small_bytes must be an int >= 0, got {value!r}")
         self._open("small_bytes").small_bytes = value
+
+    @property
+    def cma(self) -> bool:
+        """True if large messages move by cross-memory attach (agreed by all ranks at creation)."""
+        return bool(self._open("cma").cma)
+
+    @property
+    def cma_bytes(self) -> int:
+        """Smallest per-peer message (bytes) moved by cross-memory attach when :attr:`cma` is on."""
+        return int(self._open("cma_bytes").cma_bytes)
 
     @property
     def closed(self) -> bool:
