@@ -6,6 +6,8 @@ Two workloads, each read in a shuffled order in batches of 32:
 
 Measured side by side in one run, on the same values:
   CachedDataset (LMDB)      ds.__getitems__(batch): one read transaction per batch, decode, checksum
+                            (large values' checksum+copy on torch.get_num_threads() threads)
+  ..., 1 decode thread      the same with trainloom.data.codec.set_decode_threads(1)
   raw py-lmdb get           txn.get(key) per key (bytes copy, no decoding, value dropped at once)
   raw py-lmdb get, kept     the same, keeping the batch's 32 values alive (as a loader must)
   CachedDataset (Redis)     one MGET per batch, decode, checksum
@@ -35,7 +37,7 @@ from benchutil import bench_lock, machine_line, markdown_table, median, write_re
 from torch.utils.data import DataLoader, Dataset
 
 from trainloom.data.cache import CachedDataset
-from trainloom.data.codec import encode
+from trainloom.data.codec import encode, set_decode_threads
 
 BATCH = 32
 
@@ -111,6 +113,15 @@ def bench_kind(kind: str, n: int, repeat: int, tmp: Path, redis_hosts, rows: lis
             ds.__getitems__(b)
 
     readers["CachedDataset (LMDB)"] = cached
+
+    def cached_one_thread():  # batches decoded on the calling thread only (set_decode_threads(1))
+        old = set_decode_threads(1)
+        try:
+            cached()
+        finally:
+            set_decode_threads(old)
+
+    readers["CachedDataset (LMDB), 1 decode thread"] = cached_one_thread
 
     # Raw py-lmdb on the same encoded values, one read transaction per batch, bytes copied out.
     env = lmdb.open(str(tmp / f"raw-{kind}"), map_size=1 << 34, readahead=False, sync=False)
@@ -206,7 +217,11 @@ def bench_kind(kind: str, n: int, repeat: int, tmp: Path, redis_hosts, rows: lis
         rows.append([kind, name, v])
     lm = out["CachedDataset (LMDB)"] / out["raw py-lmdb get"]
     lk = out["CachedDataset (LMDB)"] / out["raw py-lmdb get, batch kept"]
-    notes.append(f"- {kind}: CachedDataset(LMDB) / raw py-lmdb get = {lm:.2f} (batch kept: {lk:.2f})")
+    l1 = out["CachedDataset (LMDB), 1 decode thread"] / out["raw py-lmdb get"]
+    notes.append(
+        f"- {kind}: CachedDataset(LMDB) / raw py-lmdb get = {lm:.2f} (batch kept: {lk:.2f}; "
+        f"1 decode thread: {l1:.2f})"
+    )
     if redis_hosts is not None:
         rr = out["CachedDataset (Redis)"] / out["Redis 1 RTT/sample + pickle"]
         notes.append(f"- {kind}: CachedDataset(Redis) / Redis 1 RTT per sample = {rr:.1f}x")

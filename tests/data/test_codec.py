@@ -33,7 +33,8 @@ def same(a, b):
 
 
 TENSOR_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
-                 torch.bfloat16, torch.float32, torch.float64, torch.complex64]  # fmt: skip
+                 torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128,
+                 torch.uint16, torch.uint32, torch.uint64]  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", TENSOR_DTYPES)
@@ -41,7 +42,9 @@ def test_tensor_dtypes_round_trip(dtype):
     t = (torch.arange(24) % 5).to(dtype).reshape(2, 3, 4)
     out = decode(encode(t))
     assert same(t, out)
-    out.add_(1) if dtype != torch.bool else out.logical_not_()  # writable
+    out.fill_(1)  # writable, and its own memory
+    assert bool(out.flatten()[0] == 1) and not torch.equal(t, out)
+    assert out.data_ptr() != t.data_ptr()
 
 
 @pytest.mark.parametrize(

@@ -28,7 +28,17 @@ from trainloom.errors import TrainloomError
 
 _codec = import_compiled("trainloom.data._codec")
 
-__all__ = ["encode", "decode", "checksum", "hash64", "is_encoded", "CodecError", "ChecksumError"]
+__all__ = [
+    "encode",
+    "decode",
+    "checksum",
+    "hash64",
+    "is_encoded",
+    "set_decode_threads",
+    "get_decode_threads",
+    "CodecError",
+    "ChecksumError",
+]
 
 BytesLike = Union[bytes, bytearray, memoryview]
 
@@ -110,3 +120,36 @@ def hash64(data: Union[str, BytesLike], seed: int = 0) -> int:
 def is_encoded(buf: BytesLike) -> bool:
     """Whether ``buf`` starts with the codec's magic (cheap; does not verify the checksum)."""
     return bool(_codec.is_encoded(buf))
+
+
+def set_decode_threads(n: int) -> int:
+    """Set how many threads decode one batch of cached samples (``CachedDataset.__getitems__``).
+
+    Decoding a batch of large samples (images) is bound by memory bandwidth, which one core does not
+    saturate: the checksum+copy passes of the batch's values of 64 KiB or more run on up to ``n``
+    threads once the batch holds at least 1 MiB of them. Smaller batches and small samples are decoded
+    on the calling thread only.
+
+    Args:
+        n: number of threads, the calling one included; ``0`` (the default) follows
+            ``torch.get_num_threads()``, which torch sets to 1 inside DataLoader workers, so workers
+            never oversubscribe the cores. ``1`` turns the threads off.
+
+    Returns:
+        The previous setting.
+
+    Raises:
+        ValueError: ``n`` is negative.
+
+    Example::
+
+        >>> old = set_decode_threads(1)   # decode on the calling thread only
+        >>> set_decode_threads(old)
+        1
+    """
+    return int(_codec.set_decode_threads(n))
+
+
+def get_decode_threads() -> int:
+    """The setting of :func:`set_decode_threads` (``0``: follow ``torch.get_num_threads()``)."""
+    return int(_codec.get_decode_threads())
