@@ -193,3 +193,53 @@ def test_min_padding_cut_stops_at_the_first_price_that_pads_little(monkeypatch):
     ).plan_stats()
     assert len(calls) == 1 and calls[0][1] <= S._PAD_DP_WASTE
     assert st["padding_waste"] <= S._PAD_DP_WASTE
+
+
+def test_empty_gives_pooled_arrays_that_are_reused():
+    import gc
+    import pickle
+
+    P.release_pool()
+    assert P.pool_bytes() == 0
+    a = P.empty(200_000, np.int64)
+    assert a.dtype == np.int64 and a.shape == (200_000,) and a.flags.writeable and a.flags.c_contiguous
+    assert a.ctypes.data % HUGE == 0  # a huge-page-aligned block
+    a[:] = np.arange(200_000)
+    b = pickle.loads(pickle.dumps(a))
+    assert np.array_equal(a, b)
+    a.setflags(write=False)
+    addr = a.ctypes.data
+    del a
+    gc.collect()
+    assert P.pool_bytes() >= 200_000 * 8
+    c = P.empty(150_000, np.float64)  # fits the pooled block: reused
+    assert c.ctypes.data == addr and P.pool_bytes() == 0
+    view = c[10:20]
+    del c
+    gc.collect()
+    assert P.pool_bytes() == 0  # a view keeps the block alive
+    view[:] = 1.0
+    del view
+    gc.collect()
+    assert P.pool_bytes() > 0
+    P.release_pool()
+    assert P.pool_bytes() == 0
+    small = P.empty(10, np.float32)
+    assert small.shape == (10,) and small.dtype == np.float32
+    assert P.empty(0, np.int64).shape == (0,)
+    with pytest.raises(ValueError, match="empty: n must be >= 0, got -1"):
+        P.empty(-1, np.int64)
+
+
+def test_samplers_on_pooled_arrays_keep_the_callers_array_apart():
+    lens = _lens(100_000, 11)
+    s = LoadBalancingDistributedSampler(None, complexities=lens, num_replicas=2, rank=0)
+    assert not np.shares_memory(s.complexities, lens)
+    assert np.array_equal(s.complexities, lens.astype(np.float64)) and not s.complexities.flags.writeable
+    with pytest.raises(ValueError, match="read-only"):
+        s.complexities[0] = 1.0
+    first = list(s)
+    P.release_pool()
+    P.release_scratch()
+    again = LoadBalancingDistributedSampler(None, complexities=lens, num_replicas=2, rank=0)
+    assert list(again) == first

@@ -112,7 +112,10 @@ def _as_complexities(values: Any, n_expected: Optional[int], who: str) -> np.nda
         )
     # Always our own copy: the plan caches orders computed from these values, and the sampler
     # marks them read-only; neither may leak into (or be changed through) the caller's array.
-    arr = np.array(arr, dtype=np.float64, order="C", copy=True)
+    # (_P.empty: a pooled block, not fresh pages; see _partition.)
+    own = _P.empty(arr.shape[0], np.float64)
+    np.copyto(own, arr, casting="unsafe")
+    arr = own
     _check_finite(arr, who)
     return arr
 
@@ -359,7 +362,8 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
             keys = c + self.random_level * span * noise
             order = _P.argsort(keys, _P.permutation(n, _seed64(self.seed, tag, "perm")), False)
         else:
-            order = self._desc_order()[::-1].copy()
+            order = _P.empty(n, np.int64)
+            order[:] = self._desc_order()[::-1]
             if self.shuffle:
                 _P.shuffle_runs(c, order, _seed64(self.seed, tag, "ties"))
         rng = _rng(self.seed, tag, "pad")
@@ -717,7 +721,8 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         c = s.complexities
         n = int(c.shape[0])
         cs = self._costs_desc()  # first: sorts with the keys (see _sorted_complexities)
-        order = s._desc_order().copy()
+        order = _P.empty(n, np.int64)
+        order[:] = s._desc_order()
         if s.shuffle:
             # Equal keys have equal costs, so the tie shuffle keeps order aligned with cs.
             _P.shuffle_runs(c, order, _seed64(s.seed, s.epoch, "ties"))
