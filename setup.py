@@ -92,11 +92,21 @@ DIRECTIVES = {
 }
 
 
+def _numpy_include() -> str:
+    try:
+        import numpy
+    except ImportError:
+        sys.exit("trainloom: building needs numpy's C headers (pip install numpy).")
+    return numpy.get_include()
+
+
 def _extensions() -> list[Extension]:
+    inc = _numpy_include()
     return [
         Extension(
             name,
             [src],
+            include_dirs=[inc],
             define_macros=MACROS,
             extra_compile_args=COMPILE_ARGS,
             extra_link_args=[*OMP_FLAGS, "-ldl"],

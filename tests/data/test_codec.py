@@ -150,6 +150,44 @@ def test_forged_header_with_valid_checksum_is_rejected():
         decode(body)
 
 
+def forge(meta: bytes, data: bytes = b"") -> bytes:
+    """A value with the given meta and data sections and a correct checksum."""
+    header = b"TLC\x01" + struct.pack("<IQ", len(meta), len(data))
+    padded = meta + b"\x00" * (-(32 + len(meta)) % 64)
+    h = checksum(data, checksum(padded, len(data)))
+    return header + struct.pack("<Q", h) + b"\x00" * 8 + padded + data
+
+
+@pytest.mark.parametrize("tag", [10, 11])  # ndarray, tensor
+def test_forged_shapes_with_valid_checksum_are_rejected(tag):
+    # Arrays are made over the decoder's block with numpy's C API, so the codec itself must refuse
+    # shapes that overflow or run past the data: a forged value must raise, never read out of bounds.
+    data = bytes(64)
+    ok = bytes([tag, 5, 2]) + struct.pack("<QQQ", 2, 4, 0)  # int64, 2 x 4, offset 0
+    assert decode(forge(ok, data)).shape == (2, 4)
+    past = bytes([tag, 5, 2]) + struct.pack("<QQQ", 2, 5, 0)  # 80 bytes of 64
+    with pytest.raises(CodecError, match="runs past the data section"):
+        decode(forge(past, data))
+    overflow = bytes([tag, 5, 2]) + struct.pack("<QQQ", 1 << 40, 1 << 40, 0)
+    with pytest.raises(CodecError, match="shape overflows"):
+        decode(forge(overflow, data))
+    wrap = bytes([tag, 5, 1]) + struct.pack("<QQ", (1 << 61) + 1, 0)  # 8 * numel wraps to 8
+    with pytest.raises(CodecError, match="runs past the data section"):
+        decode(forge(wrap, data))
+    many = bytes([tag, 5, 65]) + struct.pack("<65Q", *([1] * 65)) + struct.pack("<Q", 0)
+    with pytest.raises(CodecError, match="an array with 65 dimensions"):
+        decode(forge(many, data))
+
+
+def test_decoded_arrays_own_a_block_nobody_can_resize():
+    a, t = decode(encode((np.arange(5), torch.arange(3))))
+    assert type(a.base).__name__ == "_Block" and a.flags.writeable and a.flags.c_contiguous
+    with pytest.raises(AttributeError):
+        a.base.extend(b"x")  # a bytearray base could be resized under the array
+    del a
+    assert t.tolist() == [0, 1, 2]
+
+
 def test_unserializable_raises_codec_error():
     with pytest.raises(CodecError, match="cannot serialize a value of type function"):
         encode({"f": lambda x: x})
