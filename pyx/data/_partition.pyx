@@ -129,9 +129,10 @@ def release_scratch():
 # --------------------------------------------------------------------------------------------
 # Result arrays. The plan's own arrays (sorted order and keys, the layout of the batches) are
 # 0.8 MB each at 100k items: from malloc they are fresh pages again (200 faults, ~0.5 ms each
-# array). empty() hands out numpy arrays over 2 MiB-aligned huge-page-advised blocks, and a
-# block whose array dies goes to a small pool (POOL_KEEP bytes) that the next plan (the next
-# epoch's, or another sampler's) reuses. Blocks are handed out and returned with the GIL held
+# array). empty() hands out numpy arrays over blocks (huge-page-advised from 2 MiB, like the
+# scratch; smaller ones plain malloc, as a 2 MiB page for 0.8 MB would touch 2.5x the memory on
+# first use), and a block whose array dies goes to a small pool (POOL_KEEP bytes) that the next
+# plan (the next epoch's, or another sampler's) reuses. Blocks are handed out and returned with the GIL held
 # (allocation in empty(), return in the owner's __dealloc__), so the pool needs no lock.
 # --------------------------------------------------------------------------------------------
 DEF POOL_MIN = 262144  # smaller arrays: np.empty (malloc reuses them without faults)
@@ -174,7 +175,7 @@ cdef void* _pool_take(size_t nbytes, size_t* cap) noexcept:
         _pool_ptr[best] = _pool_ptr[_pool_n]
         _pool_cap[best] = _pool_cap[_pool_n]
         return p
-    return _alloc_big(nbytes if nbytes >= HUGE else HUGE, cap)
+    return _alloc_big(nbytes, cap)
 
 
 cdef class _Block:

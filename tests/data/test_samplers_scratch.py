@@ -201,9 +201,13 @@ def test_empty_gives_pooled_arrays_that_are_reused():
 
     P.release_pool()
     assert P.pool_bytes() == 0
+    big = P.empty(300_000, np.int64)
+    assert big.ctypes.data % HUGE == 0  # 2.4 MB: a huge-page-aligned block
+    del big
+    gc.collect()
+    P.release_pool()
     a = P.empty(200_000, np.int64)
     assert a.dtype == np.int64 and a.shape == (200_000,) and a.flags.writeable and a.flags.c_contiguous
-    assert a.ctypes.data % HUGE == 0  # a huge-page-aligned block
     a[:] = np.arange(200_000)
     b = pickle.loads(pickle.dumps(a))
     assert np.array_equal(a, b)
