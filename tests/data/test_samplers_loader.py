@@ -99,5 +99,8 @@ def test_benchmark_quick_run(tmp_path):
     assert out.returncode == 0, out.stderr
     report = (tmp_path / "out" / "sampler.md").read_text()
     assert "Plan time per rank" in report and "straggler" in report
+    # The first-plan (fresh interpreter) table has a figure for packed mode in --quick.
+    cold = [ln for ln in report.splitlines() if ln.startswith("| 2,000 | 2 | - | - |")]
+    assert len(cold) == 1 and float(cold[0].split("|")[-2]) > 0
     assert (tmp_path / "out" / "sampler_plan_time.png").stat().st_size > 0
     assert np.load(tmp_path / "lengths.npy").size > 100
