@@ -375,7 +375,7 @@ cdef inline int64_t _item(const int64_t* order_in, int64_t i) noexcept nogil:
 
 
 cdef inline size_t _sort_scratch_bytes(int64_t n) noexcept nogil:
-    """Scratch for either sort: the radix's 3n + 2048 words or the counting's 4n + 1025 counts."""
+    """Scratch for either sort: the radix's 3n + 2048 words, or the counting's n + 3n + 1024."""
     return <size_t>(4 * n + 2048) * sizeof(int64_t)
 
 
@@ -431,43 +431,49 @@ cdef int _counting_argsort(const double* keys, const int64_t* order_in, int64_t*
                            bint descending, double* out_keys, int64_t* hist) noexcept nogil:
     """0 when sorted, 1 when the keys are not small non-negative integers (nothing written).
 
-    hist is scratch of _sort_scratch_bytes(n); only the first max(key) + 1 counts are touched.
+    hist is scratch of _sort_scratch_bytes(n): the first n words hold each item's bucket (as
+    int32, read back by the two later passes instead of re-reading and re-converting the
+    doubles), the counts follow; only the first max(key) + 1 counts are touched.
     """
-    cdef double x, mx = 0.0
-    cdef int64_t i, b, nb, pos, c, end
+    cdef double x
+    cdef int64_t i, b, nb, pos, c, end, mx = 0
+    cdef int* bucket = <int*>hist
+    cdef int64_t* count = hist + n
     for i in range(n):
         x = keys[_item(order_in, i)]
-        if not (x >= 0.0 and x <= COUNTING_MAX and x == <double>(<int64_t>x)):
+        if not (x >= 0.0 and x <= COUNTING_MAX):
             return 1
-        if x > mx:
-            mx = x
-    nb = <int64_t>mx + 1
-    if nb > 4 * n + 1024:
+        b = <int64_t>x
+        if <double>b != x:
+            return 1
+        bucket[i] = <int>b
+        if b > mx:
+            mx = b
+    nb = mx + 1
+    if nb > 3 * n + 1024:
         return 1  # sparse keys: the radix sort touches less memory
-    memset(hist, 0, nb * sizeof(int64_t))
+    memset(count, 0, nb * sizeof(int64_t))
+    if descending:
+        for i in range(n):
+            bucket[i] = <int>(nb - 1 - bucket[i])
     for i in range(n):
-        b = <int64_t>keys[_item(order_in, i)]
-        if descending:
-            b = nb - 1 - b
-        hist[b] += 1
+        count[bucket[i]] += 1
     pos = 0
     for b in range(nb):
-        c = hist[b]
-        hist[b] = pos
+        c = count[b]
+        count[b] = pos
         pos += c
     for i in range(n):
-        b = <int64_t>keys[_item(order_in, i)]
-        if descending:
-            b = nb - 1 - b
-        out[hist[b]] = _item(order_in, i)
-        hist[b] += 1
+        b = bucket[i]
+        out[count[b]] = _item(order_in, i)
+        count[b] += 1
     if out_keys != NULL:
-        # hist[b] is now the end of bucket b: the sorted keys are runs of one value per bucket,
+        # count[b] is now the end of bucket b: the sorted keys are runs of one value per bucket,
         # written sequentially (a scatter of the keys next to the indices cost a second random
         # write per item).
         pos = 0
         for b in range(nb):
-            end = hist[b]
+            end = count[b]
             x = <double>(nb - 1 - b if descending else b)
             while pos < end:
                 out_keys[pos] = x
