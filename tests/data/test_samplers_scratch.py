@@ -247,3 +247,25 @@ def test_samplers_on_pooled_arrays_keep_the_callers_array_apart():
     P.release_scratch()
     again = LoadBalancingDistributedSampler(None, complexities=lens, num_replicas=2, rank=0)
     assert list(again) == first
+
+
+def test_planning_memory_is_reported_and_released():
+    lens = _lens(120_000, 13)
+    s = LoadBalancingDistributedSampler(None, complexities=lens, num_replicas=4, rank=1)
+    first = list(LoadBalancingDistributedBatchSampler(s, max_complexity=20_000, mode="packed"))
+    del s
+    import gc
+
+    gc.collect()
+    mem = S.planning_memory()
+    assert mem["scratch"] >= 4 * 120_000 * 8 and mem["pool"] > 0
+    S.release_planning_memory()
+    assert S.planning_memory() == {"scratch": 0, "pool": 0}
+    s = LoadBalancingDistributedSampler(None, complexities=lens, num_replicas=4, rank=1)
+    assert list(LoadBalancingDistributedBatchSampler(s, max_complexity=20_000, mode="packed")) == first
+    P._hold_scratch(True)
+    try:
+        with pytest.raises(RuntimeError, match="a plan in another thread is using the scratch buffer"):
+            S.release_planning_memory()
+    finally:
+        P._hold_scratch(False)
