@@ -213,8 +213,55 @@ static inline void tl_copy_nt(void *dst, const void *src, size_t n) {
     _mm_sfence();
     if (n > body) memcpy(d + body, s + body, n - body);
 }
+
+/* One pass over src feeding two destinations: `dst` with normal stores (a slot, read by the
+ * peers right after the step: keep it cached) and `dst_nt` with streaming stores (the user's
+ * recv). An allgather needs its own block in both places; reading it once saves a pass over
+ * memory when the op is memory-bound. */
+static inline void tl_copy2_nt(void *dst, void *dst_nt, const void *src, size_t n) {
+    char *d = (char *)dst, *e = (char *)dst_nt;
+    const char *s = (const char *)src;
+    size_t head = (size_t)(-(uintptr_t)e) & 15;
+    if (n < 256) {
+        memcpy(d, s, n);
+        memcpy(e, s, n);
+        return;
+    }
+    if (head) {
+        memcpy(d, s, head);
+        memcpy(e, s, head);
+        d += head;
+        e += head;
+        s += head;
+        n -= head;
+    }
+    size_t body = n & ~(size_t)63;
+    for (size_t i = 0; i < body; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(s + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(s + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32));
+        __m128i f = _mm_loadu_si128((const __m128i *)(s + i + 48));
+        _mm_storeu_si128((__m128i *)(d + i), a);
+        _mm_storeu_si128((__m128i *)(d + i + 16), b);
+        _mm_storeu_si128((__m128i *)(d + i + 32), c);
+        _mm_storeu_si128((__m128i *)(d + i + 48), f);
+        _mm_stream_si128((__m128i *)(e + i), a);
+        _mm_stream_si128((__m128i *)(e + i + 16), b);
+        _mm_stream_si128((__m128i *)(e + i + 32), c);
+        _mm_stream_si128((__m128i *)(e + i + 48), f);
+    }
+    _mm_sfence();
+    if (n > body) {
+        memcpy(d + body, s + body, n - body);
+        memcpy(e + body, s + body, n - body);
+    }
+}
 #else
 static inline void tl_copy_nt(void *dst, const void *src, size_t n) { memcpy(dst, src, n); }
+static inline void tl_copy2_nt(void *dst, void *dst_nt, const void *src, size_t n) {
+    memcpy(dst, src, n);
+    memcpy(dst_nt, src, n);
+}
 #endif
 
 /* ------------------------------------------------------------------------------------------ */
