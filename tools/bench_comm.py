@@ -60,21 +60,21 @@ def _worker(cfg: Dict[str, Any]) -> None:
         dist.init_process_group("gloo", store=dist.PrefixStore("gloo", store), rank=rank, world_size=world)
     zc_buf = None
     comms: Dict[str, Any] = {}
-    if "shm-slot" in cfg["backends"]:
+    if "shm-cma" in cfg["backends"]:
         from trainloom.comm.shm import ShmCommunicator
 
-        # the same engine with cross-memory attach off: everything goes through the slots
-        comms["shm-slot"] = ShmCommunicator(
+        # the same engine with cross-memory attach on (opt-in: off by default)
+        comms["shm-cma"] = ShmCommunicator(
             store,
             rank,
             world,
-            prefix="bench/shm-slot",
+            prefix="bench/shm-cma",
             timeout=300.0,
             slot_bytes=cfg["slot_bytes"],
-            cma=False,
+            cma=True,
         )
         if cfg["small_bytes"] is not None:
-            comms["shm-slot"].small_bytes = cfg["small_bytes"]
+            comms["shm-cma"].small_bytes = cfg["small_bytes"]
     if "shm" in cfg["backends"] or "shm-zc" in cfg["backends"]:
         from trainloom.comm.shm import ReduceOp, ShmCommunicator
 
@@ -104,7 +104,7 @@ def _worker(cfg: Dict[str, Any]) -> None:
     from trainloom.comm.shm import ReduceOp
 
     def barrier(backend: str) -> None:
-        if backend == "shm-slot":
+        if backend == "shm-cma":
             comms[backend].barrier()
         elif backend.startswith("shm"):
             comm.barrier()
@@ -134,22 +134,22 @@ def _worker(cfg: Dict[str, Any]) -> None:
             return (lambda: dist.all_reduce(t)), t, count * es
         if op == "broadcast":
             t = base + rank
-            if backend in ("shm", "shm-slot"):
+            if backend in ("shm", "shm-cma"):
                 return (lambda: comm.broadcast(t, 0)), t, count * es
             return (lambda: dist.broadcast(t, 0)), t, count * es
         if op == "allgather":
             s, r = base[:blk] + rank, torch.empty(count, dtype=dt)
-            if backend in ("shm", "shm-slot"):
+            if backend in ("shm", "shm-cma"):
                 return (lambda: comm.allgather(s, r)), r, count * es
             return (lambda: dist.all_gather_into_tensor(r, s)), r, count * es
         if op == "reduce_scatter":
             s, r = base + rank, torch.empty(blk, dtype=dt)
-            if backend in ("shm", "shm-slot"):
+            if backend in ("shm", "shm-cma"):
                 return (lambda: comm.reduce_scatter(s, r, ReduceOp.SUM)), r, count * es
             return (lambda: dist.reduce_scatter_tensor(r, s)), r, count * es
         if op == "alltoall":
             s, r = base + rank, torch.empty(count, dtype=dt)
-            if backend in ("shm", "shm-slot"):
+            if backend in ("shm", "shm-cma"):
                 return (lambda: comm.alltoall(s, r)), r, count * es
             return (lambda: dist.all_to_all_single(r, s)), r, count * es
         raise ValueError(op)
@@ -281,7 +281,7 @@ def main(argv: List[str] | None = None) -> int:
         "--backend",
         default="shm,gloo",
         help="comma list of shm, gloo, shm-zc (shm with tensors from shared_empty: zero-copy allreduce), "
-        "shm-slot (shm with cross-memory attach off: the copy-through-slots path)",
+        "shm-cma (shm with cross-memory attach on, cma=True; off by default)",
     )
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds per size (median reported)")
@@ -304,7 +304,7 @@ def main(argv: List[str] | None = None) -> int:
     backends = [b.strip() for b in args.backend.split(",") if b.strip()]
     if "shm-zc" in backends and ops != ["allreduce"]:
         ap.error("shm-zc (zero-copy) applies to allreduce only")
-    if bad or not backends or any(b not in ("shm", "gloo", "shm-zc", "shm-slot") for b in backends):
+    if bad or not backends or any(b not in ("shm", "gloo", "shm-zc", "shm-cma") for b in backends):
         ap.error(f"unknown op/backend: ops {ops}, backends {backends}")
     nprocs = [int(x) for x in args.nproc.split(",")]
     lo, hi = benchutil.parse_size(args.min), benchutil.parse_size(args.max)

@@ -809,7 +809,7 @@ def test_bench_quick_runs(tmp_path):
             "--op",
             "allreduce,allgather",
             "--backend",
-            "shm,shm-slot,gloo",
+            "shm,shm-cma,gloo",
             "--cma-bytes",
             "8K",
             "--out",
@@ -823,6 +823,6 @@ def test_bench_quick_runs(tmp_path):
     )
     assert r.returncode == 0, r.stdout + r.stderr
     md = (tmp_path / "comm.md").read_text()
-    assert "| shm time" in md and "| shm-slot time" in md and "gloo" in md and "busbw" in md
+    assert "| shm time" in md and "| shm-cma time" in md and "gloo" in md and "busbw" in md
     assert "WRONG" not in md and "| ok |" in md  # every engine gave the same bits
     assert list(tmp_path.glob("comm_*.png"))

@@ -49,18 +49,18 @@ def _drop_ptrace_cap():
 
 class _Lines(logging.Handler):
     def __init__(self):
-        super().__init__(logging.INFO)
+        super().__init__(logging.DEBUG)
         self.lines = []
 
     def emit(self, record):
-        self.lines.append(record.getMessage())
+        self.lines.append((record.levelname, record.getMessage()))
 
 
 def _capture_log():
     h = _Lines()
     lg = logging.getLogger("trainloom.comm")
     lg.addHandler(h)
-    lg.setLevel(logging.INFO)
+    lg.setLevel(logging.DEBUG)
     return h
 
 
@@ -122,7 +122,7 @@ def _w_paths(rank, world):
     res = {}
     # tiny slots and a 4 KiB threshold: small tensors exercise every path
     sizes = [0, 1, 1000, 3001]
-    for name, kw in (("cma", {}), ("slot", {"cma": False})):
+    for name, kw in (("cma", {"cma": True}), ("slot", {"cma": False})):
         comm = _comm(rank, world, prefix=f"test/cma/{name}", slot_bytes=4096, cma_bytes=4096, **kw)
         wrong, blobs = _ops(comm, rank, world, sizes, offset=1)
         # steps of a 40 KB allgather: 2 with cross-memory attach (first step + completion),
@@ -133,7 +133,7 @@ def _w_paths(rank, world):
         res[name] = (comm.cma, comm.cma_bytes, wrong, blobs, steps)
         comm.close()
     # memory-bound sizes (big_bytes lowered on every rank): slots with streaming stores
-    comm = _comm(rank, world, prefix="test/cma/big", slot_bytes=4096, cma_bytes=4096)
+    comm = _comm(rank, world, prefix="test/cma/big", slot_bytes=4096, cma_bytes=4096, cma=True)
     comm._engine.big_bytes = 64 << 10
     wrong, blobs = _ops(comm, rank, world, [3001, 20_000], offset=3)
     s0 = comm._engine.step
@@ -165,39 +165,54 @@ def test_cma_and_slot_paths_give_the_same_bits(world):
 
 def _w_probe(rank, world, how):
     h = _capture_log()
-    kw = {}
+    kw = {"cma": True}
     if how == "undumpable":
         _drop_ptrace_cap()
         if rank == 1:
             _undumpable()
     if how == "option" and rank == world - 1:
         kw["cma"] = False
-    if how == "env" and rank == 0:
-        os.environ[shm.CMA_ENV] = "0"
+    if how.startswith("env"):
+        # cma=None: the environment decides ("1" on; rank 0 says "0" in the "env" case)
+        kw = {}
+        os.environ[shm.CMA_ENV] = "0" if (how == "env" and rank == 0) else "1"
+    if how == "default":
+        kw = {}
+        os.environ.pop(shm.CMA_ENV, None)
     comm = _comm(rank, world, prefix=f"test/probe/{how}", slot_bytes=4096, cma_bytes=4096, **kw)
     wrong, _ = _ops(comm, rank, world, [3001])
     on = comm.cma
     comm.close()
-    return on, wrong, [ln for ln in h.lines if "cross-memory attach" in ln]
+    return on, wrong, [ln for ln in h.lines if "cross-memory attach" in ln[1]]
 
 
-@pytest.mark.parametrize("how", ["undumpable", "option", "env"])
+@pytest.mark.parametrize("how", ["undumpable", "option", "env", "env_on", "default"])
 def test_probe_failure_or_opt_out_turns_cma_off_on_every_rank(how):
     out = run_ranks(_w_probe, 3, how, timeout=60)
     for rank, (on, wrong, lines) in enumerate(out):
-        assert on is False and wrong == [], (rank, on, wrong)
+        assert wrong == [], (rank, wrong)
+        if how == "env_on":
+            assert on is True and lines == [], (rank, lines)
+            continue
+        assert on is False, (rank, how)
         assert len(lines) == 1, lines  # one log line per rank
+        ((level, line),) = lines
         if how == "undumpable":
-            assert "cannot read rank 1" in lines[0] and "Operation not permitted" in lines[0], lines
+            assert level == "WARNING" and "cannot read rank 1" in line, lines
+            assert "Operation not permitted" in line, lines
         elif how == "option":
-            assert "disabled on rank 2 (cma=False or TRAINLOOM_SHM_CMA=0)" in lines[0], lines
+            want = "not enabled on rank 2 (cma=False, or cma=None without TRAINLOOM_SHM_CMA=1)"
+            assert want in line, lines
+            assert level == ("DEBUG" if rank == 2 else "INFO"), lines
+        elif how == "env":
+            assert "not enabled on rank 0" in line and level == ("DEBUG" if rank == 0 else "INFO"), lines
         else:
-            assert "disabled on rank 0" in lines[0], lines
+            assert level == "DEBUG", lines  # off by default, quietly
 
 
 def _w_read_fails(rank, world):
     _drop_ptrace_cap()
-    comm = _comm(rank, world, prefix="test/cma/eperm", slot_bytes=4096, cma_bytes=4096)
+    comm = _comm(rank, world, prefix="test/cma/eperm", slot_bytes=4096, cma_bytes=4096, cma=True)
     on = comm.cma
     comm.barrier()
     if rank == 1:
@@ -216,13 +231,13 @@ def test_a_read_that_fails_during_an_op_raises_on_every_rank():
     assert on0 and on1
     assert "shm allgather #3 on rank 0/2" in msg0, msg0
     assert "reading rank 1's buffer" in msg0 and "Operation not permitted" in msg0, msg0
-    assert "cma=False (or set TRAINLOOM_SHM_CMA=0)" in msg0, msg0
+    assert "cma=False (or leave TRAINLOOM_SHM_CMA unset)" in msg0, msg0
     assert "aborted by rank 0 (reading a peer's memory with process_vm_readv failed there)" in msg1, msg1
     assert "aborted by rank 0" in after0 and "aborted by rank 0" in after1
 
 
 def _w_mismatch(rank, world):
-    comm = _comm(rank, world, prefix="test/cma/mismatch", slot_bytes=4096, cma_bytes=4096)
+    comm = _comm(rank, world, prefix="test/cma/mismatch", slot_bytes=4096, cma_bytes=4096, cma=True)
     # 5000 floats (20 KB: cross-memory attach) against 500 (2 KB: the slot path)
     n = 5000 if rank == 0 else 500
     m1 = _catch(lambda: comm.allgather(torch.ones(n), torch.empty(world * n)))
@@ -270,7 +285,7 @@ def test_world_size_one_has_cma_off():
     from multiproc import free_port
 
     store = dist.TCPStore("127.0.0.1", free_port(), 1, True, datetime.timedelta(seconds=10))
-    comm = ShmCommunicator(store, 0, 1, prefix="w1cma")
+    comm = ShmCommunicator(store, 0, 1, prefix="w1cma", cma=True)
     try:
         assert comm.cma is False
         t = torch.arange(5.0)

@@ -95,10 +95,10 @@ DEFAULT_SMALL_BYTES = 32 << 10
 #: total budget for the per-pair send/recv buffers of one communicator
 _PAIR_BUDGET = 8 << 20
 #: smallest per-peer message (bytes) that allgather/gather/alltoall/alltoall_v move by cross-memory
-#: attach (process_vm_readv straight from the peer's buffer) instead of through the slots: below
-#: it the syscall and page-table walk cost more than the two extra in-cache copies.
+#: attach (process_vm_readv straight from the peer's buffer) instead of through the slots, when it
+#: is enabled: below it the syscall and page pinning cost more than the two in-cache copies.
 DEFAULT_CMA_BYTES = 256 << 10
-#: environment variable read when ``cma=None``: "0" turns cross-memory attach off
+#: environment variable read when ``cma=None``: "1" turns cross-memory attach on, "0" off (default)
 CMA_ENV = "TRAINLOOM_SHM_CMA"
 #: fallback for the size of the last-level cache shared by the ranks (bytes)
 _DEFAULT_LLC_BYTES = 32 << 20
@@ -202,10 +202,13 @@ class ShmCommunicator:
         slot_bytes: bytes per slot (two per rank); a multiple of 4096. Default 1 MiB.
         heap_bytes: bytes per rank reserved for :meth:`shared_empty` (multiple of 4096; default 0).
         cma: move large allgather/gather/alltoall/alltoall_v messages by cross-memory attach (a peer
-            reads them straight from this process with process_vm_readv: one copy instead of three).
-            None (default): on unless the environment variable ``TRAINLOOM_SHM_CMA`` is "0". At
-            construction every rank test-reads every peer; if any rank cannot (or passed False),
-            ALL ranks use the slot path and one log line says why.
+            reads them straight from this process with process_vm_readv: one copy instead of two).
+            None (default): the environment variable ``TRAINLOOM_SHM_CMA`` ("1" on, else off).
+            Off by default: on the 2-core VMs it was measured on it was 1.3-2x faster than the
+            slots in some runs and 1.3-1.8x slower in others (page pinning under memory
+            contention), see docs/shm.md. When on, every rank test-reads every peer at
+            construction; if any rank cannot (or did not enable it), ALL ranks use the slot path
+            and one log line says why.
         cma_bytes: smallest per-peer message (bytes) that goes by cross-memory attach (default
             256 KiB); rank 0's value is used by every rank.
 
@@ -262,7 +265,7 @@ class ShmCommunicator:
         if not isinstance(cma_thr, int) or isinstance(cma_thr, bool) or cma_thr < 1:
             raise ValueError(f"ShmCommunicator: cma_bytes must be an int >= 1, got {cma_bytes!r}")
         if cma is None:
-            cma = os.environ.get(CMA_ENV, "1").strip() != "0"
+            cma = os.environ.get(CMA_ENV, "0").strip() == "1"
         if slot < 64 * world_size:
             # alltoall, reduce_scatter and scatter give every rank a piece of each slot per step
             raise ValueError(
@@ -404,7 +407,7 @@ class ShmCommunicator:
         if W == 1:
             eng.set_cma(False, threshold)
             return
-        reason = "" if want else f"disabled on rank {r} (cma=False or {CMA_ENV}=0)"
+        reason = "" if want else f"not enabled on rank {r} (cma=False, or cma=None without {CMA_ENV}=1)"
         if not reason:
             scope = _yama_ptrace_scope()
             if scope is not None and scope >= 2:
@@ -449,7 +452,13 @@ class ShmCommunicator:
             self._raise(rc, "barrier (set-up)", 0, self.timeout)
         if problems:
             eng.set_cma(False, threshold)
-            (log.info if not want else log.warning)(
+            # a rank that asked for it hears why it is off (a warning if a probe failed); a rank
+            # that did not ask (the default) logs at debug level only
+            level = logging.DEBUG
+            if want:
+                level = logging.INFO if all("not enabled on rank" in p for p in problems) else logging.WARNING
+            log.log(
+                level,
                 "shm communicator %s rank %d: cross-memory attach off (%s); large messages are copied "
                 "through the shared segment",
                 pre,
@@ -626,8 +635,8 @@ class ShmCommunicator:
             p = info["peer"]
             raise CommError(
                 f"{where}: reading rank {p}'s buffer (pid {eng.peer_pid(p)}) with process_vm_readv "
-                f"failed: {os.strerror(info['errno'])}; the communicator is aborted. Pass cma=False (or set "
-                f"{CMA_ENV}=0) to copy through the shared segment instead."
+                f"failed: {os.strerror(info['errno'])}; the communicator is aborted. Pass cma=False "
+                f"(or leave {CMA_ENV} unset) to copy through the shared segment instead."
             )
         if rc == _shm.ERR_CLOSED:
             p = info["peer"]
