@@ -18,6 +18,7 @@ Python only validates, chooses the policy and slices the result.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import logging
 import math
@@ -881,7 +882,10 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         budget = float(self.max_complexity)  # type: ignore[arg-type]
         cs = self._costs_desc()
         n = int(cs.shape[0])
-        eff = float(np.minimum(cs, budget).sum())
+        # sum(min(cs, budget)) without an n-sized temporary: cs is sorted descending, so the items
+        # over the budget are a prefix (found by bisection).
+        over = bisect.bisect_left(cs, -budget, key=lambda x: -x)
+        eff = self._cost_sum() - float(cs[:over].sum()) + over * budget
         # Plan each step a little under W * budget: about half an average item of slack per rank,
         # so the longest-first deal rarely leaves an item that fits no rank.
         per_bin = budget / (eff / n) if eff > 0 else float(n)
