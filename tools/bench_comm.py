@@ -72,6 +72,7 @@ def _worker(cfg: Dict[str, Any]) -> None:
             timeout=300.0,
             slot_bytes=cfg["slot_bytes"],
             cma=True,
+            cma_bytes=cfg["cma_bytes"],
         )
         if cfg["small_bytes"] is not None:
             comms["shm-cma"].small_bytes = cfg["small_bytes"]
@@ -290,7 +291,9 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument("--slot-bytes", default=None, help="shm slot size (default: the engine's, 1M)")
     ap.add_argument("--small-bytes", default=None, help="shm one-shot allreduce limit (default 32K)")
     ap.add_argument(
-        "--cma-bytes", default=None, help="shm cross-memory attach threshold per peer message (default 256K)"
+        "--cma-bytes",
+        default=None,
+        help="cross-memory attach threshold per peer message for shm-cma (default 256K)",
     )
     ap.add_argument("--quick", action="store_true", help="tiny sizes, few rounds (smoke test)")
     ap.add_argument("--out", default=None, help="directory for comm.md and PNG plots")
