@@ -502,7 +502,21 @@ cdef int _allreduce(State* st, const tl_desc_t* d, const char* send, char* recv,
             off = j * chunk_elems
             c = n - off if n - off < chunk_elems else chunk_elems
             if zc_off < 0:
-                memcpy(_slot(st, me, use + j), send + off * esz, c * esz)
+                # Copy in only the parts the peers reduce: my own part is read from `send` by my own
+                # reduce below (the slot's part `me` receives its result). For 2 ranks this halves
+                # the copy-in; 16 MiB, 2 ranks, 6 interleaved pairs of runs: median 6.3 GB/s vs 5.6.
+                pl = _round_up((c + W - 1) // W, align)
+                for p in range(W):
+                    if p == me:
+                        continue
+                    lo = <size_t>p * pl
+                    if lo > c:
+                        lo = c
+                    hi = lo + pl
+                    if hi > c:
+                        hi = c
+                    if hi > lo:
+                        memcpy(_slot(st, me, use + j) + lo * esz, send + (off + lo) * esz, (hi - lo) * esz)
             st.nbuf += 1
         if j == 0:
             rc = _first_step(st, &dz, deadline)
@@ -548,6 +562,8 @@ cdef int _allreduce(State* st, const tl_desc_t* d, const char* send, char* recv,
                 mys = _csrc(st, me, zp, use + j, off * esz)
                 for p in range(W):
                     sp[p] = _csrc(st, p, zp, use + j, off * esz) + lo * esz
+                if zc_off < 0:
+                    sp[me] = send + (off + lo) * esz   # my part was not copied in (see above)
                 fn(mys + lo * esz, sp, W, hi - lo, div)
     if rc == 0 and any_zc:
         # peers may still be gathering from a heap tensor: nobody returns (and lets the user
