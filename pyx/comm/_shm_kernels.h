@@ -184,53 +184,23 @@ static inline int tl_cma_read(int pid, void *dst, const void *remote, size_t n) 
  * elsewhere this is memcpy. */
 #if defined(__x86_64__) || defined(__SSE2__)
 #include <emmintrin.h>
-static inline void tl_copy_nt(void *dst, const void *src, size_t n) {
-    char *d = (char *)dst;
-    const char *s = (const char *)src;
-    size_t head = (size_t)(-(uintptr_t)d) & 15;
-    if (n < 256) {
-        memcpy(d, s, n);
-        return;
-    }
-    if (head) {
-        memcpy(d, s, head);
-        d += head;
-        s += head;
-        n -= head;
-    }
-    size_t body = n & ~(size_t)63;
-    for (size_t i = 0; i < body; i += 64) {
-        __m128i a = _mm_loadu_si128((const __m128i *)(s + i));
-        __m128i b = _mm_loadu_si128((const __m128i *)(s + i + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32));
-        __m128i e = _mm_loadu_si128((const __m128i *)(s + i + 48));
-        _mm_stream_si128((__m128i *)(d + i), a);
-        _mm_stream_si128((__m128i *)(d + i + 16), b);
-        _mm_stream_si128((__m128i *)(d + i + 32), c);
-        _mm_stream_si128((__m128i *)(d + i + 48), e);
-    }
-    /* streaming stores are weakly ordered: fence before the step that publishes the data */
-    _mm_sfence();
-    if (n > body) memcpy(d + body, s + body, n - body);
-}
-
 /* One pass over src feeding two destinations: `dst` with normal stores (a slot, read by the
- * peers right after the step: keep it cached) and `dst_nt` with streaming stores (the user's
- * recv). An allgather needs its own block in both places; reading it once saves a pass over
- * memory when the op is memory-bound. */
+ * peers right after the step: keep it cached; NULL for none) and `dst_nt` with streaming stores
+ * (the user's recv). An allgather needs its own block in both places; reading it once saves a
+ * pass over memory when the op is memory-bound. */
 static inline void tl_copy2_nt(void *dst, void *dst_nt, const void *src, size_t n) {
     char *d = (char *)dst, *e = (char *)dst_nt;
     const char *s = (const char *)src;
     size_t head = (size_t)(-(uintptr_t)e) & 15;
     if (n < 256) {
-        memcpy(d, s, n);
+        if (d) memcpy(d, s, n);
         memcpy(e, s, n);
         return;
     }
     if (head) {
-        memcpy(d, s, head);
+        if (d) memcpy(d, s, head);
         memcpy(e, s, head);
-        d += head;
+        if (d) d += head;
         e += head;
         s += head;
         n -= head;
@@ -241,21 +211,27 @@ static inline void tl_copy2_nt(void *dst, void *dst_nt, const void *src, size_t 
         __m128i b = _mm_loadu_si128((const __m128i *)(s + i + 16));
         __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32));
         __m128i f = _mm_loadu_si128((const __m128i *)(s + i + 48));
-        _mm_storeu_si128((__m128i *)(d + i), a);
-        _mm_storeu_si128((__m128i *)(d + i + 16), b);
-        _mm_storeu_si128((__m128i *)(d + i + 32), c);
-        _mm_storeu_si128((__m128i *)(d + i + 48), f);
+        if (d) {
+            _mm_storeu_si128((__m128i *)(d + i), a);
+            _mm_storeu_si128((__m128i *)(d + i + 16), b);
+            _mm_storeu_si128((__m128i *)(d + i + 32), c);
+            _mm_storeu_si128((__m128i *)(d + i + 48), f);
+        }
         _mm_stream_si128((__m128i *)(e + i), a);
         _mm_stream_si128((__m128i *)(e + i + 16), b);
         _mm_stream_si128((__m128i *)(e + i + 32), c);
         _mm_stream_si128((__m128i *)(e + i + 48), f);
     }
+    /* streaming stores are weakly ordered: fence before the step that publishes the data */
     _mm_sfence();
     if (n > body) {
-        memcpy(d + body, s + body, n - body);
+        if (d) memcpy(d + body, s + body, n - body);
         memcpy(e + body, s + body, n - body);
     }
 }
+
+/* A copy into recv with streaming stores only (inlined with dst NULL: no second destination). */
+static inline void tl_copy_nt(void *dst, const void *src, size_t n) { tl_copy2_nt(NULL, dst, src, n); }
 #else
 static inline void tl_copy_nt(void *dst, const void *src, size_t n) { memcpy(dst, src, n); }
 static inline void tl_copy2_nt(void *dst, void *dst_nt, const void *src, size_t n) {
