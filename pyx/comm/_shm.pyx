@@ -469,6 +469,9 @@ cdef int _allreduce(State* st, const tl_desc_t* d, const char* send, char* recv,
     cdef int64_t* zp = zcs
     cdef int any_zc = 0, par
     cdef tl_desc_t dz
+    # non-zero-copy allreduce (or reduce on its destination): my part is reduced into recv directly
+    cdef int direct = zc_off < 0 and (dst < 0 or dst == me)
+    cdef size_t k, m, sub = 16384 // esz if esz <= 16384 else 1
     if W > 256:
         sp = <const void**>calloc(W, sizeof(void*))
     if nbytes <= small_bytes:
@@ -536,8 +539,8 @@ cdef int _allreduce(State* st, const tl_desc_t* d, const char* send, char* recv,
             c = n - off if n - off < chunk_elems else chunk_elems
             pl = _round_up((c + W - 1) // W, align)
             for p in range(W):
-                if p == me and zc_off >= 0:
-                    continue  # my reduced part is already in place
+                if p == me and (zc_off >= 0 or direct):
+                    continue  # my reduced part is already in recv (in place, or written by my reduce)
                 lo = <size_t>p * pl
                 if lo > c:
                     lo = c
@@ -564,7 +567,20 @@ cdef int _allreduce(State* st, const tl_desc_t* d, const char* send, char* recv,
                     sp[p] = _csrc(st, p, zp, use + j, off * esz) + lo * esz
                 if zc_off < 0:
                     sp[me] = send + (off + lo) * esz   # my part was not copied in (see above)
-                fn(mys + lo * esz, sp, W, hi - lo, div)
+                if direct:
+                    # Reduce straight into recv, one L1-sized block at a time, and copy each block
+                    # into my slot while it is still in L1 (the peers gather it from there): the
+                    # gather then skips my part, which saves re-reading it from the slot.
+                    k = lo
+                    while k < hi:
+                        m = hi - k if hi - k < sub else sub
+                        fn(recv + (off + k) * esz, sp, W, m, div)
+                        memcpy(mys + k * esz, recv + (off + k) * esz, m * esz)
+                        for p in range(W):
+                            sp[p] = <const char*>sp[p] + m * esz
+                        k += m
+                else:
+                    fn(mys + lo * esz, sp, W, hi - lo, div)
     if rc == 0 and any_zc:
         # peers may still be gathering from a heap tensor: nobody returns (and lets the user
         # overwrite it) before everyone is done

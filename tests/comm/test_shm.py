@@ -338,6 +338,47 @@ def test_results_are_bitwise_identical_on_every_rank():
 # ------------------------------------------------------------------------------------------------
 # larger than a slot, zero-copy heap, pinning
 # ------------------------------------------------------------------------------------------------
+def _w_blocked_reduce(rank, world):
+    # Two-shot allreduce reduces a rank's part straight into recv in 16 KiB blocks (then copies each
+    # block into the slot for the peers). 64 KiB slots at 3 ranks: parts of ~21 KiB, i.e. a full
+    # block and a partial one, and a short last chunk; every element size from 1 to 16 bytes.
+    comm = _comm(rank, world, slot_bytes=65536)
+    fails = []
+    for dt, op in [
+        (torch.uint8, ReduceOp.MAX),
+        (torch.bfloat16, ReduceOp.SUM),
+        (torch.float32, ReduceOp.AVG),
+        (torch.float64, ReduceOp.PRODUCT),
+        (torch.int64, ReduceOp.BXOR),
+        (torch.complex128, ReduceOp.SUM),
+    ]:
+        n = (3 * 65536 + 5000) // torch.empty((), dtype=dt).element_size() + 7
+        xs = [make_input(r, n, dt, op, salt=3) for r in range(world)]
+        want = reference(xs, op, dt)
+        t = xs[rank].clone()
+        comm.allreduce(t, t, op)  # in place
+        out = torch.empty_like(t)
+        comm.allreduce(xs[rank], out, op)  # out of place; send must be left untouched
+        red = torch.zeros_like(t)
+        comm.reduce(xs[rank], red, 1, op)
+        for name, got in (("in place", t), ("out of place", out)):
+            if not torch.equal(got, want):
+                fails.append(f"rank {rank}: {dt} op={op} {name}: {(got != want).nonzero()[:3].tolist()}")
+        if not torch.equal(xs[rank], make_input(rank, n, dt, op, salt=3)):
+            fails.append(f"rank {rank}: {dt} out-of-place allreduce wrote into send")
+        if rank == 1 and not torch.equal(red, want):
+            fails.append(f"rank 1: {dt} op={op} reduce to rank 1 differs")
+        if rank != 1 and red.count_nonzero() != 0:
+            fails.append(f"rank {rank}: reduce wrote recv on a non-destination rank")
+    comm.close()
+    return fails
+
+
+def test_two_shot_blocks_every_element_size():
+    out = run_ranks(_w_blocked_reduce, 3, timeout=60)
+    assert out == [[], [], []]
+
+
 def _w_large(rank, world):
     # cma=False: the step counts below are those of the slot path's zero-copy mode (the
     # cross-memory attach path and its use of heap tensors are tested in test_shm_cma.py)
