@@ -17,9 +17,10 @@
 # pickled with protocol 5, but every tensor/array inside them is pulled out through persistent_id and
 # stored raw in the data section like any other array.
 #
-# Decoding copies the data section once (fused with the checksum pass) into a fresh bytearray and
-# returns tensors/arrays that are views of it. That single copy is what LMDB needs (its buffers are only
-# valid inside the read transaction); the source is never copied twice.
+# Decoding copies the data section once (fused with the checksum pass) into a block the decoder owns
+# (_Block: pooled from 64 KiB) and returns tensors/arrays that are views of it. That single copy is what
+# LMDB needs (its buffers are only valid inside the read transaction); the source is never copied twice.
+# Batches spread the checksum+copy passes of their large values over threads (_decode_batch).
 import io
 import pickle
 
