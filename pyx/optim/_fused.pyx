@@ -858,6 +858,25 @@ def adam_apply(int dtype, intptr_t p, intptr_t m, intptr_t sq,
                         tl_apply_f64_scalar(<double*>p + s, <const double*>m + s, <const double*>sq + s, i_len[k], &a)
 
 
+cdef inline void _sgd_item(int dtype, bint avx, intptr_t p, intptr_t g, intptr_t buf, int64_t s,
+                           int64_t body, int64_t n, const tl_sgd_args* a) noexcept nogil:
+    # One work item of sgd_step: pick the kernel for (dtype, CPU) and offset the flat buffers
+    # (no momentum buffer without momentum).
+    if dtype == DEF_F32:
+        if avx:
+            tl_sgd_f32_avx2(<float*>p + s, <const float*>g + s,
+                            (<float*>buf + s) if a.has_momentum else NULL, body, n, a)
+        else:
+            tl_sgd_f32_scalar(<float*>p + s, <const float*>g + s,
+                              (<float*>buf + s) if a.has_momentum else NULL, body, n, a)
+    elif avx:
+        tl_sgd_f64_avx2(<double*>p + s, <const double*>g + s,
+                        (<double*>buf + s) if a.has_momentum else NULL, body, n, a)
+    else:
+        tl_sgd_f64_scalar(<double*>p + s, <const double*>g + s,
+                          (<double*>buf + s) if a.has_momentum else NULL, body, n, a)
+
+
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def sgd_step(int dtype, intptr_t p, intptr_t g, intptr_t buf,
@@ -872,7 +891,6 @@ def sgd_step(int dtype, intptr_t p, intptr_t g, intptr_t buf,
     """
     cdef tl_sgd_args a
     cdef Py_ssize_t k, nitems = i_start.shape[0]
-    cdef int64_t s
     cdef bint avx = _use_avx2
     if i_len.shape[0] != nitems or i_body.shape[0] != nitems:
         raise ValueError("sgd_step: plan arrays differ in length")
@@ -893,48 +911,14 @@ def sgd_step(int dtype, intptr_t p, intptr_t g, intptr_t buf,
         nthreads = 1
     # GIL released: see adam_step.
     with nogil:
-        if dtype == DEF_F32:
-            if nthreads == 1:
-                # no OpenMP region at all: inside even a one-thread region, MKL's square root
-                # (adam_loop_step) would open a nested team per call, costing milliseconds
-                for k in range(nitems):
-                    s = i_start[k]
-                    if avx:
-                        tl_sgd_f32_avx2(<float*>p + s, <const float*>g + s,
-                                        (<float*>buf + s) if a.has_momentum else NULL, i_body[k], i_len[k], &a)
-                    else:
-                        tl_sgd_f32_scalar(<float*>p + s, <const float*>g + s,
-                                          (<float*>buf + s) if a.has_momentum else NULL, i_body[k], i_len[k], &a)
-            else:
-                for k in prange(nitems, schedule="dynamic", num_threads=nthreads):
-                    s = i_start[k]
-                    if avx:
-                        tl_sgd_f32_avx2(<float*>p + s, <const float*>g + s,
-                                        (<float*>buf + s) if a.has_momentum else NULL, i_body[k], i_len[k], &a)
-                    else:
-                        tl_sgd_f32_scalar(<float*>p + s, <const float*>g + s,
-                                          (<float*>buf + s) if a.has_momentum else NULL, i_body[k], i_len[k], &a)
+        if nthreads == 1:
+            # no OpenMP region at all: inside even a one-thread region, MKL's square root
+            # (adam_loop_step) would open a nested team per call, costing milliseconds
+            for k in range(nitems):
+                _sgd_item(dtype, avx, p, g, buf, i_start[k], i_body[k], i_len[k], &a)
         else:
-            if nthreads == 1:
-                # no OpenMP region at all: inside even a one-thread region, MKL's square root
-                # (adam_loop_step) would open a nested team per call, costing milliseconds
-                for k in range(nitems):
-                    s = i_start[k]
-                    if avx:
-                        tl_sgd_f64_avx2(<double*>p + s, <const double*>g + s,
-                                        (<double*>buf + s) if a.has_momentum else NULL, i_body[k], i_len[k], &a)
-                    else:
-                        tl_sgd_f64_scalar(<double*>p + s, <const double*>g + s,
-                                          (<double*>buf + s) if a.has_momentum else NULL, i_body[k], i_len[k], &a)
-            else:
-                for k in prange(nitems, schedule="dynamic", num_threads=nthreads):
-                    s = i_start[k]
-                    if avx:
-                        tl_sgd_f64_avx2(<double*>p + s, <const double*>g + s,
-                                        (<double*>buf + s) if a.has_momentum else NULL, i_body[k], i_len[k], &a)
-                    else:
-                        tl_sgd_f64_scalar(<double*>p + s, <const double*>g + s,
-                                          (<double*>buf + s) if a.has_momentum else NULL, i_body[k], i_len[k], &a)
+            for k in prange(nitems, schedule="dynamic", num_threads=nthreads):
+                _sgd_item(dtype, avx, p, g, buf, i_start[k], i_body[k], i_len[k], &a)
 
 
 @cython.boundscheck(False)
