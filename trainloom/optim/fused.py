@@ -696,6 +696,14 @@ def _cfg_key(group: Dict[str, Any]) -> Tuple[Any, ...]:
     return tuple(out)
 
 
+def _scan(b: _Bucket, state: Any, light: bool = False) -> None:
+    """Refresh ``b.status`` (and the pointer array) for the bucket's parameters, grads and state
+    (compiled; ``light`` skips the state checks, for the fast path)."""
+    _K.scan(
+        b.params, b.grad_views, b.ptr_arr, state, b.keys, b.key_views, b.step_objs, b.n_extra, b.status, light
+    )
+
+
 def _step_fast(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> bool:
     """Repeat the previous step's kernel runs when nothing about the layout changed."""
     state = optimizer.state
@@ -703,18 +711,7 @@ def _step_fast(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> bool:
     for b in info.buckets:
         # light: state is only re-checked on the slow path; step() and load_state_dict()
         # invalidate info.fast (step post-hook, state identity in _sync).
-        _K.scan(
-            b.params,
-            b.grad_views,
-            b.ptr_arr,
-            state,
-            b.keys,
-            b.key_views,
-            b.step_objs,
-            b.n_extra,
-            b.status,
-            True,
-        )
+        _scan(b, state, light=True)
         if b.status.tobytes() != b.fast_status or _cfg_key(groups[b.group_index]) != b.cfg:
             info.fast = None
             return False
@@ -773,17 +770,7 @@ def _step_flat(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> None:
         for b in info.buckets:
             kern = _kernel_for(optimizer, groups[b.group_index], b)
             _scan_args(b, kern)
-            _K.scan(
-                b.params,
-                b.grad_views,
-                b.ptr_arr,
-                state,
-                b.keys,
-                b.key_views,
-                b.step_objs,
-                b.n_extra,
-                b.status,
-            )
+            _scan(b, state)
             if (b.status == 4).any():
                 moved = _moved(info) or "a parameter no longer lives in the flat buffer"
                 break
@@ -806,9 +793,7 @@ def _step_flat(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> None:
                     if g.shape == view.shape and g.dtype == view.dtype and g.device == view.device:
                         view.copy_(g)
                         p.grad = view
-            _K.scan(
-                b.params, b.grad_views, b.ptr_arr, state, b.keys, b.key_views, b.step_objs, b.n_extra, status
-            )
+            _scan(b, state)
         stateless = isinstance(optimizer, torch.optim.SGD) and group["momentum"] == 0
         # torch's fused=True CPU kernels round the last (numel % vector width) elements of each
         # tensor differently from the rest, so their math on a flat view is not bitwise equal to
@@ -865,17 +850,7 @@ def _step_flat(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> None:
     if not loose and not generic:
         # Steady state: remember this layout; the next fuse_step only re-checks it (_step_fast).
         for b in info.buckets:
-            _K.scan(
-                b.params,
-                b.grad_views,
-                b.ptr_arr,
-                state,
-                b.keys,
-                b.key_views,
-                b.step_objs,
-                b.n_extra,
-                b.status,
-            )
+            _scan(b, state)
             b.fast_status = b.status.tobytes()
             b.cfg = _cfg_key(groups[b.group_index])
         info.fast = kernel_runs
