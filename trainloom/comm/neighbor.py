@@ -359,17 +359,21 @@ def neighbor_allgather(
 
 
 # ---------------------------------------------------------------------------- functional forms
-def allreduce_async(
-    tensor: torch.Tensor, average: bool = True, name: Optional[str] = None, comm: CommArg = None
-) -> Work:
-    """Asynchronous :func:`allreduce`; the handle's result is a new tensor."""
-    opname = f"allreduce({name})" if name else "allreduce"
+def _allreduce_work(tensor: torch.Tensor, average: bool, opname: str, comm: CommArg, copy: bool) -> Work:
+    """Start an average (or sum) of ``tensor`` over all ranks, into a new tensor when ``copy``."""
     t = _tensor(tensor, "tensor", opname)
     if average:
         _averageable(t, opname, "pass average=False for a sum")
     c = resolve_comm(comm, opname)
-    out = t.detach().clone(memory_format=torch.contiguous_format)
+    out = t.detach().clone(memory_format=torch.contiguous_format) if copy else t
     return _core.allreduce_inplace(out, ReduceOp.AVG if average else ReduceOp.SUM, comm=c, async_op=True)  # type: ignore[return-value]
+
+
+def allreduce_async(
+    tensor: torch.Tensor, average: bool = True, name: Optional[str] = None, comm: CommArg = None
+) -> Work:
+    """Asynchronous :func:`allreduce`; the handle's result is a new tensor."""
+    return _allreduce_work(tensor, average, f"allreduce({name})" if name else "allreduce", comm, copy=True)
 
 
 def allreduce(
@@ -394,12 +398,7 @@ def allreduce_async_(
     tensor: torch.Tensor, average: bool = True, name: Optional[str] = None, comm: CommArg = None
 ) -> Work:
     """Asynchronous :func:`allreduce_` (in place); the handle's result is ``tensor``."""
-    opname = f"allreduce_({name})" if name else "allreduce_"
-    t = _tensor(tensor, "tensor", opname)
-    if average:
-        _averageable(t, opname, "pass average=False for a sum")
-    c = resolve_comm(comm, opname)
-    return _core.allreduce_inplace(t, ReduceOp.AVG if average else ReduceOp.SUM, comm=c, async_op=True)  # type: ignore[return-value]
+    return _allreduce_work(tensor, average, f"allreduce_({name})" if name else "allreduce_", comm, copy=False)
 
 
 def allreduce_(
