@@ -1127,11 +1127,18 @@ cdef object _decode(object buf, bint copy):
 cdef object _decode_view(object buf, const uint8_t* p, uint64_t total, bint copy):
     """_decode's work on the `total` bytes at p, which `buf` exports (the caller holds the view)."""
     cdef uint32_t meta_len
-    cdef uint64_t data_len, stored, h, data_start
+    cdef uint64_t data_len, stored, data_start
+    _parse_header(p, total, &meta_len, &data_len, &stored, &data_start)
+    return _decode_parsed(buf, p, meta_len, data_len, stored, data_start, copy)
+
+
+cdef object _decode_parsed(object buf, const uint8_t* p, uint32_t meta_len, uint64_t data_len,
+                           uint64_t stored, uint64_t data_start, bint copy):
+    """_decode_view after _parse_header (a batch parses every header first)."""
+    cdef uint64_t h
     cdef uint8_t* dst = NULL
     cdef Cursor c
     cdef _Decoder dec = _Decoder()
-    _parse_header(p, total, &meta_len, &data_len, &stored, &data_start)
     if copy and data_len:
         blk = _Block.make(<size_t>data_len) if data_len >= NOGIL_MIN else _Block.make_exact(<size_t>data_len)
         dst = <uint8_t*>(<_Block>blk).ptr
@@ -1361,7 +1368,7 @@ cdef tuple _decode_batch(object get, list items):
             _parse_header(p, total, &meta_len, &data_len, &stored, &data_start)
             if data_len < NOGIL_MIN:
                 # Small values: decoding takes less than handing them to another thread.
-                out[i] = _decode_view(v, p, total, True)
+                out[i] = _decode_parsed(v, p, meta_len, data_len, stored, data_start, True)
                 PyBuffer_Release(&views[i])
                 held[i] = 0
                 continue
