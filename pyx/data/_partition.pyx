@@ -324,6 +324,101 @@ def permutation(int64_t n, uint64_t seed):
     return out
 
 
+def randint(int64_t n, int64_t bound, uint64_t seed):
+    """n integers drawn uniformly from [0, bound), from ``seed`` (identical on every rank).
+
+    Args:
+        n: how many, >= 0.
+        bound: exclusive upper bound, >= 1.
+        seed: 64-bit seed.
+
+    Returns:
+        numpy.ndarray: int64 array of length n.
+    """
+    if n < 0 or bound < 1:
+        raise ValueError(f"randint: need n >= 0 and bound >= 1, got n={n}, bound={bound}")
+    out = np.empty(n, dtype=np.int64)
+    cdef int64_t[::1] o = out
+    cdef int64_t i
+    cdef Rng r
+    _rng_seed(&r, seed)
+    with nogil:  # writes only into the array we just made
+        for i in range(n):
+            o[i] = <int64_t>tl_bounded(_rng_next(&r), <uint64_t>bound)
+    return out
+
+
+def uniform(int64_t n, uint64_t seed):
+    """n doubles drawn uniformly from [0, 1) (53 random bits each), from ``seed``.
+
+    Args:
+        n: how many, >= 0.
+        seed: 64-bit seed.
+
+    Returns:
+        numpy.ndarray: float64 array of length n.
+    """
+    if n < 0:
+        raise ValueError(f"uniform: n must be >= 0, got {n}")
+    out = np.empty(n, dtype=np.float64)
+    cdef double[::1] o = out
+    cdef int64_t i
+    cdef Rng r
+    _rng_seed(&r, seed)
+    with nogil:  # writes only into the array we just made
+        for i in range(n):
+            o[i] = (_rng_next(&r) >> 11) * (1.0 / 9007199254740992.0)
+    return out
+
+
+def sample(int64_t n, int64_t k, uint64_t seed):
+    """k distinct integers of range(n), sorted, drawn from ``seed`` (Floyd's algorithm).
+
+    Used for the few samples that padding repeats or drop_last leaves out: O(k) work and memory,
+    where a permutation of all n would write n fresh items to pick a handful.
+
+    Args:
+        n: population size, >= 0.
+        k: how many, 0 <= k <= n.
+        seed: 64-bit seed.
+
+    Returns:
+        numpy.ndarray: int64 array of length k, increasing.
+    """
+    if n < 0 or k < 0 or k > n:
+        raise ValueError(f"sample: need 0 <= k <= n, got n={n}, k={k}")
+    out = np.empty(k, dtype=np.int64)
+    if k == 0:
+        return out
+    cdef int64_t[::1] o = out
+    # Open-addressing set of the chosen values, at most half full (values + 1; 0 marks empty).
+    cdef int64_t cap = 2
+    while cap < 2 * k:
+        cap *= 2
+    table_a = np.zeros(cap, dtype=np.int64)
+    cdef int64_t[::1] table = table_a
+    cdef int64_t j, t, h, m = 0
+    cdef Rng r
+    _rng_seed(&r, seed)
+    with nogil:  # integer work over arrays we own
+        for j in range(n - k, n):
+            t = <int64_t>tl_bounded(_rng_next(&r), <uint64_t>(j + 1))
+            # Floyd: take t unless it was taken already, then take j (never taken before).
+            h = <int64_t>((<uint64_t>t * <uint64_t>0x9E3779B97F4A7C15) >> 20) & (cap - 1)
+            while table[h] != 0 and table[h] != t + 1:
+                h = (h + 1) & (cap - 1)
+            if table[h] == t + 1:
+                t = j
+                h = <int64_t>((<uint64_t>t * <uint64_t>0x9E3779B97F4A7C15) >> 20) & (cap - 1)
+                while table[h] != 0:
+                    h = (h + 1) & (cap - 1)
+            table[h] = t + 1
+            o[m] = t
+            m += 1
+    out.sort()
+    return out
+
+
 def shuffle_runs(const double[::1] keys, int64_t[::1] order, uint64_t seed):
     """Shuffle, in place, each run of ``order`` whose items have equal ``keys``.
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import heapq
 import re
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -65,6 +67,60 @@ def test_permutation_is_seeded_and_complete():
     assert np.array_equal(np.sort(a), np.arange(1000))
     assert np.array_equal(a, P.permutation(1000, 7))
     assert not np.array_equal(a, P.permutation(1000, 8))
+
+
+def test_randint_and_uniform_are_seeded_and_in_range():
+    a = P.randint(20000, 7, 11)
+    assert a.dtype == np.int64 and a.min() == 0 and a.max() == 6
+    counts = np.bincount(a, minlength=7)
+    assert counts.min() > 20000 / 7 * 0.9 and counts.max() < 20000 / 7 * 1.1
+    assert np.array_equal(a, P.randint(20000, 7, 11))
+    assert not np.array_equal(a, P.randint(20000, 7, 12))
+    u = P.uniform(20000, 5)
+    assert u.dtype == np.float64 and u.min() >= 0.0 and u.max() < 1.0
+    assert abs(u.mean() - 0.5) < 0.01
+    assert np.array_equal(u, P.uniform(20000, 5))
+    assert P.randint(0, 3, 1).shape == (0,) and P.uniform(0, 1).shape == (0,)
+
+
+def test_sample_draws_distinct_sorted_values_uniformly():
+    counts = np.zeros(10)
+    for seed in range(4000):
+        s = P.sample(10, 3, seed)
+        assert s.shape == (3,) and np.all(np.diff(s) > 0) and 0 <= s[0] and s[-1] < 10
+        counts[s] += 1
+    assert np.abs(counts / 1200 - 1).max() < 0.1  # each value picked 3/10 of the time
+    big = P.sample(2_000_000, 5000, 9)  # sparse: the hash set, no n-sized array
+    assert np.unique(big).shape == (5000,) and big.max() < 2_000_000
+    assert np.array_equal(P.sample(6, 6, 1), np.arange(6))
+    assert P.sample(0, 0, 1).shape == (0,)
+    assert np.array_equal(big, P.sample(2_000_000, 5000, 9))
+
+
+def test_draws_reject_bad_sizes():
+    with pytest.raises(ValueError, match=r"randint: need n >= 0 and bound >= 1, got n=3, bound=0"):
+        P.randint(3, 0, 1)
+    with pytest.raises(ValueError, match=r"uniform: n must be >= 0, got -1"):
+        P.uniform(-1, 1)
+    with pytest.raises(ValueError, match=r"sample: need 0 <= k <= n, got n=3, k=4"):
+        P.sample(3, 4, 1)
+
+
+def test_planning_does_not_import_numpy_random():
+    # numpy.random is imported lazily and its first import costs ~7 ms, more than a 100k-sample
+    # plan; the samplers draw from the compiled generator instead.
+    code = (
+        "import sys, numpy as np, torch\n"
+        "from trainloom.data.samplers import LoadBalancingDistributedSampler as S, "
+        "LoadBalancingDistributedBatchSampler as B\n"
+        "before = 'numpy.random' in sys.modules\n"
+        "s = S(None, complexities=np.arange(1, 1002), num_replicas=8, rank=3, random_level=0.5)\n"
+        "list(s); list(B(s, max_complexity=5000)); list(B(s, max_complexity=5000, mode='packed'))\n"
+        "print(before, 'numpy.random' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    before, after = out.stdout.split()
+    assert after == before
 
 
 def test_shuffle_runs_only_permutes_ties():

@@ -100,10 +100,6 @@ def _seed64(*parts: object) -> int:
     return struct.unpack("<Q", h.digest())[0]
 
 
-def _rng(*parts: object) -> np.random.Generator:
-    return np.random.Generator(np.random.PCG64(_seed64(*parts)))
-
-
 def _world(num_replicas: Optional[int], rank: Optional[int], who: str) -> Tuple[int, int]:
     """num_replicas and rank, defaulting to torch.distributed's, or 1 and 0 when not initialized."""
     initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -396,7 +392,7 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
         tag = epoch if self.shuffle else 0
         if self.shuffle and self.random_level > 0:
             span = float(c.max() - c.min()) or 1.0
-            noise = _rng(self.seed, tag, "noise").random(n)
+            noise = _P.uniform(n, _seed64(self.seed, tag, "noise"))
             keys = c + self.random_level * span * noise
             order = _P.argsort(keys, _P.permutation(n, _seed64(self.seed, tag, "perm")), False)
         else:
@@ -404,28 +400,26 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
             order[:] = self._desc_order()[::-1]
             if self.shuffle:
                 _P.shuffle_runs(c, order, _seed64(self.seed, tag, "ties"))
-        rng = _rng(self.seed, tag, "pad")
-        # Fewer than W samples are padded or dropped: draw just those (rng.choice), not a
+        # Random draws come from the compiled core's generator (xoshiro256**, seeded from seed,
+        # epoch and purpose): the same on every rank, and no numpy.random import on the first plan.
+        pad_seed = _seed64(self.seed, tag, "pad")
+        # Fewer than W samples are padded or dropped: draw just those (_P.sample), not a
         # permutation of all n (two arrays of n fresh pages for a handful of picks).
         if self.total_size > n:
             pad = self.total_size - n
             if pad <= n:
-                pick = rng.choice(n, pad, replace=False) if self.shuffle else np.arange(pad)
+                pick = _P.sample(n, pad, pad_seed) if self.shuffle else np.arange(pad)
             else:
-                pick = np.resize(rng.permutation(n) if self.shuffle else np.arange(n), pad)
+                pick = np.resize(_P.permutation(n, pad_seed) if self.shuffle else np.arange(n), pad)
             pos = np.sort(pick)
             order = np.insert(order, pos + 1, order[pos])
         elif self.total_size < n:
-            drop = (
-                rng.choice(n, n - self.total_size, replace=False)
-                if self.shuffle
-                else np.arange(n - self.total_size)
-            )
-            order = np.delete(order, drop)
+            k = n - self.total_size
+            order = np.delete(order, _P.sample(n, k, pad_seed) if self.shuffle else np.arange(k))
         chunks = self.num_samples
         if self.shuffle:
-            chunk_order = rng.permutation(chunks).astype(np.int64)
-            rot = rng.integers(0, w, chunks, dtype=np.int64)
+            chunk_order = _P.permutation(chunks, _seed64(self.seed, tag, "chunks"))
+            rot = _P.randint(chunks, w, _seed64(self.seed, tag, "rotations"))
         else:
             chunk_order = np.arange(chunks, dtype=np.int64)
             rot = np.zeros(chunks, dtype=np.int64)
@@ -747,9 +741,9 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         s = self.sampler
         if not s.shuffle:
             return np.arange(steps, dtype=np.int64), np.zeros(steps, dtype=np.int64)
-        rng = _rng(s.seed, s.epoch, "steps")
-        return rng.permutation(steps).astype(np.int64), rng.integers(
-            0, self.num_replicas, steps, dtype=np.int64
+        return (
+            _P.permutation(steps, _seed64(s.seed, s.epoch, "steps")),
+            _P.randint(steps, self.num_replicas, _seed64(s.seed, s.epoch, "rotations")),
         )
 
     def _plan_padded(self) -> _Plan:
