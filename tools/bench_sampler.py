@@ -33,6 +33,7 @@ import torch
 from benchutil import bench_lock, machine_line, markdown_table, measure, median, plot_lines, write_report
 from torch.utils.data import BatchSampler, DistributedSampler
 
+from trainloom.data import _partition
 from trainloom.data.samplers import LoadBalancingDistributedBatchSampler, LoadBalancingDistributedSampler
 
 CACHE = Path(tempfile.gettempdir()) / "trainloom-bench-sampler-docstring-tokens.npy"
@@ -159,6 +160,62 @@ def coverage(bs: LoadBalancingDistributedBatchSampler, n: int) -> Tuple[int, int
     )
 
 
+def _grouped_straggler(costs: np.ndarray, world: int) -> Tuple[float, float]:
+    """Padded-cost straggler (mean, p99) of batches grouped as the planner groups them.
+
+    Batches are sorted by padded cost and taken ``world`` at a time; a last, incomplete step is
+    left out (the planner would split batches to fill it, which can only make it less even).
+    """
+    c = np.sort(costs)[::-1]
+    steps = c.shape[0] // world
+    if steps == 0:
+        return float("nan"), float("nan")
+    return ratio(c[: steps * world].reshape(steps, world))
+
+
+def padding_tradeoff(lens: np.ndarray, world: int, budget: float) -> List[List[object]]:
+    """Rows of the padding-against-balance table at one N and W.
+
+    Two families of plans, both over cuts of the sorted order (the only kind worth having: a
+    batch padded to its longest pads least when it holds neighbours in length):
+
+    - the padded planner at a lower budget (max_complexity = f * budget): every batch of a step
+      aims at one cost, so steps stay balanced, and padding falls as batches shrink;
+    - exact minimum-padding cuts (the planner's dynamic program) at decreasing prices per batch:
+      least padding for a given number of batches, but batches of uneven cost, grouped into
+      steps by cost as the planner does.
+    """
+    rows: List[List[object]] = []
+    total = float(lens.sum())
+    for frac in (1.0, 0.8, 0.6, 0.4, 0.3, 0.2):
+        s = LoadBalancingDistributedSampler(None, complexities=lens, num_replicas=world, rank=0)
+        st = LoadBalancingDistributedBatchSampler(s, max_complexity=budget * frac, mode="padded").plan_stats()
+        rows.append(
+            [
+                f"padded planner, max_complexity = {frac:g} x budget",
+                st["steps"],
+                f"{100 * st['padding_waste']:.3f} %",
+                f"{st['straggler_mean']:.4f}",
+            ]
+        )
+    cs = np.sort(lens)[::-1].astype(np.float64)
+    ends = np.empty(cs.shape[0], dtype=np.int64)
+    for div in (500, 2000, 8000, 32000, 128000):
+        nb = _partition.padded_min_padding_cut(cs, budget, budget / div, ends)
+        starts = np.concatenate(([0], ends[: nb - 1]))
+        padded = (ends[:nb] - starts) * cs[starts]
+        mean, _ = _grouped_straggler(padded, world)
+        rows.append(
+            [
+                f"minimum-padding cut, price per batch = budget / {div}",
+                f"{nb / world:.1f}",
+                f"{100 * (1 - total / padded.sum()):.3f} %",
+                f"{mean:.4f}",
+            ]
+        )
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (smoke test)")
@@ -180,6 +237,8 @@ def main() -> None:
     fixed_batch = max(1, int(budget // corpus.mean()))
 
     plan_rows, bal_rows, pad_rows, cold_rows = [], [], [], []
+    trade_rows: List[List[object]] = []
+    trade_at = (sizes[0], worlds[-1])
     times: Dict[str, Dict[int, List[float]]] = {}
     tmpdir = tempfile.TemporaryDirectory(prefix="trainloom-bench-sampler-")
     with bench_lock(), tmpdir:
@@ -230,6 +289,8 @@ def main() -> None:
                 row.append(cpus[-4] / cpus[-1])
                 plan_rows.append(row)
 
+                if (n, w) == trade_at:
+                    trade_rows = padding_tradeoff(lens, w, budget)
                 base = torch_baseline(lens, w, fixed_batch, budget)
                 stats = {}
                 for label, mode, cost in [
@@ -341,6 +402,17 @@ def main() -> None:
             pad_rows,
         ),
         "",
+        f"## Padding against balance at N = {trade_at[0]:,}, W = {trade_at[1]}",
+        "",
+        "Where the sorted order has few samples per length, a batch that fills the budget spans several "
+        "lengths and pads to its longest. Two ways to pad less, both measured here on the same data: "
+        "smaller batches that keep every step's batches at one cost (the padded planner at a lower "
+        "budget), or the exact minimum-padding cut (ends batches where lengths change; batches of "
+        "uneven cost, grouped into steps by cost). Steps per epoch (fractional: batches / W), padding "
+        "waste, and the padded-cost straggler mean (complete steps):",
+        "",
+        markdown_table(["plan", "steps", "padding waste", "straggler mean"], trade_rows),
+        "",
         "References (FINDINGS.md, same data kind, N = 2M): Bagua 6.4-10.9 s plan (+3.6 s reading samples), "
         "Lhotse 10.7-51.6 s, fairseq's Cython batch_by_size 0.17-0.46 s; straggler at W = 64: "
         "DistributedSampler 1.47 / 1.81, fairseq grouped 1.011 / 1.062 (drops samples).",
@@ -360,6 +432,40 @@ def main() -> None:
             "ms",
             series,
         )
+        if trade_rows:
+            plot_tradeoff(path.parent / "sampler_padding_tradeoff.png", trade_rows, trade_at)
+
+
+def plot_tradeoff(path: Path, rows: List[List[object]], at: Tuple[int, int]) -> None:
+    """Padding waste against steps per epoch for both families, straggler written at each point."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.4))
+    families = (
+        ("padded planner", "balanced steps (planner, lower budget)"),
+        ("minimum", "minimum-padding cut"),
+    )
+    for prefix, label in families:
+        mine = [r for r in rows if str(r[0]).startswith(prefix)]
+        pts = [(float(r[1]), float(str(r[2]).split()[0]), str(r[3])) for r in mine]
+        xs = [p[0] for p in pts]
+        ys = [p[1] for p in pts]
+        ax.plot(xs, ys, marker="o", label=label)
+        for x, y, st in pts:
+            ax.annotate(st, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.axhline(0.1, color="grey", linestyle="--", linewidth=1, label="0.1 % waste")
+    ax.set_yscale("log")
+    ax.set_xlabel("steps per epoch")
+    ax.set_ylabel("padding waste (%)")
+    ax.set_title(f"Padding against steps at N = {at[0]:,}, W = {at[1]} (labels: straggler mean)")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
