@@ -15,7 +15,6 @@ from libc.stdint cimport int64_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.math cimport INFINITY
 from libc.string cimport memcpy, memset
-from posix.mman cimport MADV_HUGEPAGE, madvise
 from posix.stdlib cimport posix_memalign
 
 import numpy as np
@@ -37,8 +36,11 @@ cdef extern from *:
 # from the kernel, and on the VMs this runs on a page fault costs about 2.4 us: 3 MB of scratch
 # cost 2 ms, more than the work done in it. So the temporaries come from one buffer per process
 # that is kept between plans (every epoch replans), up to SCRATCH_KEEP bytes; buffers of 2 MiB
-# and more are 2 MiB-aligned and advised as huge pages, so even the first use faults once per
-# 2 MiB instead of once per 4 KiB. The buffer is handed out with the GIL held and marked busy
+# and more are 2 MiB-aligned, so that where transparent huge pages are on for all memory the
+# kernel can back them with huge pages when it has some free. They are not madvise()d
+# MADV_HUGEPAGE: with the usual defrag=madvise setting that makes every first touch wait for
+# memory compaction, and a process's first 2M-item plan took 180-400 ms instead of 70-220
+# (paired cold runs, 2 CPU VM). The buffer is handed out with the GIL held and marked busy
 # for the nogil section that uses it; a second thread planning meanwhile gets its own malloc.
 # --------------------------------------------------------------------------------------------
 DEF HUGE = 2097152
@@ -50,7 +52,7 @@ cdef bint _scratch_busy = False
 
 
 cdef void* _alloc_big(size_t nbytes, size_t* cap) noexcept:
-    """malloc, or a huge-page-advised 2 MiB-aligned block for 2 MiB and more; cap gets the size."""
+    """malloc, or a 2 MiB-aligned block for 2 MiB and more; cap gets the size."""
     cdef void* p = NULL
     cdef size_t sz
     if nbytes < HUGE:
@@ -59,7 +61,6 @@ cdef void* _alloc_big(size_t nbytes, size_t* cap) noexcept:
     sz = (nbytes + HUGE - 1) // HUGE * HUGE
     if posix_memalign(&p, HUGE, sz) != 0:
         return NULL
-    madvise(p, sz, MADV_HUGEPAGE)  # advice only: without transparent huge pages it is a no-op
     cap[0] = sz
     return p
 
@@ -129,9 +130,8 @@ def release_scratch():
 # --------------------------------------------------------------------------------------------
 # Result arrays. The plan's own arrays (sorted order and keys, the layout of the batches) are
 # 0.8 MB each at 100k items: from malloc they are fresh pages again (200 faults, ~0.5 ms each
-# array). empty() hands out numpy arrays over blocks (huge-page-advised from 2 MiB, like the
-# scratch; smaller ones plain malloc, as a 2 MiB page for 0.8 MB would touch 2.5x the memory on
-# first use), and a block whose array dies goes to a small pool (POOL_KEEP bytes) that the next
+# array). empty() hands out numpy arrays over blocks (2 MiB-aligned from 2 MiB, like the
+# scratch; smaller ones plain malloc), and a block whose array dies goes to a small pool (POOL_KEEP bytes) that the next
 # plan (the next epoch's, or another sampler's) reuses. Blocks are handed out and returned with the GIL held
 # (allocation in empty(), return in the owner's __dealloc__), so the pool needs no lock.
 # --------------------------------------------------------------------------------------------
@@ -214,7 +214,7 @@ cdef class _Block:
 
 
 def empty(Py_ssize_t n, dtype):
-    """An uninitialised 1-D array of n items of ``dtype`` (pooled huge-page block when large).
+    """An uninitialised 1-D array of n items of ``dtype`` (a pooled block when large).
 
     Args:
         n: number of items, >= 0.
