@@ -236,6 +236,12 @@ def test_kernels_reject_bad_arrays():
         P.packed_plan(np.array([1.0, 2.0]), 2, 10.0, 1, None)
     with pytest.raises(ValueError, match=r"rank_stream: rank 2 outside \[0, 2\)"):
         P.rank_stream(np.zeros(4, dtype=np.int64), np.arange(2), np.zeros(2, dtype=np.int64), 2, 2)
+    # Packed positions are int32: more than 2^31 - 1 items is refused before any item is read (a
+    # view that claims 2^31 items over 8 real bytes; reading it would be out of bounds).
+    huge = np.lib.stride_tricks.as_strided(np.zeros(1), shape=(2**31,), strides=(8,), writeable=False)
+    msg = r"packed_plan: 2147483648 items; packed mode plans at most 2147483647"
+    with pytest.raises(ValueError, match=msg):
+        P.packed_plan(huge, 2, 10.0, 1, None)
 
 
 # --------------------------------------------------------------------------- plain sampler
