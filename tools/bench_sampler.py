@@ -362,7 +362,7 @@ def main() -> None:
         "",
         "The runs above are warm: the compiled core keeps its scratch buffer and a pool of freed plan "
         "arrays between plans (as every epoch's replan does in training). The first plan in a fresh "
-        "interpreter pays for fresh pages (about 2.4 us per 4 KiB page fault on this VM):",
+        "interpreter pays for fresh pages (about 2.4-3.4 us per 4 KiB page on this VM):",
         "",
         markdown_table(["N", "W", "LB sampler", "LB padded", "LB packed"], cold_rows),
         "",
