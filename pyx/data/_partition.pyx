@@ -131,9 +131,10 @@ def release_scratch():
 # Result arrays. The plan's own arrays (sorted order and keys, the layout of the batches) are
 # 0.8 MB each at 100k items: from malloc they are fresh pages again (200 faults, ~0.5 ms each
 # array). empty() hands out numpy arrays over blocks (2 MiB-aligned from 2 MiB, like the
-# scratch; smaller ones plain malloc), and a block whose array dies goes to a small pool (POOL_KEEP bytes) that the next
-# plan (the next epoch's, or another sampler's) reuses. Blocks are handed out and returned with the GIL held
-# (allocation in empty(), return in the owner's __dealloc__), so the pool needs no lock.
+# scratch; smaller ones plain malloc), and a block whose array dies goes to a small pool
+# (POOL_KEEP bytes) that the next plan (the next epoch's, or another sampler's) reuses. Blocks
+# are handed out and returned with the GIL held (allocation in empty(), return in the owner's
+# __dealloc__), so the pool needs no lock.
 # --------------------------------------------------------------------------------------------
 DEF POOL_MIN = 262144  # smaller arrays: np.empty (malloc reuses them without faults)
 DEF POOL_KEEP = 134217728  # 128 MiB of free blocks at most
