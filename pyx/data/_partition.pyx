@@ -39,8 +39,8 @@ cdef extern from *:
 # and more are 2 MiB-aligned, so that where transparent huge pages are on for all memory the
 # kernel can back them with huge pages when it has some free. They are not madvise()d
 # MADV_HUGEPAGE: with the usual defrag=madvise setting that makes every first touch wait for
-# memory compaction, and a process's first 2M-item plan took 180-400 ms instead of 70-220
-# (paired cold runs, 2 CPU VM). The buffer is handed out with the GIL held and marked busy
+# memory compaction, and a process's first 2M-item plan took a median of ~185 ms (up to 418)
+# instead of ~137 ms (up to 221) (18 paired cold runs, 2 CPU VM). The buffer is handed out with the GIL held and marked busy
 # for the nogil section that uses it; a second thread planning meanwhile gets its own malloc.
 # --------------------------------------------------------------------------------------------
 DEF HUGE = 2097152
