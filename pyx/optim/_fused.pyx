@@ -518,6 +518,18 @@ def vml_sqrt(int dtype, intptr_t src, intptr_t dst, int n) -> None:
             _vml_d(n, <const double*>src, <double*>dst, _vml_mode)
 
 
+cdef inline void _adam_loop_item(int dtype, bint avx, bint amsgrad, intptr_t p, intptr_t g, intptr_t m,
+                                 intptr_t v, intptr_t vmax, int64_t s, int64_t n, const tl_adam_args* a,
+                                 tl_vml_f32 fs, tl_vml_f64 fd, long long mode) noexcept nogil:
+    """One plan item of adam_loop_step: n elements from element offset s, in its dtype."""
+    if dtype == DEF_F32:
+        tl_adam_loop_f32(<float*>p + s, <const float*>g + s, <float*>m + s, <float*>v + s,
+                         (<float*>vmax + s) if amsgrad else NULL, n, a, fs, mode, avx)
+    else:
+        tl_adam_loop_f64(<double*>p + s, <const double*>g + s, <double*>m + s, <double*>v + s,
+                         (<double*>vmax + s) if amsgrad else NULL, n, a, fd, mode, avx)
+
+
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def adam_loop_step(int dtype, intptr_t p, intptr_t g, intptr_t m, intptr_t v, intptr_t vmax,
@@ -527,7 +539,6 @@ def adam_loop_step(int dtype, intptr_t p, intptr_t g, intptr_t m, intptr_t v, in
     """torch's for-loop/foreach Adam/AdamW in one cache-blocked pass (needs set_vml_sqrt)."""
     cdef tl_adam_args a
     cdef Py_ssize_t k, nitems = i_start.shape[0]
-    cdef int64_t s
     cdef bint avx = _use_avx2
     cdef tl_vml_f32 fs = _vml_s
     cdef tl_vml_f64 fd = _vml_d
@@ -550,24 +561,12 @@ def adam_loop_step(int dtype, intptr_t p, intptr_t g, intptr_t m, intptr_t v, in
             # no OpenMP region at all: inside even a one-thread region, MKL's square root
             # (adam_loop_step) would open a nested team per call, costing milliseconds
             for k in range(nitems):
-                s = i_start[k]
-                if dtype == DEF_F32:
-                    tl_adam_loop_f32(<float*>p + s, <const float*>g + s, <float*>m + s, <float*>v + s,
-                                     (<float*>vmax + s) if amsgrad else NULL, i_len[k], &a, fs, mode, avx)
-                else:
-                    tl_adam_loop_f64(<double*>p + s, <const double*>g + s, <double*>m + s,
-                                     <double*>v + s, (<double*>vmax + s) if amsgrad else NULL, i_len[k],
-                                     &a, fd, mode, avx)
+                _adam_loop_item(dtype, avx, amsgrad, p, g, m, v, vmax, i_start[k], i_len[k], &a, fs, fd,
+                                mode)
         else:
             for k in prange(nitems, schedule="dynamic", num_threads=nthreads):
-                s = i_start[k]
-                if dtype == DEF_F32:
-                    tl_adam_loop_f32(<float*>p + s, <const float*>g + s, <float*>m + s, <float*>v + s,
-                                     (<float*>vmax + s) if amsgrad else NULL, i_len[k], &a, fs, mode, avx)
-                else:
-                    tl_adam_loop_f64(<double*>p + s, <const double*>g + s, <double*>m + s,
-                                     <double*>v + s, (<double*>vmax + s) if amsgrad else NULL, i_len[k],
-                                     &a, fd, mode, avx)
+                _adam_loop_item(dtype, avx, amsgrad, p, g, m, v, vmax, i_start[k], i_len[k], &a, fs, fd,
+                                mode)
 
 
 def isa() -> str:
