@@ -737,6 +737,41 @@ cdef int _fill_args(tl_adam_args* a, double w, double b2, double c2, double bc2s
     return 0
 
 
+cdef inline void _moments_item(int dtype, bint avx, bint amsgrad, intptr_t p, intptr_t g, intptr_t m,
+                               intptr_t v, intptr_t vmax, int64_t s, int64_t n,
+                               const tl_adam_args* a) noexcept nogil:
+    """One plan item of adam_moments: n elements from element offset s, in its dtype and ISA."""
+    if dtype == DEF_F32:
+        if avx:
+            tl_mom_f32_avx2(<const float*>p + s, <const float*>g + s, <float*>m + s, <float*>v + s,
+                            (<float*>vmax + s) if amsgrad else NULL, n, a)
+        else:
+            tl_mom_f32_scalar(<const float*>p + s, <const float*>g + s, <float*>m + s, <float*>v + s,
+                              (<float*>vmax + s) if amsgrad else NULL, n, a)
+    else:
+        if avx:
+            tl_mom_f64_avx2(<const double*>p + s, <const double*>g + s, <double*>m + s, <double*>v + s,
+                            (<double*>vmax + s) if amsgrad else NULL, n, a)
+        else:
+            tl_mom_f64_scalar(<const double*>p + s, <const double*>g + s, <double*>m + s, <double*>v + s,
+                              (<double*>vmax + s) if amsgrad else NULL, n, a)
+
+
+cdef inline void _apply_item(int dtype, bint avx, intptr_t p, intptr_t m, intptr_t sq, int64_t s, int64_t n,
+                             const tl_adam_args* a) noexcept nogil:
+    """One plan item of adam_apply: n elements from element offset s, in its dtype and ISA."""
+    if dtype == DEF_F32:
+        if avx:
+            tl_apply_f32_avx2(<float*>p + s, <const float*>m + s, <const float*>sq + s, n, a)
+        else:
+            tl_apply_f32_scalar(<float*>p + s, <const float*>m + s, <const float*>sq + s, n, a)
+    else:
+        if avx:
+            tl_apply_f64_avx2(<double*>p + s, <const double*>m + s, <const double*>sq + s, n, a)
+        else:
+            tl_apply_f64_scalar(<double*>p + s, <const double*>m + s, <const double*>sq + s, n, a)
+
+
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def adam_moments(int dtype, intptr_t p, intptr_t g, intptr_t m, intptr_t v, intptr_t vmax,
@@ -752,7 +787,6 @@ def adam_moments(int dtype, intptr_t p, intptr_t g, intptr_t m, intptr_t v, intp
     """
     cdef tl_adam_args a
     cdef Py_ssize_t k, nitems = i_start.shape[0]
-    cdef int64_t s
     cdef bint avx = _use_avx2
     if i_len.shape[0] != nitems:
         raise ValueError("adam_moments: plan arrays differ in length")
@@ -769,38 +803,10 @@ def adam_moments(int dtype, intptr_t p, intptr_t g, intptr_t m, intptr_t v, intp
             # no OpenMP region at all: inside even a one-thread region, MKL's square root
             # (adam_loop_step) would open a nested team per call, costing milliseconds
             for k in range(nitems):
-                s = i_start[k]
-                if dtype == DEF_F32:
-                    if avx:
-                        tl_mom_f32_avx2(<const float*>p + s, <const float*>g + s, <float*>m + s,
-                                        <float*>v + s, (<float*>vmax + s) if amsgrad else NULL, i_len[k], &a)
-                    else:
-                        tl_mom_f32_scalar(<const float*>p + s, <const float*>g + s, <float*>m + s,
-                                          <float*>v + s, (<float*>vmax + s) if amsgrad else NULL, i_len[k], &a)
-                else:
-                    if avx:
-                        tl_mom_f64_avx2(<const double*>p + s, <const double*>g + s, <double*>m + s,
-                                        <double*>v + s, (<double*>vmax + s) if amsgrad else NULL, i_len[k], &a)
-                    else:
-                        tl_mom_f64_scalar(<const double*>p + s, <const double*>g + s, <double*>m + s,
-                                          <double*>v + s, (<double*>vmax + s) if amsgrad else NULL, i_len[k], &a)
+                _moments_item(dtype, avx, amsgrad, p, g, m, v, vmax, i_start[k], i_len[k], &a)
         else:
             for k in prange(nitems, schedule="dynamic", num_threads=nthreads):
-                s = i_start[k]
-                if dtype == DEF_F32:
-                    if avx:
-                        tl_mom_f32_avx2(<const float*>p + s, <const float*>g + s, <float*>m + s,
-                                        <float*>v + s, (<float*>vmax + s) if amsgrad else NULL, i_len[k], &a)
-                    else:
-                        tl_mom_f32_scalar(<const float*>p + s, <const float*>g + s, <float*>m + s,
-                                          <float*>v + s, (<float*>vmax + s) if amsgrad else NULL, i_len[k], &a)
-                else:
-                    if avx:
-                        tl_mom_f64_avx2(<const double*>p + s, <const double*>g + s, <double*>m + s,
-                                        <double*>v + s, (<double*>vmax + s) if amsgrad else NULL, i_len[k], &a)
-                    else:
-                        tl_mom_f64_scalar(<const double*>p + s, <const double*>g + s, <double*>m + s,
-                                          <double*>v + s, (<double*>vmax + s) if amsgrad else NULL, i_len[k], &a)
+                _moments_item(dtype, avx, amsgrad, p, g, m, v, vmax, i_start[k], i_len[k], &a)
 
 
 @cython.boundscheck(False)
@@ -814,7 +820,6 @@ def adam_apply(int dtype, intptr_t p, intptr_t m, intptr_t sq,
     """
     cdef tl_adam_args a
     cdef Py_ssize_t k, nitems = i_start.shape[0]
-    cdef int64_t s
     cdef bint avx = _use_avx2
     if i_len.shape[0] != nitems:
         raise ValueError("adam_apply: plan arrays differ in length")
@@ -831,30 +836,10 @@ def adam_apply(int dtype, intptr_t p, intptr_t m, intptr_t sq,
             # no OpenMP region at all: inside even a one-thread region, MKL's square root
             # (adam_loop_step) would open a nested team per call, costing milliseconds
             for k in range(nitems):
-                s = i_start[k]
-                if dtype == DEF_F32:
-                    if avx:
-                        tl_apply_f32_avx2(<float*>p + s, <const float*>m + s, <const float*>sq + s, i_len[k], &a)
-                    else:
-                        tl_apply_f32_scalar(<float*>p + s, <const float*>m + s, <const float*>sq + s, i_len[k], &a)
-                else:
-                    if avx:
-                        tl_apply_f64_avx2(<double*>p + s, <const double*>m + s, <const double*>sq + s, i_len[k], &a)
-                    else:
-                        tl_apply_f64_scalar(<double*>p + s, <const double*>m + s, <const double*>sq + s, i_len[k], &a)
+                _apply_item(dtype, avx, p, m, sq, i_start[k], i_len[k], &a)
         else:
             for k in prange(nitems, schedule="dynamic", num_threads=nthreads):
-                s = i_start[k]
-                if dtype == DEF_F32:
-                    if avx:
-                        tl_apply_f32_avx2(<float*>p + s, <const float*>m + s, <const float*>sq + s, i_len[k], &a)
-                    else:
-                        tl_apply_f32_scalar(<float*>p + s, <const float*>m + s, <const float*>sq + s, i_len[k], &a)
-                else:
-                    if avx:
-                        tl_apply_f64_avx2(<double*>p + s, <const double*>m + s, <const double*>sq + s, i_len[k], &a)
-                    else:
-                        tl_apply_f64_scalar(<double*>p + s, <const double*>m + s, <const double*>sq + s, i_len[k], &a)
+                _apply_item(dtype, avx, p, m, sq, i_start[k], i_len[k], &a)
 
 
 cdef inline void _sgd_item(int dtype, bint avx, intptr_t p, intptr_t g, intptr_t buf, int64_t s,
