@@ -199,9 +199,10 @@ def padding_tradeoff(lens: np.ndarray, world: int, budget: float) -> List[List[o
             ]
         )
     cs = np.sort(lens)[::-1].astype(np.float64)
+    runs = _partition.key_runs(cs)
     ends = np.empty(cs.shape[0], dtype=np.int64)
     for div in (500, 2000, 8000, 32000, 128000):
-        nb = _partition.padded_min_padding_cut(cs, budget, budget / div, ends)
+        nb = _partition.padded_min_padding_cut(*runs, budget, budget / div, ends)
         starts = np.concatenate(([0], ends[: nb - 1]))
         padded = (ends[:nb] - starts) * cs[starts]
         mean, _ = _grouped_straggler(padded, world)

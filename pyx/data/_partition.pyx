@@ -12,7 +12,7 @@ small shared machines this runs on the DataLoader workers want the second core.
 """
 
 from libc.stdint cimport int32_t, int64_t, uint64_t
-from libc.stdlib cimport free, malloc
+from libc.stdlib cimport free, malloc, realloc
 from libc.math cimport INFINITY
 from libc.string cimport memcpy, memset
 from posix.stdlib cimport posix_memalign
@@ -524,15 +524,17 @@ DEF COUNTING_MAX = 4194304
 
 
 cdef int _counting_argsort(const double* keys, const int64_t* order_in, int64_t* out, int64_t n,
-                           bint descending, double* out_keys, int64_t* hist) noexcept nogil:
+                           bint descending, int64_t* hist, int64_t* nbuckets) noexcept nogil:
     """0 when sorted, 1 when the keys are not small non-negative integers (nothing written).
 
     hist is scratch of _sort_scratch_bytes(n): the first n words hold each item's bucket (as
     int32, read back by the two later passes instead of re-reading and re-converting the
-    doubles), the counts follow; only the first max(key) + 1 counts are touched.
+    doubles), the counts follow; only the first max(key) + 1 counts are touched. After a sort,
+    count b (hist[n + b]) is the end of bucket b in out for b < nbuckets[0] (if not NULL); the
+    buckets are in output order (bucket b holds key nbuckets - 1 - b when descending, else b).
     """
     cdef double x
-    cdef int64_t i, b, nb, pos, c, end, mx = 0
+    cdef int64_t i, b, nb, pos, c, mx = 0
     cdef int* bucket = <int*>hist
     cdef int64_t* count = hist + n
     for i in range(n):
@@ -548,6 +550,8 @@ cdef int _counting_argsort(const double* keys, const int64_t* order_in, int64_t*
     nb = mx + 1
     if nb > 3 * n + 1024:
         return 1  # sparse keys: the radix sort touches less memory
+    if nbuckets != NULL:
+        nbuckets[0] = nb
     memset(count, 0, nb * sizeof(int64_t))
     if descending:
         for i in range(n):
@@ -563,34 +567,19 @@ cdef int _counting_argsort(const double* keys, const int64_t* order_in, int64_t*
         b = bucket[i]
         out[count[b]] = _item(order_in, i)
         count[b] += 1
-    if out_keys != NULL:
-        # count[b] is now the end of bucket b: the sorted keys are runs of one value per bucket,
-        # written sequentially (a scatter of the keys next to the indices cost a second random
-        # write per item).
-        pos = 0
-        for b in range(nb):
-            end = count[b]
-            x = <double>(nb - 1 - b if descending else b)
-            while pos < end:
-                out_keys[pos] = x
-                pos += 1
     return 0
 
 
 cdef int _sort_into(const double* keys, const int64_t* order_in, int64_t* out, int64_t n,
-                    bint descending, double* out_keys) except -1:
-    """Counting sort when the keys allow it, else radix; out_keys (or NULL) gets keys in order."""
+                    bint descending) except -1:
+    """Counting sort when the keys allow it, else radix."""
     cdef bint owned
     cdef int64_t* scratch = <int64_t*>_scratch_get(_sort_scratch_bytes(n), &owned)
     cdef int rc
-    cdef int64_t i
     with nogil:  # the sort reads keys and writes out and scratch only; no Python object touched
-        rc = _counting_argsort(keys, order_in, out, n, descending, out_keys, scratch)
+        rc = _counting_argsort(keys, order_in, out, n, descending, scratch, NULL)
         if rc == 1:
             _radix_argsort(keys, order_in, out, n, descending, scratch)
-            if out_keys != NULL:
-                for i in range(n):
-                    out_keys[i] = keys[out[i]]
     _scratch_put(scratch, owned)
     return 0
 
@@ -616,34 +605,86 @@ def argsort(const double[::1] keys, const int64_t[::1] order_in, bint descending
     if n == 0:
         return out
     cdef int64_t[::1] o = out
-    _sort_into(&keys[0], &order_in[0], &o[0], n, descending, NULL)
+    _sort_into(&keys[0], &order_in[0], &o[0], n, descending)
     return out
 
 
-def sort_desc(const double[::1] keys, bint with_keys=True):
-    """Items sorted by key, largest first, ties by index, and the keys in that order.
+def sort_desc(const double[::1] keys):
+    """Items sorted by key, largest first, ties by index.
 
     Args:
         keys: float64 key per item (finite).
-        with_keys: also return the sorted keys (the plain sampler needs only the order).
 
     Returns:
-        tuple: (order, sorted_keys): int64 and float64 arrays of len(keys); sorted_keys is None
-        without ``with_keys``.
+        numpy.ndarray: int64 item indices (a pooled array; see empty()).
     """
     cdef int64_t n = keys.shape[0]
     out = empty(n, np.int64)
-    sk = empty(n, np.float64) if with_keys else None
     if n == 0:
-        return out, sk
+        return out
     cdef int64_t[::1] o = out
-    cdef double[::1] k
-    cdef double* kp = NULL
-    if with_keys:
-        k = sk
-        kp = &k[0]
-    _sort_into(&keys[0], NULL, &o[0], n, True, kp)
-    return out, sk
+    _sort_into(&keys[0], NULL, &o[0], n, True)
+    return out
+
+
+def sort_desc_runs(const double[::1] keys):
+    """Items sorted by key, largest first, ties by index, and the run table of the sorted keys.
+
+    The run table (one entry per distinct key, as ``key_runs`` gives it) comes straight from the
+    counting sort's buckets when the keys are small non-negative integers (token counts), so
+    padded planning needs no n-sized array of sorted keys.
+
+    Args:
+        keys: float64 key per item (finite).
+
+    Returns:
+        tuple: (order, run_keys, run_ends): int64 item indices, then the float64 key and the int64
+        end position of each run of equal keys in that order.
+    """
+    cdef int64_t n = keys.shape[0]
+    cdef int64_t nb = 0, b, pos, nr = 0, end
+    cdef int rc = 1
+    cdef bint owned
+    out = empty(n, np.int64)
+    if n == 0:
+        return out, np.empty(0, dtype=np.float64), np.empty(0, dtype=np.int64)
+    cdef int64_t[::1] o = out
+    cdef int64_t* scratch = <int64_t*>_scratch_get(_sort_scratch_bytes(n), &owned)
+    cdef int64_t* count = scratch + n
+    cdef double[::1] rkv
+    cdef int64_t[::1] rev
+    try:
+        with nogil:  # the sort reads keys and writes out and scratch only
+            rc = _counting_argsort(&keys[0], NULL, &o[0], n, True, scratch, &nb)
+            if rc == 1:
+                _radix_argsort(&keys[0], NULL, &o[0], n, True, scratch)
+                nr = _runs_of_sorted(&keys[0], &o[0], n, NULL, NULL)
+            else:
+                pos = 0
+                for b in range(nb):
+                    if count[b] > pos:
+                        nr += 1
+                        pos = count[b]
+        rk = np.empty(nr, dtype=np.float64)
+        re = np.empty(nr, dtype=np.int64)
+        rkv = rk
+        rev = re
+        with nogil:  # the run table, from the buckets' ends or from the sorted keys
+            if rc == 1:
+                _runs_of_sorted(&keys[0], &o[0], n, &rkv[0], &rev[0])
+            else:
+                pos = 0
+                nr = 0
+                for b in range(nb):
+                    end = count[b]
+                    if end > pos:
+                        rkv[nr] = <double>(nb - 1 - b)
+                        rev[nr] = end
+                        nr += 1
+                        pos = end
+    finally:
+        _scratch_put(scratch, owned)
+    return out, rk, re
 
 
 def rank_stream(const int64_t[::1] items, const int64_t[::1] chunk_order, const int64_t[::1] rot,
@@ -681,7 +722,89 @@ def rank_stream(const int64_t[::1] items, const int64_t[::1] chunk_order, const 
 # --------------------------------------------------------------------------------------------
 # Padded mode: items sorted by length, longest first; each batch is a run of consecutive items
 # whose padded cost (count * cost of its first = longest item) stays under the budget.
+#
+# The planner works on the sorted costs as runs of equal cost: run r holds positions
+# [run_ends[r - 1], run_ends[r]) (run_ends[-1] taken as 0), all of cost run_costs[r]. Items of a
+# run are interchangeable, so a plan needs only the run table (a few thousand entries for token
+# counts, whatever N), not a cost per item: no n-sized array of sorted costs and no n-sized
+# dynamic program, which at 100k items were ~870 fresh pages (~2 ms) of a process's first plan.
 # --------------------------------------------------------------------------------------------
+cdef inline int64_t _run_of(const int64_t* run_ends, int64_t r, int64_t q) noexcept nogil:
+    """The run holding position q (< n), searching forward from run r (positions only grow)."""
+    while run_ends[r] <= q:
+        r += 1
+    return r
+
+
+cdef int64_t _check_runs(const double[::1] run_costs, const int64_t[::1] run_ends, str who) except -1:
+    """Validate a run table (GIL held); returns the number of items."""
+    cdef int64_t nr = run_costs.shape[0]
+    cdef int64_t r
+    if run_ends.shape[0] != nr:
+        raise ValueError(f"{who}: {nr} run costs but {run_ends.shape[0]} run ends")
+    for r in range(nr):
+        if not (run_costs[r] >= 0.0 and run_costs[r] < INFINITY) or (r > 0 and run_costs[r] > run_costs[r - 1]):
+            raise ValueError(f"{who}: run {r} has cost {run_costs[r]}; costs must be finite, >= 0 and non-increasing")
+        if run_ends[r] <= (run_ends[r - 1] if r > 0 else 0):
+            raise ValueError(f"{who}: run {r} ends at {run_ends[r]}; run ends must be positive and increasing")
+    return run_ends[nr - 1] if nr > 0 else 0
+
+
+cdef int64_t _runs_of_sorted(const double* keys, const int64_t* order, int64_t n, double* run_keys,
+                             int64_t* run_ends) noexcept nogil:
+    """Runs of equal keys[order[i]] (order NULL: keys[i]); writes them when run_keys is not NULL."""
+    cdef int64_t i, nr = 0
+    cdef double prev = 0.0, x
+    for i in range(n):
+        x = keys[i] if order == NULL else keys[order[i]]
+        if i > 0 and x != prev:
+            if run_keys != NULL:
+                run_keys[nr] = prev
+                run_ends[nr] = i
+            nr += 1
+        prev = x
+    if n > 0:
+        if run_keys != NULL:
+            run_keys[nr] = prev
+            run_ends[nr] = n
+        nr += 1
+    return nr
+
+
+def key_runs(const double[::1] keys, const int64_t[::1] order=None):
+    """The run table of keys[order] (or of keys, already sorted): (run_keys, run_ends).
+
+    Args:
+        keys: float64 key per item.
+        order: int64 positions into keys (validated here), or None for keys in their own order.
+
+    Returns:
+        tuple: float64 key of each run of equal consecutive keys and int64 end position of each
+        run (the last is the number of items).
+    """
+    cdef int64_t n = keys.shape[0] if order is None else order.shape[0]
+    cdef int64_t nk = keys.shape[0]
+    cdef int64_t i, nr
+    cdef const int64_t* op = NULL
+    if order is not None:
+        for i in range(n):
+            if order[i] < 0 or order[i] >= nk:
+                raise ValueError(f"key_runs: order[{i}] = {order[i]} is outside [0, {nk})")
+        if n > 0:
+            op = &order[0]
+    if n == 0:
+        return np.empty(0, dtype=np.float64), np.empty(0, dtype=np.int64)
+    with nogil:  # counting pass over validated positions
+        nr = _runs_of_sorted(&keys[0], op, n, NULL, NULL)
+    rk = np.empty(nr, dtype=np.float64)
+    re = np.empty(nr, dtype=np.int64)
+    cdef double[::1] rkv = rk
+    cdef int64_t[::1] rev = re
+    with nogil:  # writing pass
+        _runs_of_sorted(&keys[0], op, n, &rkv[0], &rev[0])
+    return rk, re
+
+
 cdef inline int64_t _take(double c, double target, double budget, int64_t remaining) noexcept nogil:
     """How many items of cost ``c`` (the longest of the batch) to put in a batch aiming at target."""
     cdef int64_t k
@@ -701,16 +824,18 @@ cdef inline int64_t _take(double c, double target, double budget, int64_t remain
     return k
 
 
-cdef inline double _step_ratio(const double* cs, int64_t n, int64_t p, int64_t world, double target,
-                               double budget) noexcept nogil:
-    """max/mean padded cost of the step that starts at p with this target; -1 if it cannot fill."""
+cdef inline double _step_ratio(const double* rc, const int64_t* re, int64_t r, int64_t n, int64_t p,
+                               int64_t world, double target, double budget) noexcept nogil:
+    """max/mean padded cost of the step that starts at p (in run r) with this target; -1 if it
+    cannot fill."""
     cdef int64_t j, k, q = p
     cdef double c, mx = 0.0, total = 0.0
     for j in range(world):
         if q >= n:
             return -1.0
-        k = _take(cs[q], target, budget, n - q)
-        c = k * cs[q]
+        r = _run_of(re, r, q)
+        k = _take(rc[r], target, budget, n - q)
+        c = k * rc[r]
         total += c
         if c > mx:
             mx = c
@@ -730,8 +855,9 @@ DEF PADDED_TRY_DIV = 16.0
 DEF PADDED_GAIN = 1e-3
 
 
-def padded_steps(const double[::1] csorted, int64_t world, double budget, int64_t[::1] ends):
-    """Cut items (costs sorted longest first) into full steps of ``world`` batches.
+def padded_steps(const double[::1] run_costs, const int64_t[::1] run_ends, int64_t world, double budget,
+                 int64_t[::1] ends):
+    """Cut items (a run table of costs, longest first) into full steps of ``world`` batches.
 
     Every batch of a step aims at one target padded cost: the greedy one (as many of the step's
     longest item as fit the budget) or, when it balances the step clearly better, one of a few
@@ -739,28 +865,32 @@ def padded_steps(const double[::1] csorted, int64_t world, double budget, int64_
     re-cuts that tail.
 
     Args:
-        csorted: cost (a*len + b*len^2) of each item, in descending order.
+        run_costs: cost (a*len + b*len^2) of each run of equal costs, non-increasing.
+        run_ends: end position of each run (the last is the number of items n).
         world: batches per step.
         budget: hard cap on count * cost(longest).
-        ends: output, end position of each batch (capacity >= len(csorted)).
+        ends: output, end position of each batch (capacity >= n).
 
     Returns:
         tuple: (number of batches written, position where the uncut tail starts).
     """
-    cdef int64_t n = csorted.shape[0]
-    cdef int64_t p = 0, q, nb = 0, j, k, i
-    cdef double target, c0, best, r, t
-    cdef const double* cs
+    cdef int64_t n = _check_runs(run_costs, run_ends, "padded_steps")
+    cdef int64_t p = 0, q, nb = 0, j, k, i, r = 0, rq
+    cdef double target, c0, best, rt, t
+    cdef const double* rc
+    cdef const int64_t* re
     if world <= 0 or not budget > 0.0:
         raise ValueError(f"padded_steps: world={world}, budget={budget}")
     if ends.shape[0] < n:
         raise ValueError(f"padded_steps: ends has {ends.shape[0]} slots for {n} items")
     if n == 0:
         return 0, 0
-    cs = &csorted[0]
-    with nogil:  # greedy walk over a validated array; writes only into ends
+    rc = &run_costs[0]
+    re = &run_ends[0]
+    with nogil:  # greedy walk over a validated run table; writes only into ends
         while p < n:
-            c0 = cs[p]
+            r = _run_of(re, r, p)
+            c0 = rc[r]
             if c0 <= 0.0:
                 target = budget
             else:
@@ -770,7 +900,7 @@ def padded_steps(const double[::1] csorted, int64_t world, double budget, int64_
                 target = k * c0
                 if target > budget:
                     target = budget
-            best = _step_ratio(cs, n, p, world, target, budget)
+            best = _step_ratio(rc, re, r, n, p, world, target, budget)
             if best < 0.0:
                 break  # an incomplete step: the caller balances the tail
             if best > 1.0 + PADDED_GAIN:
@@ -778,13 +908,15 @@ def padded_steps(const double[::1] csorted, int64_t world, double budget, int64_
                     t = budget * (1.0 - i / PADDED_TRY_DIV)
                     if t >= target:
                         continue
-                    r = _step_ratio(cs, n, p, world, t, budget)
-                    if r >= 0.0 and r < best - PADDED_GAIN:
-                        best = r
+                    rt = _step_ratio(rc, re, r, n, p, world, t, budget)
+                    if rt >= 0.0 and rt < best - PADDED_GAIN:
+                        best = rt
                         target = t
             q = p
+            rq = r
             for j in range(world):
-                k = _take(cs[q], target, budget, n - q)
+                rq = _run_of(re, rq, q)
+                k = _take(rc[rq], target, budget, n - q)
                 q += k
                 ends[nb] = q
                 nb += 1
@@ -792,26 +924,31 @@ def padded_steps(const double[::1] csorted, int64_t world, double budget, int64_
     return nb, p
 
 
-def greedy_cut(const double[::1] csorted, int64_t p, int64_t q, double target, double budget,
-               int64_t[::1] ends, int64_t max_batches):
-    """Cut csorted[p:q] into batches aiming at ``target`` (capped by ``budget``).
+def greedy_cut(const double[::1] run_costs, const int64_t[::1] run_ends, int64_t p, int64_t q, double target,
+               double budget, int64_t[::1] ends, int64_t max_batches):
+    """Cut positions [p, q) of a run table into batches aiming at ``target`` (capped by ``budget``).
 
     Returns:
         int: the number of batches, or ``max_batches + 1`` as soon as more would be needed (only
         the first max_batches ends are written).
     """
-    cdef int64_t n = csorted.shape[0]
-    cdef int64_t nb = 0, k
+    cdef int64_t n = _check_runs(run_costs, run_ends, "greedy_cut")
+    cdef int64_t nb = 0, k, r = 0
     if p < 0 or q > n or p > q:
         raise ValueError(f"greedy_cut: bad range [{p}, {q}) of {n}")
     if ends.shape[0] < max_batches:
         raise ValueError("greedy_cut: ends too small")
+    if p == q:
+        return 0
+    cdef const double* rc = &run_costs[0]
+    cdef const int64_t* re = &run_ends[0]
     with nogil:  # greedy walk; writes only the first max_batches ends
         while p < q:
             if nb >= max_batches:
                 nb = max_batches + 1
                 break
-            k = _take(csorted[p], target, budget, q - p)
+            r = _run_of(re, r, p)
+            k = _take(rc[r], target, budget, q - p)
             p += k
             ends[nb] = p
             nb += 1
@@ -897,16 +1034,34 @@ DEF INT32_MAX = 2147483647
 
 
 cdef inline int64_t _packed_tmp_words(int64_t n, int64_t world, int64_t nsteps) noexcept nogil:
-    """int64 words of _packed's tmp: step_cost, heap, cnt, off, perm, tile, then int32 step_of."""
-    return n + 3 * world + (DEAL_TILE + 2) * nsteps + 1 + (n + 1) // 2
+    """int64 words of _packed's tmp: step_cost, heap, cnt, off, perm, tile, the tile's costs,
+    then int32 step_of."""
+    return n + 3 * world + (2 * DEAL_TILE + 2) * nsteps + 1 + (n + 1) // 2
 
 
-cdef int64_t _packed(const double* cs, int64_t n, bint shuffle, uint64_t seed, int64_t world,
-                     double budget, int64_t nsteps, int32_t* step_items, int64_t* step_slot,
-                     int64_t* tmp) noexcept nogil:
+cdef inline int64_t _fill_costs(const double* rc, const int64_t* re, int64_t r, int64_t p, int64_t q,
+                                double* out) noexcept nogil:
+    """out[i - p] = cost of position i for i in [p, q), from the run table (r: a run at or before
+    p's). Returns the run holding q - 1."""
+    cdef int64_t e, i
+    while p < q:
+        r = _run_of(re, r, p)
+        e = re[r] if re[r] < q else q
+        for i in range(p, e):
+            out[i - p] = rc[r]
+        out += e - p
+        p = e
+    return r
+
+
+cdef int64_t _packed(const double* rc, const int64_t* re, int64_t n, bint shuffle, uint64_t seed,
+                     int64_t world, double budget, int64_t nsteps, int32_t* step_items,
+                     int64_t* step_slot, int64_t* tmp) noexcept nogil:
     """Deal positions of the longest-first order into slots ``step * world + bin``.
 
-    On return, step_items[k] is a position (cs[pos] is non-increasing in pos) and step_slot[k]
+    The costs come as a run table (rc, re; see padded mode): a window of a few blocks' costs is
+    expanded at a time, so no per-item cost array of the whole epoch is needed.
+    On return, step_items[k] is a position (costs are non-increasing in pos) and step_slot[k]
     its slot, for k in range(n). Positions, not item ids: each step's items come out of the
     bucketing in increasing position, i.e. longest first, with no per-step sort.
     tmp holds _packed_tmp_words(n, world, nsteps) int64 of scratch. Positions are int32 (the
@@ -919,8 +1074,9 @@ cdef int64_t _packed(const double* cs, int64_t n, bint shuffle, uint64_t seed, i
     cdef int64_t* off = tmp + n + 3 * world
     cdef int64_t* perm = off + nsteps + 1
     cdef int64_t* tile = perm + nsteps
-    cdef int32_t* step_of = <int32_t*>(tile + DEAL_TILE * nsteps)  # the drain's map
-    cdef int64_t i, s, si, size, nleft, step, rr = 0, k, j, pos, base, b, kb
+    cdef double* wcost = <double*>(tile + DEAL_TILE * nsteps)  # costs of the current tile's positions
+    cdef int32_t* step_of = <int32_t*>(wcost + DEAL_TILE * nsteps)  # the drain's map
+    cdef int64_t i, s, si, size, nleft, step, rr = 0, k, j, pos, base, b, kb, run = 0
     cdef int64_t nfull = n // nsteps
     cdef int64_t rem = n - nfull * nsteps
     cdef Rng r
@@ -946,10 +1102,11 @@ cdef int64_t _packed(const double* cs, int64_t n, bint shuffle, uint64_t seed, i
     for s in range(nsteps):
         off[s + 1] += off[s]
     base = nfull * nsteps
+    _fill_costs(rc, re, 0, base, n, wcost)  # rem < nsteps positions
     for j in range(rem):
         si = off[perm[j]] + nfull
         step_items[si] = <int32_t>(base + j)
-        step_cost[si] = cs[base + j]
+        step_cost[si] = wcost[j]
     # Full blocks, DEAL_TILE blocks at a time. For each block a random permutation says which
     # item (offset j in the block) goes to step s: tile[b * nsteps + s] = j. Walking steps in the
     # outer loop writes DEAL_TILE consecutive slots of each step at once; walking items instead
@@ -965,12 +1122,13 @@ cdef int64_t _packed(const double* cs, int64_t n, bint shuffle, uint64_t seed, i
                 tile[b * nsteps + s] = s
             if shuffle:
                 _fisher_yates(tile + b * nsteps, nsteps, &r)
+        run = _fill_costs(rc, re, run, k * nsteps, (k + kb) * nsteps, wcost)
         for s in range(nsteps):
             si = off[s] + k
             for b in range(kb):
-                pos = (k + b) * nsteps + tile[b * nsteps + s]
-                step_items[si + b] = <int32_t>pos
-                step_cost[si + b] = cs[pos]
+                j = b * nsteps + tile[b * nsteps + s]
+                step_items[si + b] = <int32_t>(k * nsteps + j)
+                step_cost[si + b] = wcost[j]
         k += kb
 
     # Phase 3: longest first to the least-loaded open bin. An item that fits no bin is left over
@@ -1013,11 +1171,14 @@ cdef int64_t _packed(const double* cs, int64_t n, bint shuffle, uint64_t seed, i
     return step
 
 
-def packed_plan(const double[::1] cs, int64_t world, double budget, int64_t nsteps, object seed):
+def packed_plan(const double[::1] run_costs, const int64_t[::1] run_ends, int64_t world, double budget,
+                int64_t nsteps, object seed):
     """Deal items to (step, rank) bins: equal-cost steps, longest first to the least-loaded rank.
 
     Args:
-        cs: per-item cost (a*len + b*len^2) in longest-first order: finite, >= 0, non-increasing.
+        run_costs: cost (a*len + b*len^2) of each run of equal costs in longest-first order,
+            non-increasing (see padded_steps).
+        run_ends: end position of each run (the last is the number of items).
         world: ranks (bins per step).
         budget: hard cap on a bin's total cost (an item over it gets a bin of its own).
         nsteps: planned number of steps (>= 1); a few more are added for items that fit no bin.
@@ -1029,7 +1190,7 @@ def packed_plan(const double[::1] cs, int64_t world, double budget, int64_t nste
         with the sort's order; only the rank's own share needs mapping) grouped by slot
         ``step * world + bin``; ``bounds`` has ``steps * world + 1`` offsets into items.
     """
-    cdef int64_t n = cs.shape[0]
+    cdef int64_t n = _check_runs(run_costs, run_ends, "packed_plan")
     cdef int64_t i, steps, s, nslots
     cdef bint shuffle = seed is not None
     cdef uint64_t useed = 0 if seed is None else <uint64_t>seed
@@ -1039,9 +1200,6 @@ def packed_plan(const double[::1] cs, int64_t world, double budget, int64_t nste
         raise ValueError("packed_plan: no items")
     if n > INT32_MAX:
         raise ValueError(f"packed_plan: {n} items; packed mode plans at most {INT32_MAX}")
-    for i in range(n):
-        if not (cs[i] >= 0.0) or (i > 0 and cs[i] > cs[i - 1]):
-            raise ValueError(f"packed_plan: at position {i}, cs is negative, NaN or not non-increasing")
     cdef int64_t ntmp = _packed_tmp_words(n, world, nsteps)
     cdef bint owned
     # One block of kept scratch (see _scratch_get): the deal's tmp, then step_slot and the int32
@@ -1056,7 +1214,8 @@ def packed_plan(const double[::1] cs, int64_t world, double budget, int64_t nste
         items_a = empty(n, np.int64)
         items = items_a
         with nogil:  # the whole deal runs on validated arrays and scratch we hold
-            steps = _packed(&cs[0], n, shuffle, useed, world, budget, nsteps, step_items, step_slot, tmp)
+            steps = _packed(&run_costs[0], &run_ends[0], n, shuffle, useed, world, budget, nsteps, step_items,
+                            step_slot, tmp)
         nslots = steps * world
         bounds_a = np.zeros(nslots + 1, dtype=np.int64)
         bounds = bounds_a
@@ -1183,121 +1342,120 @@ def gather_batches(const int64_t[::1] items, const int64_t[::1] bounds, const in
     return out_items, out_bounds
 
 
-def padded_min_padding_cut(const double[::1] csorted, double budget, double batch_penalty, int64_t[::1] ends):
-    """Cut items (costs sorted longest first) into batches that minimise padding + a cost per batch.
+cdef inline double _batch_value(double fi, int64_t i, int64_t j, double c, double pre_i, double pre_j,
+                                double budget, double batch_penalty) noexcept nogil:
+    """The program's value at j through a batch [i, j) of longest cost c (pre_*: sums of the
+    costs before i and j)."""
+    cdef double v = (j - i) * c  # the batch's padded cost
+    if v > 0.0:
+        return fi + v - (pre_j - pre_i) + batch_penalty * (budget / v) * (budget / v)
+    return fi + batch_penalty
+
+
+cdef int64_t _min_padding_dp(const double* rc, const int64_t* re, int64_t nr, int64_t n, double budget,
+                             double batch_penalty, int64_t* ends, double* f, int64_t* prev) noexcept nogil:
+    """The program of padded_min_padding_cut on a validated run table; f and prev hold n + 1
+    entries each. Returns the number of batches written to ends."""
+    cdef int64_t i, j, e, k, rj, cur = 0, nb = 0
+    cdef double c, v, w, pre_i, pre_run = 0.0
+    f[0] = 0.0
+    for i in range(1, n + 1):
+        f[i] = INFINITY
+    for i in range(n):
+        if f[i] == INFINITY:
+            continue  # no batch ends here: not a run end, nor the fullest end of any batch
+        while re[cur] <= i:
+            pre_run += (re[cur] - (re[cur - 1] if cur > 0 else 0)) * rc[cur]
+            cur += 1
+        c = rc[cur]
+        if c <= 0.0:
+            k = n - i  # zero-cost items pad to nothing: one batch takes them all
+        else:
+            k = <int64_t>(budget / c)
+            if k < 1:
+                k = 1
+            if k > n - i:
+                k = n - i
+        e = i + k
+        # The sum of costs before i: runs before cur (pre_run) plus i's offset in its run. A
+        # batch [i, j) pads (j - i) * c minus the costs in it.
+        pre_i = pre_run + (i - (re[cur - 1] if cur > 0 else 0)) * c
+        rj = cur
+        v = pre_run  # the sum of costs before run rj's start
+        while True:
+            j = re[rj]
+            if j >= e:
+                # The fullest end (inside run rj, or its end).
+                v = _batch_value(f[i], i, e, c, pre_i, v + (e - (re[rj - 1] if rj > 0 else 0)) * rc[rj],
+                                 budget, batch_penalty)
+                if v < f[e]:
+                    f[e] = v
+                    prev[e] = i
+                break
+            v += (j - (re[rj - 1] if rj > 0 else 0)) * rc[rj]  # now the sum of costs before j
+            w = _batch_value(f[i], i, j, c, pre_i, v, budget, batch_penalty)
+            if w < f[j]:
+                f[j] = w
+                prev[j] = i
+            rj += 1
+    # Walk back from n, then reverse the ends in place.
+    j = n
+    while j > 0:
+        ends[nb] = j
+        nb += 1
+        j = prev[j]
+    i = 0
+    k = nb - 1
+    while i < k:
+        e = ends[i]
+        ends[i] = ends[k]
+        ends[k] = e
+        i += 1
+        k -= 1
+    return nb
+
+
+def padded_min_padding_cut(const double[::1] run_costs, const int64_t[::1] run_ends, double budget,
+                           double batch_penalty, int64_t[::1] ends):
+    """Cut items (a run table of costs, longest first) into batches that minimise padding + a
+    cost per batch.
 
     A dynamic program over cut positions: a batch [i, j) costs its padding
-    ``(j - i) * cs[i] - sum(cs[i:j])`` plus ``batch_penalty * (budget / padded)**2`` (``padded`` =
-    ``(j - i) * cs[i]``; small batches make uneven steps, so they are priced up) and must keep
-    ``padded <= budget`` (one item alone may exceed it). Only cuts at the end of a run
-    of equal costs or at the fullest end are tried: an end strictly inside a run pads nothing
-    less than the run's end would, and the fullest end is what the greedy cut takes. This keeps
-    the program linear in practice (few run ends fall in one batch's window).
+    ``(j - i) * cost(i) - sum(cost[i:j])`` plus ``batch_penalty * (budget / padded)**2``
+    (``padded`` = ``(j - i) * cost(i)``; small batches make uneven steps, so they are priced up)
+    and must keep ``padded <= budget`` (one item alone may exceed it). Only cuts at the end of a
+    run of equal costs or at the fullest end are tried: an end strictly inside a run pads nothing
+    less than the run's end would, and the fullest end is what the greedy cut takes.
+
+    The costs come as a run table, so the program needs two arrays of n + 1 entries (value and
+    predecessor per position, in the kept scratch) and no per-item costs or prefix sums.
 
     Args:
-        csorted: cost of each item, non-increasing, >= 0.
+        run_costs: cost of each run of equal costs, non-increasing, >= 0.
+        run_ends: end position of each run (the last is the number of items n).
         budget: hard cap on count * cost(longest).
         batch_penalty: padding (in cost units) that one full batch fewer is worth.
-        ends: output, end position of each batch (capacity >= len(csorted)).
+        ends: output, end position of each batch (capacity >= n).
 
     Returns:
         int: the number of batches written to ends.
     """
-    cdef int64_t n = csorted.shape[0]
+    cdef int64_t n = _check_runs(run_costs, run_ends, "padded_min_padding_cut")
     cdef int64_t nb = 0
+    cdef bint owned
     if not budget > 0.0 or not batch_penalty >= 0.0:
         raise ValueError(f"padded_min_padding_cut: budget={budget}, batch_penalty={batch_penalty}")
     if ends.shape[0] < n:
         raise ValueError(f"padded_min_padding_cut: ends has {ends.shape[0]} slots for {n} items")
     if n == 0:
         return 0
-    cdef bint owned
-    # f, prev, pre, nxt: n + 1 entries each, in the kept scratch (see _scratch_get).
-    cdef int64_t* prev = <int64_t*>_scratch_get(4 * (n + 1) * sizeof(int64_t), &owned)
-    cdef int64_t* nxt = prev + (n + 1)
-    cdef double* f = <double*>(prev + 2 * (n + 1))
-    cdef double* pre = <double*>(prev + 3 * (n + 1))
-    cdef const double* cs = &csorted[0]
+    # f and prev: n + 1 entries each, in the kept scratch (see _scratch_get).
+    cdef double* f = <double*>_scratch_get(2 * (n + 1) * sizeof(double), &owned)
+    cdef int64_t* prev = <int64_t*>(f + (n + 1))
     try:
-        nb = _min_padding_dp(cs, n, budget, batch_penalty, &ends[0], prev, nxt, f, pre)
+        with nogil:  # the program over the validated run table and scratch we hold
+            nb = _min_padding_dp(&run_costs[0], &run_ends[0], run_costs.shape[0], n, budget, batch_penalty,
+                                 &ends[0], f, prev)
     finally:
-        _scratch_put(prev, owned)
-    if nb < 0:
-        raise ValueError(f"padded_min_padding_cut: at position {-nb - 1}, costs are negative, NaN or rising")
-    return nb
-
-
-cdef int64_t _min_padding_dp(const double* cs, int64_t n, double budget, double batch_penalty,
-                             int64_t* ends, int64_t* prev, int64_t* nxt, double* f,
-                             double* pre) noexcept:
-    """The dynamic program of padded_min_padding_cut; -1 - i when cs is bad at position i."""
-    cdef int64_t i, j, e, k, nb = 0
-    cdef double c, v, si
-    cdef int64_t bad = -1
-    with nogil:  # dynamic program over arrays we own and the costs, checked in the first pass
-        # One pass checks the costs, sums the prefix and marks every position unreached (fewer
-        # passes over memory: this runs on every epoch's plan).
-        pre[0] = 0.0
-        f[0] = INFINITY
-        for i in range(n):
-            if not (cs[i] >= 0.0) or (i > 0 and cs[i] > cs[i - 1]):
-                bad = i
-                break
-            pre[i + 1] = pre[i] + cs[i]
-            f[i + 1] = INFINITY
-    if bad >= 0:
-        return -1 - bad
-    with nogil:  # dynamic program over validated costs and scratch we hold
-        # nxt[i]: the end of the run of equal costs that holds position i (the first position
-        # after i whose cost differs, or n).
-        nxt[n] = n
-        nxt[n - 1] = n
-        i = n - 2
-        while i >= 0:
-            nxt[i] = nxt[i + 1] if cs[i] == cs[i + 1] else i + 1
-            i -= 1
-        f[0] = 0.0
-        for i in range(n):
-            if f[i] == INFINITY:
-                continue  # no batch ends here: not a run end, nor the fullest end of any batch
-            c = cs[i]
-            if c <= 0.0:
-                k = n - i  # zero-cost items pad to nothing: one batch takes them all
-            else:
-                k = <int64_t>(budget / c)
-                if k < 1:
-                    k = 1
-                if k > n - i:
-                    k = n - i
-            e = i + k
-            si = pre[i]
-            j = nxt[i]
-            while True:
-                if j > e:
-                    j = e
-                v = (j - i) * c  # the batch's padded cost
-                if v > 0.0:
-                    v = f[i] + v - (pre[j] - si) + batch_penalty * (budget / v) * (budget / v)
-                else:
-                    v = f[i] + batch_penalty
-                if v < f[j]:
-                    f[j] = v
-                    prev[j] = i
-                if j >= e:
-                    break
-                j = nxt[j]
-        # Walk back from n, then reverse the ends in place.
-        j = n
-        while j > 0:
-            ends[nb] = j
-            nb += 1
-            j = prev[j]
-        i = 0
-        k = nb - 1
-        while i < k:
-            e = ends[i]
-            ends[i] = ends[k]
-            ends[k] = e
-            i += 1
-            k -= 1
+        _scratch_put(f, owned)
     return nb

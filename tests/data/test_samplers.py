@@ -56,10 +56,49 @@ def test_argsort_is_a_stable_sort(kind, descending):
 @pytest.mark.parametrize(
     "keys", [np.array([3.0, 1.0, 3.0, 0.0, 2.0, 1.0]), np.array([0.5, -2.0, 0.5, 1e300, -0.0])]
 )
-def test_sort_desc_returns_order_and_sorted_keys(keys):
-    order, sk = P.sort_desc(keys)
+def test_sort_desc_returns_the_stable_descending_order(keys):
+    assert np.array_equal(P.sort_desc(keys), np.argsort(-keys, kind="stable"))
+
+
+def _runs_oracle(sorted_keys):
+    change = np.flatnonzero(sorted_keys[1:] != sorted_keys[:-1]) + 1
+    ends = np.append(change, sorted_keys.shape[0]).astype(np.int64)
+    return sorted_keys[ends - 1], ends
+
+
+@pytest.mark.parametrize("kind", ["int", "float", "sparse", "one", "single"])
+def test_sort_desc_runs_gives_the_order_and_its_run_table(kind):
+    rng = np.random.default_rng(3)
+    keys = {
+        "int": rng.integers(0, 40, 2000).astype(np.float64),  # from the counting sort's buckets
+        "float": np.round(rng.standard_normal(2000), 1),  # radix sort, then a scan
+        "sparse": rng.integers(0, 2**40, 2000).astype(np.float64),
+        "one": np.full(50, 7.0),
+        "single": np.array([3.0]),
+    }[kind]
+    order, run_keys, run_ends = P.sort_desc_runs(keys)
     assert np.array_equal(order, np.argsort(-keys, kind="stable"))
-    assert np.array_equal(sk, keys[order])
+    ref_k, ref_e = _runs_oracle(keys[order])
+    assert np.array_equal(run_keys, ref_k) and np.array_equal(run_ends, ref_e)
+    # key_runs gives the same table from an order, or from keys already sorted.
+    for k, e in (P.key_runs(keys, order), P.key_runs(keys[order])):
+        assert np.array_equal(k, run_keys) and np.array_equal(e, run_ends)
+
+
+def test_run_tables_are_checked():
+    ends = np.empty(8, dtype=np.int64)
+    rising = "run 1 has cost 6.0; costs must be finite, >= 0 and non-increasing"
+    with pytest.raises(ValueError, match=f"padded_steps: {rising}"):
+        P.padded_steps(np.array([5.0, 6.0]), np.array([2, 4]), 2, 10.0, ends)
+    with pytest.raises(ValueError, match="greedy_cut: run 0 has cost nan"):
+        P.greedy_cut(np.array([np.nan]), np.array([2]), 0, 2, 5.0, 10.0, ends, 8)
+    repeated = "run 1 ends at 2; run ends must be positive and increasing"
+    with pytest.raises(ValueError, match=f"padded_min_padding_cut: {repeated}"):
+        P.padded_min_padding_cut(np.array([5.0, 4.0]), np.array([2, 2]), 10.0, 1.0, ends)
+    with pytest.raises(ValueError, match="packed_plan: 2 run costs but 1 run ends"):
+        P.packed_plan(np.array([5.0, 4.0]), np.array([2]), 2, 10.0, 1, None)
+    with pytest.raises(ValueError, match=r"key_runs: order\[0\] = 5 is outside \[0, 2\)"):
+        P.key_runs(np.zeros(2), np.array([5], dtype=np.int64))
 
 
 def test_permutation_is_seeded_and_complete():
@@ -143,7 +182,7 @@ def _lpt_oracle(costs_desc, world):
 def test_packed_plan_matches_a_python_longest_first_deal():
     lens = np.sort(_lens(500, 4).astype(np.float64))[::-1].copy()
     desc = np.arange(500, dtype=np.int64)
-    items, bounds, steps = P.packed_plan(lens, 7, 1e12, 1, None)
+    items, bounds, steps = P.packed_plan(*P.key_runs(lens), 7, 1e12, 1, None)
     items = desc[items]
     assert steps == 1
     loads = sorted(lens[items[bounds[j] : bounds[j + 1]]].sum() for j in range(7))
@@ -157,7 +196,7 @@ def test_packed_plan_respects_the_budget_and_places_every_item():
     desc = rng.permutation(4000).astype(np.int64)
     cost = np.empty(4000)
     cost[desc] = lens
-    items, bounds, steps = P.packed_plan(lens, 5, 200.0, 30, 11)
+    items, bounds, steps = P.packed_plan(*P.key_runs(lens), 5, 200.0, 30, 11)
     items = desc[items]
     assert np.array_equal(np.sort(items), np.arange(4000))
     for j in range(steps * 5):
@@ -168,7 +207,7 @@ def test_packed_plan_respects_the_budget_and_places_every_item():
 def test_padded_steps_cap_and_contiguity():
     cs = np.sort(_lens(3000, 6).astype(np.float64))[::-1].copy()
     ends = np.empty(3000, dtype=np.int64)
-    nb, p = P.padded_steps(cs, 4, 1000.0, ends)
+    nb, p = P.padded_steps(*P.key_runs(cs), 4, 1000.0, ends)
     assert nb % 4 == 0 and 0 < p <= 3000
     starts = np.concatenate([[0], ends[: nb - 1]])
     assert np.all(ends[:nb] > starts)
@@ -204,18 +243,59 @@ def test_padded_steps_group_batches_of_similar_cost():
 
 def test_min_padding_cut_ends_batches_where_lengths_change():
     cs = np.array([5.0] * 3 + [4.0] * 4 + [3.0] * 5)
+    runs = P.key_runs(cs)
     ends = np.empty(12, dtype=np.int64)
     # The greedy cut (4 x 5, 5 x 4, 3 x 3) pads 3; runs of one length fit the budget whole.
-    assert P.padded_min_padding_cut(cs, 20.0, 1.0, ends) == 3
+    assert P.padded_min_padding_cut(*runs, 20.0, 1.0, ends) == 3
     assert ends[:3].tolist() == [3, 7, 12]
     # A high price per batch buys fewer batches with padding; the cap still holds.
-    nb = P.padded_min_padding_cut(cs, 20.0, 1e6, ends)
+    nb = P.padded_min_padding_cut(*runs, 20.0, 1e6, ends)
     starts = np.concatenate([[0], ends[: nb - 1]])
     assert nb == 3 and ends[nb - 1] == 12 and np.all((ends[:nb] - starts) * cs[starts] <= 20.0)
-    with pytest.raises(ValueError, match="at position 3, costs are negative, NaN or rising"):
-        P.padded_min_padding_cut(np.array([5.0, 5.0, 4.0, 6.0]), 20.0, 1.0, ends)
     with pytest.raises(ValueError, match="padded_min_padding_cut: budget=0.0, batch_penalty=1.0"):
-        P.padded_min_padding_cut(cs, 0.0, 1.0, ends)
+        P.padded_min_padding_cut(*runs, 0.0, 1.0, ends)
+    with pytest.raises(ValueError, match="padded_min_padding_cut: ends has 11 slots for 12 items"):
+        P.padded_min_padding_cut(*runs, 20.0, 1.0, ends[:11])
+
+
+def _min_padding_oracle(cs, budget, penalty):
+    """The minimum-padding program over every position, one item at a time (slow, obvious)."""
+    n = cs.shape[0]
+    pre = np.concatenate([[0.0], np.cumsum(cs)])
+    run_end = {int(e) for e in np.flatnonzero(np.diff(cs) != 0) + 1} | {n}
+    f = [0.0] + [np.inf] * n
+    prev = [0] * (n + 1)
+    for i in range(n):
+        if f[i] == np.inf:
+            continue
+        c = cs[i]
+        k = n - i if c <= 0 else min(max(int(budget // c), 1), n - i)
+        for j in range(i + 1, i + k + 1):
+            if j != i + k and j not in run_end:
+                continue
+            v = (j - i) * c
+            val = f[i] + v - (pre[j] - pre[i]) + penalty * (budget / v) ** 2 if v > 0 else f[i] + penalty
+            if val < f[j]:
+                f[j], prev[j] = val, i
+    ends, j = [], n
+    while j > 0:
+        ends.append(j)
+        j = prev[j]
+    return ends[::-1]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_min_padding_cut_matches_a_per_item_program(seed):
+    # The compiled program works on the run table (values per run end and per fullest end); the
+    # oracle on every position. Integer costs keep both sums exact.
+    rng = np.random.default_rng(seed)
+    hi = [5, 40, 400, 3000, 40, 2][seed]
+    cs = np.sort(rng.integers(0, hi, int(rng.integers(1, 400))).astype(np.float64))[::-1].copy()
+    budget = float(rng.choice([50.0, 500.0, 4000.0]))
+    ends = np.empty(cs.shape[0], dtype=np.int64)
+    for penalty in (0.0, budget / 1000, budget / 10, budget * 10):
+        nb = P.padded_min_padding_cut(*P.key_runs(cs), budget, penalty, ends)
+        assert ends[:nb].tolist() == _min_padding_oracle(cs, budget, penalty)
 
 
 def test_padded_mode_cuts_where_lengths_change(monkeypatch):
@@ -232,16 +312,16 @@ def test_padded_mode_cuts_where_lengths_change(monkeypatch):
 def test_kernels_reject_bad_arrays():
     with pytest.raises(ValueError, match=r"argsort: order_in\[1\] = 9 is outside \[0, 3\)"):
         P.argsort(np.zeros(3), np.array([0, 9], dtype=np.int64))
-    with pytest.raises(ValueError, match="at position 1, cs is negative, NaN or not non-increasing"):
-        P.packed_plan(np.array([1.0, 2.0]), 2, 10.0, 1, None)
+    rising = "packed_plan: run 1 has cost 2.0; costs must be finite, >= 0 and non-increasing"
+    with pytest.raises(ValueError, match=rising):
+        P.packed_plan(np.array([1.0, 2.0]), np.array([1, 2]), 2, 10.0, 1, None)
     with pytest.raises(ValueError, match=r"rank_stream: rank 2 outside \[0, 2\)"):
         P.rank_stream(np.zeros(4, dtype=np.int64), np.arange(2), np.zeros(2, dtype=np.int64), 2, 2)
-    # Packed positions are int32: more than 2^31 - 1 items is refused before any item is read (a
-    # view that claims 2^31 items over 8 real bytes; reading it would be out of bounds).
-    huge = np.lib.stride_tricks.as_strided(np.zeros(1), shape=(2**31,), strides=(8,), writeable=False)
+    # Packed positions are int32: more than 2^31 - 1 items is refused before any scratch is taken
+    # (a run table of one run of 2^31 items).
     msg = r"packed_plan: 2147483648 items; packed mode plans at most 2147483647"
     with pytest.raises(ValueError, match=msg):
-        P.packed_plan(huge, 2, 10.0, 1, None)
+        P.packed_plan(np.array([1.0]), np.array([2**31]), 2, 10.0, 1, None)
 
 
 # --------------------------------------------------------------------------- plain sampler
@@ -602,7 +682,7 @@ def test_defaults_come_from_an_initialized_process_group(tmp_path):
 def test_planning_releases_the_gil():
     import threading
 
-    lens = np.sort(_lens(1_000_000, 30).astype(np.float64))[::-1].copy()
+    runs = P.key_runs(np.sort(_lens(1_000_000, 30).astype(np.float64))[::-1].copy())
     count = 0
     stop = threading.Event()
 
@@ -617,7 +697,7 @@ def test_planning_releases_the_gil():
         during = []
         for _ in range(6):  # several calls: on a loaded machine the spinner may miss one
             before = count
-            P.packed_plan(lens, 8, 2000.0, 400, 1)
+            P.packed_plan(*runs, 8, 2000.0, 400, 1)
             during.append(count - before)
     finally:
         stop.set()

@@ -30,12 +30,12 @@ def test_scratch_is_kept_huge_page_sized_and_released():
     keys = _lens(100_000).astype(np.float64)
     P.release_scratch()
     assert P.scratch_bytes() == 0
-    order, sk = P.sort_desc(keys)
+    order = P.sort_desc(keys)
     kept = P.scratch_bytes()
     assert kept >= (4 * keys.shape[0] + 2048) * 8 and kept % HUGE == 0  # 2 MiB-aligned block
-    again, sk2 = P.sort_desc(keys)
+    again = P.sort_desc(keys)
     assert P.scratch_bytes() == kept  # reused, not grown
-    assert np.array_equal(order, again) and np.array_equal(sk, sk2)
+    assert np.array_equal(order, again)
     P.release_scratch()
     assert P.scratch_bytes() == 0
 
@@ -82,23 +82,18 @@ def test_threads_planning_at_once_agree():
     assert all(got[i] == ref for i in range(3))
 
 
-def test_sort_desc_without_keys():
-    keys = np.array([2.0, 5.0, 2.0, 9.0, 0.5])
-    order, sk = P.sort_desc(keys, False)
-    assert sk is None
-    assert np.array_equal(order, np.argsort(-keys, kind="stable"))
-
-
-def test_sorted_complexities_after_the_plain_order():
+def test_run_table_after_the_plain_order():
     lens = _lens(1000, 7)
     s = LoadBalancingDistributedSampler(None, complexities=lens, num_replicas=2, rank=0)
-    list(s)  # sorts without keys
-    assert s._desc_keys is None
-    sk = s._sorted_complexities()  # then gathers them
-    assert np.array_equal(sk, lens[s._desc_order()].astype(np.float64))
+    list(s)  # sorts without a run table
+    assert s._runs is None
+    keys, ends = s._desc_runs()  # then scans the sorted order
     fresh = LoadBalancingDistributedSampler(None, complexities=lens, num_replicas=2, rank=0)
-    assert np.array_equal(fresh._sorted_complexities(), sk)  # sorted with the keys
+    fk, fe = fresh._desc_runs()  # sorted with the table
+    assert np.array_equal(fk, keys) and np.array_equal(fe, ends)
     assert np.array_equal(fresh._desc_order(), s._desc_order())
+    sk = lens[s._desc_order()]
+    assert np.array_equal(np.repeat(keys, np.diff(ends, prepend=0)), sk)
 
 
 def _rank_batches_ref(items, bounds, slots, ids):
@@ -161,8 +156,9 @@ def _record_dp(monkeypatch):
         def __getattr__(self, name):
             return getattr(real, name)
 
-        def padded_min_padding_cut(self, cs, budget, penalty, ends):
-            nb = real.padded_min_padding_cut(cs, budget, penalty, ends)
+        def padded_min_padding_cut(self, rc, re, budget, penalty, ends):
+            nb = real.padded_min_padding_cut(rc, re, budget, penalty, ends)
+            cs = np.repeat(rc, np.diff(re, prepend=0))
             starts = np.concatenate(([0], ends[: nb - 1]))
             calls.append(
                 (budget / penalty, 1.0 - cs.sum() / float(((ends[:nb] - starts) * cs[starts]).sum()))

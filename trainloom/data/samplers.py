@@ -18,7 +18,6 @@ Python only validates, chooses the policy and slices the result.
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import logging
 import math
@@ -348,7 +347,7 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
         self.num_samples = n // w if self.drop_last else -(-n // w)
         self.total_size = self.num_samples * w
         self._desc: Optional[np.ndarray] = None
-        self._desc_keys: Optional[np.ndarray] = None
+        self._runs: Optional[Tuple[np.ndarray, np.ndarray]] = None
         self._digest: Optional[str] = None
         self._cache: Optional[Tuple[int, np.ndarray, np.ndarray, np.ndarray]] = None
         self._iter: Optional[Iterator[int]] = None
@@ -359,22 +358,24 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
     def _desc_order(self) -> np.ndarray:
         """Items by complexity, largest first, ties by index (computed once, compiled sort)."""
         if self._desc is None:
-            # The plain sampler needs only the order: no array of sorted keys (fresh memory is
-            # page faults, a fair share of a 100k-item plan).
-            self._desc, _ = _P.sort_desc(self.complexities, False)
+            self._desc = _P.sort_desc(self.complexities)
             self._desc.setflags(write=False)
         return self._desc
 
-    def _sorted_complexities(self) -> np.ndarray:
-        """The complexities in ``_desc_order()`` order (the batch sampler's budget modes)."""
-        if self._desc_keys is None:
+    def _desc_runs(self) -> Tuple[np.ndarray, np.ndarray]:
+        """Runs of equal complexity in ``_desc_order()``: (complexity of each run, end position).
+
+        Padded mode plans on this table (a few thousand runs for token counts) instead of an
+        array of sorted costs: no n-sized array of fresh pages on the first plan.
+        """
+        if self._runs is None:
             if self._desc is None:
-                self._desc, self._desc_keys = _P.sort_desc(self.complexities, True)
+                self._desc, keys, ends = _P.sort_desc_runs(self.complexities)
                 self._desc.setflags(write=False)
+                self._runs = (keys, ends)
             else:
-                self._desc_keys = self.complexities[self._desc]
-            self._desc_keys.setflags(write=False)
-        return self._desc_keys
+                self._runs = _P.key_runs(self.complexities, self._desc_order())
+        return self._runs
 
     def digest(self) -> str:
         """A digest of the complexities (identifies the dataset in ``state_dict``)."""
@@ -692,7 +693,7 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         self.cost = (a, b)
         self.num_replicas = sampler.num_replicas
         self.rank = sampler.rank
-        self._cs: Optional[np.ndarray] = None
+        self._cost_run_table: Optional[Tuple[np.ndarray, np.ndarray]] = None
         self._cs_sum: Optional[float] = None
         self._plan_cache: Optional[Tuple[Tuple[Any, ...], _Plan]] = None
         self._delivered = 0
@@ -719,22 +720,20 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         self._plan_cache = (key, plan)
         return plan
 
-    def _costs_desc(self) -> np.ndarray:
-        """Cost of each item in the sampler's largest-first order (computed once)."""
-        if self._cs is None:
-            lens = self.sampler._sorted_complexities()
+    def _cost_runs(self) -> Tuple[np.ndarray, np.ndarray]:
+        """(cost of each run of equal complexity, largest first; run end positions), computed once."""
+        if self._cost_run_table is None:
+            keys, ends = self.sampler._desc_runs()
             a, b = self.cost
-            if a == 1 and b == 0:
-                self._cs = lens  # read-only, shared with the sampler: no copy of 2M floats
-            else:
-                cs = a * lens if b == 0 else a * lens + b * lens * lens
-                self._cs = np.ascontiguousarray(cs, dtype=np.float64)
-        return self._cs
+            rc = keys if a == 1 and b == 0 else (a * keys if b == 0 else a * keys + b * keys * keys)
+            self._cost_run_table = (np.ascontiguousarray(rc, dtype=np.float64), ends)
+        return self._cost_run_table
 
     def _cost_sum(self) -> float:
-        """Sum of all items' costs (computed once)."""
+        """Sum of all items' costs (computed once, from the run table)."""
         if self._cs_sum is None:
-            self._cs_sum = float(self._costs_desc().sum())
+            rc, ends = self._cost_runs()
+            self._cs_sum = float(rc @ np.diff(ends, prepend=0)) if rc.shape[0] else 0.0
         return self._cs_sum
 
     def _step_order(self, steps: int) -> Tuple[np.ndarray, np.ndarray]:
@@ -752,14 +751,14 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         budget = float(self.max_complexity)  # type: ignore[arg-type]
         c = s.complexities
         n = int(c.shape[0])
-        cs = self._costs_desc()  # first: sorts with the keys (see _sorted_complexities)
+        rc, re = self._cost_runs()
         order = _P.empty(n, np.int64)
         order[:] = s._desc_order()
         if s.shuffle:
-            # Equal keys have equal costs, so the tie shuffle keeps order aligned with cs.
+            # Equal keys have equal costs, so the tie shuffle keeps order aligned with the run table.
             _P.shuffle_runs(c, order, _seed64(s.seed, s.epoch, "ties"))
         ends = np.empty(n, dtype=np.int64)
-        nb, p = _P.padded_steps(cs, w, budget, ends)
+        nb, p = _P.padded_steps(rc, re, w, budget, ends)
         if 0 < n - p < w and nb >= w:
             # A tail shorter than a step cannot give every rank an item: re-cut the last full
             # step together with it.
@@ -768,7 +767,7 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         bounds = [0, *ends[:nb].tolist()]
         duplicates = dropped = 0
         if p < n:
-            tail = _cut_tail(cs, p, n, w, budget)
+            tail = _cut_tail(rc, re, p, n, w, budget)
             whole = len(tail) // w * w
             bounds += tail[:whole]
             if whole < len(tail):
@@ -787,9 +786,9 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
             raise ConfigError(
                 "LoadBalancingDistributedBatchSampler: the plan has no complete step (drop_last=True)"
             )
-        cut_order = order  # longest first, aligned with cs (no duplicates or drops are used below)
+        cut_order = order  # longest first, aligned with the run table (no duplicates or drops are used below)
         bounds_a = np.asarray(bounds, dtype=np.int64)
-        padded_total = float((np.diff(bounds_a) * cs[np.minimum(bounds_a[:-1], max(n - 1, 0))]).sum())
+        padded_total = float((np.diff(bounds_a) * _run_cost_at(rc, re, bounds_a[:-1])).sum())
         perm, span = self._group_by_cost(cut_order, bounds_a)
         if (
             duplicates == dropped == 0
@@ -798,7 +797,7 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         ):
             # The step-wise cut pads more than _PAD_DP_WASTE (few samples per length): try the
             # minimum-padding cut. Dense epochs (2M samples: 0.03 %) skip its extra passes.
-            alt = self._padded_min_padding(cut_order, cs, budget)
+            alt = self._padded_min_padding(cut_order, rc, re, budget)
             if alt is not None and alt[2] < span:
                 bounds_a, perm = alt[0], alt[1]
         # Only the kept plan is laid out (one gather of the items, not one per candidate).
@@ -808,7 +807,7 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         return _Plan(order, bounds_a, step_order, rot, w, duplicates, dropped)
 
     def _padded_min_padding(
-        self, order: np.ndarray, cs: np.ndarray, budget: float
+        self, order: np.ndarray, rc: np.ndarray, re: np.ndarray, budget: float
     ) -> Optional[Tuple[np.ndarray, np.ndarray, float]]:
         """The other padded plan: cuts that minimise padding, then grouped by cost: (bounds, perm, span).
 
@@ -820,13 +819,13 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         padded cost (the epoch's time). Returns None when the batches cannot fill whole steps.
         """
         w = self.num_replicas
-        n = int(cs.shape[0])
+        n = int(re[-1])
         ends = np.empty(n, dtype=np.int64)
         total = self._cost_sum()
         for div in _PAD_BATCH_PENALTY_DIVS:
-            nb = _P.padded_min_padding_cut(cs, budget, budget / div, ends)
+            nb = _P.padded_min_padding_cut(rc, re, budget, budget / div, ends)
             starts = np.concatenate(([0], ends[: nb - 1]))
-            padded = float(((ends[:nb] - starts) * cs[starts]).sum())
+            padded = float(((ends[:nb] - starts) * _run_cost_at(rc, re, starts)).sum())
             if padded <= 0 or 1.0 - total / padded <= _PAD_DP_WASTE:
                 break
         want = -(-nb // w) * w
@@ -874,12 +873,10 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         s = self.sampler
         w = self.num_replicas
         budget = float(self.max_complexity)  # type: ignore[arg-type]
-        cs = self._costs_desc()
-        n = int(cs.shape[0])
-        # sum(min(cs, budget)) without an n-sized temporary: cs is sorted descending, so the items
-        # over the budget are a prefix (found by bisection).
-        over = bisect.bisect_left(cs, -budget, key=lambda x: -x)
-        eff = self._cost_sum() - float(cs[:over].sum()) + over * budget
+        rc, re = self._cost_runs()
+        n = int(re[-1])
+        # sum(min(cost, budget)) over the items, from the run table.
+        eff = float(np.minimum(rc, budget) @ np.diff(re, prepend=0))
         # Plan each step a little under W * budget: about half an average item of slack per rank,
         # so the longest-first deal rarely leaves an item that fits no rank.
         per_bin = budget / (eff / n) if eff > 0 else float(n)
@@ -889,7 +886,7 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         seed = _seed64(s.seed, s.epoch, "stream") if s.shuffle else None
         # Positions, not ids: mapping all 2M positions is a random gather, and a rank only needs
         # to map its own share (done per batch in __iter__).
-        items, bounds, steps = _P.packed_plan(cs, w, budget, nsteps, seed)
+        items, bounds, steps = _P.packed_plan(rc, re, w, budget, nsteps, seed)
         items, bounds, duplicates, dropped = _fix_empty(items, bounds, w, self.drop_last)
         steps = (bounds.shape[0] - 1) // w
         if steps == 0:
@@ -1148,8 +1145,14 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         }
 
 
-def _cut_tail(cs: np.ndarray, p: int, q: int, world: int, budget: float) -> List[int]:
-    """Cut cs[p:q] (longest first) into whole steps of ``world`` batches of similar padded cost.
+def _run_cost_at(rc: np.ndarray, re: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Cost of the items at ``positions`` of the sorted order (clamped to the last), from the run table."""
+    return rc[np.minimum(np.searchsorted(re, positions, side="right"), rc.shape[0] - 1)]
+
+
+def _cut_tail(rc: np.ndarray, re: np.ndarray, p: int, q: int, world: int, budget: float) -> List[int]:
+    """Cut positions [p, q) of the run table (longest first) into whole steps of ``world`` batches
+    of similar padded cost.
 
     Returns the batch ends: a multiple of ``world`` of them, except when the items cannot fill
     whole steps (fewer items than batches needed), where the last step is left incomplete for the
@@ -1159,7 +1162,7 @@ def _cut_tail(cs: np.ndarray, p: int, q: int, world: int, budget: float) -> List
     if n <= world:
         return list(range(p + 1, q + 1))
     ends = np.empty(n, dtype=np.int64)
-    need = _P.greedy_cut(cs, p, q, budget, budget, ends, n)  # fewest batches the cap allows
+    need = _P.greedy_cut(rc, re, p, q, budget, budget, ends, n)  # fewest batches the cap allows
     steps = -(-need // world)
     if steps * world > n:
         return ends[:need].tolist()  # degenerate: not enough items for whole steps
@@ -1168,11 +1171,11 @@ def _cut_tail(cs: np.ndarray, p: int, q: int, world: int, budget: float) -> List
     lo, hi = 0.0, budget
     for _ in range(60):
         mid = 0.5 * (lo + hi)
-        if _P.greedy_cut(cs, p, q, mid, budget, ends, want) <= want:
+        if _P.greedy_cut(rc, re, p, q, mid, budget, ends, want) <= want:
             hi = mid
         else:
             lo = mid
-    k = _P.greedy_cut(cs, p, q, hi, budget, ends, want)
+    k = _P.greedy_cut(rc, re, p, q, hi, budget, ends, want)
     cuts = [p, *ends[:k].tolist()]
     while len(cuts) - 1 < want:
         # Split the batch with the most items (any part of a batch is within the cap).
