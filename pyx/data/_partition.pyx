@@ -12,7 +12,7 @@ small shared machines this runs on the DataLoader workers want the second core.
 """
 
 from libc.stdint cimport int32_t, int64_t, uint64_t
-from libc.stdlib cimport free, malloc, realloc
+from libc.stdlib cimport calloc, free, malloc, qsort, realloc
 from libc.math cimport INFINITY
 from libc.string cimport memcpy, memset
 from posix.stdlib cimport posix_memalign
@@ -1034,9 +1034,9 @@ DEF INT32_MAX = 2147483647
 
 
 cdef inline int64_t _packed_tmp_words(int64_t n, int64_t world, int64_t nsteps) noexcept nogil:
-    """int64 words of _packed's tmp: step_cost, heap, cnt, off, perm, tile, the tile's costs,
-    then int32 step_of."""
-    return n + 3 * world + (2 * DEAL_TILE + 2) * nsteps + 1 + (n + 1) // 2
+    """int64 words of _packed's tmp: step_cost, heap, cnt, bin_start, off, perm, tile, the tile's
+    costs, then one step's bins (bin_of) and the per-slot counts of the planned steps."""
+    return n + 4 * world + (2 * DEAL_TILE + 2) * nsteps + 1 + (n // nsteps + 1) + nsteps * world
 
 
 cdef inline int64_t _fill_costs(const double* rc, const int64_t* re, int64_t r, int64_t p, int64_t q,
@@ -1054,29 +1054,44 @@ cdef inline int64_t _fill_costs(const double* rc, const int64_t* re, int64_t r, 
     return r
 
 
+cdef int _cmp_int64(const void* a, const void* b) noexcept nogil:
+    cdef int64_t x = (<const int64_t*>a)[0]
+    cdef int64_t y = (<const int64_t*>b)[0]
+    return (x > y) - (x < y)
+
+
 cdef int64_t _packed(const double* rc, const int64_t* re, int64_t n, bint shuffle, uint64_t seed,
                      int64_t world, double budget, int64_t nsteps, int32_t* step_items,
-                     int64_t* step_slot, int64_t* tmp) noexcept nogil:
+                     int64_t* tmp, int64_t* out_items, int64_t** drain_counts) noexcept nogil:
     """Deal positions of the longest-first order into slots ``step * world + bin``.
 
     The costs come as a run table (rc, re; see padded mode): a window of a few blocks' costs is
     expanded at a time, so no per-item cost array of the whole epoch is needed.
-    On return, step_items[k] is a position (costs are non-increasing in pos) and step_slot[k]
-    its slot, for k in range(n). Positions, not item ids: each step's items come out of the
-    bucketing in increasing position, i.e. longest first, with no per-step sort.
-    tmp holds _packed_tmp_words(n, world, nsteps) int64 of scratch. Positions are int32 (the
-    caller checks n < 2^31): at 2M items that is 16 MB less memory to fault in on a first plan.
-    Returns the number of steps used.
+    Each step's items are written to out_items as soon as the step is dealt, grouped by bin
+    (slot order), each bin in increasing position, i.e. longest first: positions, not item ids,
+    so no per-step sort. The planned steps' per-slot counts are left in tmp (see
+    _packed_tmp_words); the items that fit no bin of their step are dealt to extra steps at the
+    end, whose per-slot counts go to a malloc'd array in drain_counts[0] (the caller frees it).
+    step_items is int32 scratch of n entries (positions are int32: the caller checks n < 2^31).
+    Returns the number of steps used, or -1 when out of memory.
     """
     cdef double* step_cost = <double*>tmp
     cdef Bin* heap = <Bin*>(tmp + n)  # Bin is 2 int64 wide: 2 * world slots
     cdef int64_t* cnt = tmp + n + 2 * world
-    cdef int64_t* off = tmp + n + 3 * world
+    cdef int64_t* bin_start = tmp + n + 3 * world
+    cdef int64_t* off = tmp + n + 4 * world
     cdef int64_t* perm = off + nsteps + 1
     cdef int64_t* tile = perm + nsteps
     cdef double* wcost = <double*>(tile + DEAL_TILE * nsteps)  # costs of the current tile's positions
-    cdef int32_t* step_of = <int32_t*>(wcost + DEAL_TILE * nsteps)  # the drain's map
-    cdef int64_t i, s, si, size, nleft, step, rr = 0, k, j, pos, base, b, kb, run = 0
+    cdef int64_t* bin_of = <int64_t*>(wcost + DEAL_TILE * nsteps)  # the bin of each item of a step
+    cdef int64_t* counts = bin_of + (n // nsteps + 1)  # items per slot of the planned steps
+    cdef int64_t i, s, si, size, nleft, step, rr = 0, k, j, pos, base, b, kb, run = 0, lo, hi, wpos
+    cdef int64_t left_cap = 0, dcap = 0, ndslots
+    cdef int64_t* left = NULL  # step-array indices of the items left over, in increasing order
+    cdef int64_t* grown
+    cdef int64_t* dcounts = NULL
+    cdef int64_t* lkey = NULL
+    cdef int64_t* lslot = NULL
     cdef int64_t nfull = n // nsteps
     cdef int64_t rem = n - nfull * nsteps
     cdef Rng r
@@ -1132,42 +1147,106 @@ cdef int64_t _packed(const double* rc, const int64_t* re, int64_t n, bint shuffl
         k += kb
 
     # Phase 3: longest first to the least-loaded open bin. An item that fits no bin is left over
-    # (slot -1) for the drain below, never carried into the next step: carrying made the work
-    # quadratic when items are coarse relative to the budget.
+    # for the drain below, never carried into the next step: carrying made the work quadratic
+    # when items are coarse relative to the budget. Each step is written out by bin as soon as it
+    # is dealt (a counting sort of the step's items by bin), so no per-item slot array is kept.
     nleft = 0
+    wpos = 0
     for step in range(nsteps):
         _reset_bins(heap, cnt, world)
         size = world
-        for si in range(off[step], off[step + 1]):
-            if _try_place(si, step_cost[si], budget, heap, &size, cnt, &rr, world, step * world,
-                          step_slot):
-                step_slot[si] = -1
+        lo = off[step]
+        hi = off[step + 1]
+        for si in range(lo, hi):
+            if _try_place(si - lo, step_cost[si], budget, heap, &size, cnt, &rr, world, 0, bin_of):
+                bin_of[si - lo] = -1
+                if nleft == left_cap:
+                    left_cap = 2 * left_cap + 256
+                    grown = <int64_t*>realloc(left, left_cap * sizeof(int64_t))
+                    if grown == NULL:
+                        free(left)
+                        return -1
+                    left = grown
+                left[nleft] = si
                 nleft += 1
+        for b in range(world):
+            counts[step * world + b] = cnt[b]
+            bin_start[b] = wpos
+            wpos += cnt[b]
+        for si in range(lo, hi):
+            b = bin_of[si - lo]
+            if b >= 0:
+                out_items[bin_start[b]] = step_items[si]
+                bin_start[b] += 1
 
-    # Drain: the left-over items, longest first, in extra steps. A step closes at the first item
-    # that fits none of its bins, which then opens the next step (an item always fits an empty
-    # step), so this stays linear.
+    # Drain: the left-over items, longest first (by position), in extra steps. A step closes at
+    # the first item that fits none of its bins, which then opens the next step (an item always
+    # fits an empty step), so this stays linear. Each bin is then written longest first, like
+    # the planned steps' bins.
     step = nsteps
+    drain_counts[0] = NULL
     if nleft > 0:
-        for i in range(n):
-            step_of[i] = -1
-        for si in range(n):
-            if step_slot[si] == -1:
-                step_of[step_items[si]] = <int32_t>si  # position -> its index in the step arrays
+        lkey = <int64_t*>malloc(nleft * sizeof(int64_t))
+        lslot = <int64_t*>malloc(nleft * sizeof(int64_t))
+        dcap = 4 * world
+        dcounts = <int64_t*>calloc(dcap, sizeof(int64_t))
+        if lkey == NULL or lslot == NULL or dcounts == NULL:
+            free(left)
+            free(lkey)
+            free(lslot)
+            free(dcounts)
+            return -1
+        for j in range(nleft):
+            lkey[j] = (<int64_t>step_items[left[j]] << 32) | j  # position, then the left-over index
+        qsort(lkey, nleft, sizeof(int64_t), _cmp_int64)
         _reset_bins(heap, cnt, world)
         size = world
-        for i in range(n):
-            si = step_of[i]
-            if si < 0:
-                continue
-            if _try_place(si, step_cost[si], budget, heap, &size, cnt, &rr, world, step * world,
-                          step_slot):
+        for i in range(nleft):
+            j = lkey[i] & ((<int64_t>1 << 32) - 1)
+            si = left[j]
+            if _try_place(j, step_cost[si], budget, heap, &size, cnt, &rr, world, (step - nsteps) * world,
+                          lslot):
                 step += 1
                 _reset_bins(heap, cnt, world)
                 size = world
-                _try_place(si, step_cost[si], budget, heap, &size, cnt, &rr, world, step * world,
-                           step_slot)
+                _try_place(j, step_cost[si], budget, heap, &size, cnt, &rr, world, (step - nsteps) * world,
+                           lslot)
+            if (step - nsteps + 1) * world > dcap:
+                k = dcap
+                dcap = 2 * dcap
+                grown = <int64_t*>realloc(dcounts, dcap * sizeof(int64_t))
+                if grown == NULL:
+                    free(left)
+                    free(lkey)
+                    free(lslot)
+                    free(dcounts)
+                    return -1
+                dcounts = grown
+                memset(dcounts + k, 0, (dcap - k) * sizeof(int64_t))
+            dcounts[lslot[j]] += 1
         step += 1
+        # Bins of the extra steps: their offsets after the planned steps' items, then the items
+        # by position.
+        ndslots = (step - nsteps) * world
+        grown = <int64_t*>malloc(ndslots * sizeof(int64_t))
+        if grown == NULL:
+            free(left)
+            free(lkey)
+            free(lslot)
+            free(dcounts)
+            return -1
+        for s in range(ndslots):
+            grown[s] = wpos
+            wpos += dcounts[s]
+        for i in range(nleft):
+            j = lkey[i] & ((<int64_t>1 << 32) - 1)
+            out_items[grown[lslot[j]]] = step_items[left[j]]
+            grown[lslot[j]] += 1
+        free(grown)
+        drain_counts[0] = dcounts
+    free(left)
+    free(lkey)
+    free(lslot)
     return step
 
 
@@ -1202,12 +1281,11 @@ def packed_plan(const double[::1] run_costs, const int64_t[::1] run_ends, int64_
         raise ValueError(f"packed_plan: {n} items; packed mode plans at most {INT32_MAX}")
     cdef int64_t ntmp = _packed_tmp_words(n, world, nsteps)
     cdef bint owned
-    # One block of kept scratch (see _scratch_get): the deal's tmp, then step_slot and the int32
-    # step_items.
-    cdef int64_t* tmp = <int64_t*>_scratch_get((ntmp + n + (n + 1) // 2) * sizeof(int64_t), &owned)
-    cdef int64_t* step_slot = tmp + ntmp
-    cdef int32_t* step_items = <int32_t*>(step_slot + n)
-    bounds_a = None
+    # One block of kept scratch (see _scratch_get): the deal's tmp, then the int32 step_items.
+    cdef int64_t* tmp = <int64_t*>_scratch_get((ntmp + (n + 1) // 2) * sizeof(int64_t), &owned)
+    cdef int32_t* step_items = <int32_t*>(tmp + ntmp)
+    cdef int64_t* counts = tmp + ntmp - nsteps * world  # see _packed_tmp_words
+    cdef int64_t* dcounts = NULL
     cdef int64_t[::1] items
     cdef int64_t[::1] bounds
     try:
@@ -1215,23 +1293,18 @@ def packed_plan(const double[::1] run_costs, const int64_t[::1] run_ends, int64_
         items = items_a
         with nogil:  # the whole deal runs on validated arrays and scratch we hold
             steps = _packed(&run_costs[0], &run_ends[0], n, shuffle, useed, world, budget, nsteps, step_items,
-                            step_slot, tmp)
+                            tmp, &items[0], &dcounts)
+        if steps < 0:
+            raise MemoryError("packed_plan: out of memory")
         nslots = steps * world
-        bounds_a = np.zeros(nslots + 1, dtype=np.int64)
+        bounds_a = np.empty(nslots + 1, dtype=np.int64)
         bounds = bounds_a
-        with nogil:  # counting sort by slot; step order is position order, so bins stay longest first
-            for i in range(n):
-                bounds[step_slot[i] + 1] += 1
-            for s in range(nslots):
-                bounds[s + 1] += bounds[s]
-            for i in range(n):
-                s = step_slot[i]
-                items[bounds[s]] = step_items[i]
-                bounds[s] += 1
-            for s in range(nslots, 0, -1):
-                bounds[s] = bounds[s - 1]
+        with nogil:  # offsets from the per-slot counts (planned steps, then extra steps)
             bounds[0] = 0
+            for s in range(nslots):
+                bounds[s + 1] = bounds[s] + (counts[s] if s < nsteps * world else dcounts[s - nsteps * world])
     finally:
+        free(dcounts)
         _scratch_put(tmp, owned)
     return items_a, bounds_a, steps
 

@@ -309,6 +309,24 @@ def test_padded_mode_cuts_where_lengths_change(monkeypatch):
     assert new["max_batch_cost_ratio"] <= 1.0 and new["duplicates"] == new["dropped"] == 0
 
 
+def test_packed_plan_deals_left_over_items_to_extra_steps():
+    # Coarse items against the budget: many fit no bin of their planned step and go to the
+    # extra steps at the end, longest first.
+    rng = np.random.default_rng(8)
+    lens = np.sort(rng.integers(20, 90, 3000).astype(np.float64))[::-1].copy()
+    lens[:40] = np.linspace(400, 260, 40)  # over the budget: a bin each
+    items, bounds, steps = P.packed_plan(*P.key_runs(lens), 6, 250.0, 100, 3)
+    assert steps > 100 and bounds.shape[0] == steps * 6 + 1
+    assert np.array_equal(np.sort(items), np.arange(3000))
+    for j in range(steps * 6):
+        part = items[bounds[j] : bounds[j + 1]]
+        assert lens[part].sum() <= 250.0 or part.shape[0] == 1
+    extra = items[bounds[100 * 6] :]  # the extra steps hold the left-over items
+    assert extra.shape[0] > 0 and np.all(lens[extra] > 0)
+    for j in range(100 * 6, steps * 6):  # each bin longest first
+        assert np.all(np.diff(items[bounds[j] : bounds[j + 1]]) > 0)
+
+
 def test_kernels_reject_bad_arrays():
     with pytest.raises(ValueError, match=r"argsort: order_in\[1\] = 9 is outside \[0, 3\)"):
         P.argsort(np.zeros(3), np.array([0, 9], dtype=np.int64))
