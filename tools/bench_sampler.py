@@ -428,10 +428,12 @@ def main() -> None:
             series[name] = (xs, [1e3 * by_w[x][0] for x in xs])
         plot_lines(
             path.parent / "sampler_plan_time.png",
-            "Plan time per rank (construct + epoch)",
+            "Plan time per rank (construct + epoch, warm)",
             "world size",
-            "ms",
+            "ms (log scale)",
             series,
+            logy=True,
+            hlines={"target at 2M: 150 ms": 150.0, "target at 100k: 5 ms": 5.0},
         )
         if trade_rows:
             plot_tradeoff(path.parent / "sampler_padding_tradeoff.png", trade_rows, trade_at)

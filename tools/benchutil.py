@@ -99,8 +99,22 @@ def write_report(out: Optional[str], name: str, markdown: str) -> Optional[Path]
     return path
 
 
-def plot_lines(path: Path, title: str, xlabel: str, ylabel: str, series: dict, logx: bool = True) -> Path:
-    """Save a line plot of {label: (xs, ys)} to ``path`` (matplotlib, headless)."""
+def plot_lines(
+    path: Path,
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    series: dict,
+    logx: bool = True,
+    logy: bool = False,
+    hlines: Optional[dict] = None,
+) -> Path:
+    """Save a line plot of {label: (xs, ys)} to ``path`` (matplotlib, headless).
+
+    With ``logy`` the y axis is logarithmic (series that differ by orders of magnitude) and the
+    legend goes below the plot, clear of the lines. ``hlines`` ({label: y}) draws dashed
+    horizontal lines, e.g. targets.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -109,15 +123,24 @@ def plot_lines(path: Path, title: str, xlabel: str, ylabel: str, series: dict, l
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for label, (xs, ys) in series.items():
         ax.plot(xs, ys, marker="o", label=label)
+    for label, y in (hlines or {}).items():
+        ax.axhline(y, linestyle="--", color="grey", linewidth=1)
+        ax.annotate(label, (0.01, y), xycoords=("axes fraction", "data"), va="bottom", fontsize="small")
     if logx:
         ax.set_xscale("log", base=2)
+    if logy:
+        ax.set_yscale("log")
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.grid(True, alpha=0.3)
-    ax.legend()
+    ax.grid(True, alpha=0.3, which="both" if logy else "major")
+    if logy:
+        fig.set_size_inches(7, 5.6)
+        ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2)
+    else:
+        ax.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight" if logy else None)
     plt.close(fig)
     return path
