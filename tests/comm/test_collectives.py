@@ -134,3 +134,28 @@ def test_rank_missing_at_init_times_out_naming_it():
         assert err.startswith("CommTimeoutError: init_process_group (rank"), err
         assert "ranks [2] never arrived" in err, err
         assert res[rank]["initialized"] is False and res[rank]["torch"] is False
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "Socket Timeout",
+        "Timed out waiting 2000ms for recv operation to complete",
+        "Connection closed by peer",
+    ],
+)
+def test_gloo_connect_failure_with_an_absent_member_is_a_timeout(monkeypatch, message):
+    # Whatever words torch or gloo use for the failed connect, a member that never joined (per the
+    # store) makes it a CommTimeoutError naming that member. A real store; the connect itself is
+    # made to fail as it does when rank 1 never comes.
+    import torch.distributed as dist
+
+    from trainloom.comm import _gloo
+    from trainloom.errors import CommTimeoutError
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError(message)
+
+    monkeypatch.setattr(_gloo.dist, "ProcessGroupGloo", refuse)
+    with pytest.raises(CommTimeoutError, match=r"connecting failed after 2s; ranks \[1\] never joined"):
+        _gloo.GlooEngine(dist.HashStore(), 0, 2, prefix="g", timeout=2)

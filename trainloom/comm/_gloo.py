@@ -192,6 +192,12 @@ def check_counts(opname: str, seq: int, counts: List[List[List[int]]]) -> None:
                 )
 
 
+def _is_timeout(exc: BaseException) -> bool:
+    """Whether a torch/gloo error reports a deadline (their messages say "timeout" or "timed out")."""
+    low = str(exc).lower()
+    return "timed out" in low or "timeout" in low
+
+
 class GlooEngine:
     """One gloo process group over ``world_size`` ranks, with cross-rank argument checks.
 
@@ -232,7 +238,10 @@ class GlooEngine:
         except RuntimeError as exc:  # DistStoreError / DistNetworkError / gloo's connect errors
             missing = [r for r in range(world_size) if not store.check([f"{prefix}/joined/{r}"])]
             who = f"ranks {missing} never joined" if missing else "every rank joined but could not connect"
-            err = CommTimeoutError if "timeout" in str(exc).lower() else CommError
+            # A member that never joined is a timeout whatever words torch or gloo chose for it
+            # (the store says "timeout", a pair's connect "Timed out": testing only the first made
+            # this a CommError now and then).
+            err = CommTimeoutError if missing or _is_timeout(exc) else CommError
             raise err(
                 f"gloo communicator {prefix} (rank {rank} of {world_size}): connecting failed after "
                 f"{self.timeout:g}s; {who} ({str(exc).splitlines()[0][:160]})"
@@ -263,7 +272,7 @@ class GlooEngine:
     def _fail(self, exc: BaseException, opname: str, seq: int, timeout: float) -> None:
         text = str(exc)
         low = text.lower()
-        if "timed out" in low or "timeout" in low:
+        if _is_timeout(exc):
             missing = self._missing_ranks(seq)
             who = f"ranks {missing} did not arrive" if missing else "a peer stopped responding"
             self._broken = f"{opname} #{seq} timed out"
