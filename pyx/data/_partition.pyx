@@ -1086,7 +1086,8 @@ cdef int64_t _packed(const double* rc, const int64_t* re, int64_t n, bint shuffl
     cdef int64_t* bin_of = <int64_t*>(wcost + DEAL_TILE * nsteps)  # the bin of each item of a step
     cdef int64_t* counts = bin_of + (n // nsteps + 1)  # items per slot of the planned steps
     cdef int64_t i, s, si, size, nleft, step, rr = 0, k, j, pos, base, b, kb, run = 0, lo, hi, wpos
-    cdef int64_t left_cap = 0, dcap = 0, ndslots
+    cdef int64_t left_cap = 0, dcap = 0, ndslots = 0
+    cdef bint ok
     cdef int64_t* left = NULL  # step-array indices of the items left over, in increasing order
     cdef int64_t* grown
     cdef int64_t* dcounts = NULL
@@ -1185,68 +1186,61 @@ cdef int64_t _packed(const double* rc, const int64_t* re, int64_t n, bint shuffl
     # the planned steps' bins.
     step = nsteps
     drain_counts[0] = NULL
+    ok = True
     if nleft > 0:
         lkey = <int64_t*>malloc(nleft * sizeof(int64_t))
         lslot = <int64_t*>malloc(nleft * sizeof(int64_t))
         dcap = 4 * world
         dcounts = <int64_t*>calloc(dcap, sizeof(int64_t))
-        if lkey == NULL or lslot == NULL or dcounts == NULL:
-            free(left)
-            free(lkey)
-            free(lslot)
-            free(dcounts)
-            return -1
-        for j in range(nleft):
-            lkey[j] = (<int64_t>step_items[left[j]] << 32) | j  # position, then the left-over index
-        qsort(lkey, nleft, sizeof(int64_t), _cmp_int64)
-        _reset_bins(heap, cnt, world)
-        size = world
-        for i in range(nleft):
-            j = lkey[i] & ((<int64_t>1 << 32) - 1)
-            si = left[j]
-            if _try_place(j, step_cost[si], budget, heap, &size, cnt, &rr, world, (step - nsteps) * world,
-                          lslot):
-                step += 1
-                _reset_bins(heap, cnt, world)
-                size = world
-                _try_place(j, step_cost[si], budget, heap, &size, cnt, &rr, world, (step - nsteps) * world,
-                           lslot)
-            if (step - nsteps + 1) * world > dcap:
-                k = dcap
-                dcap = 2 * dcap
-                grown = <int64_t*>realloc(dcounts, dcap * sizeof(int64_t))
-                if grown == NULL:
-                    free(left)
-                    free(lkey)
-                    free(lslot)
-                    free(dcounts)
-                    return -1
-                dcounts = grown
-                memset(dcounts + k, 0, (dcap - k) * sizeof(int64_t))
-            dcounts[lslot[j]] += 1
-        step += 1
-        # Bins of the extra steps: their offsets after the planned steps' items, then the items
-        # by position.
-        ndslots = (step - nsteps) * world
-        grown = <int64_t*>malloc(ndslots * sizeof(int64_t))
-        if grown == NULL:
-            free(left)
-            free(lkey)
-            free(lslot)
-            free(dcounts)
-            return -1
-        for s in range(ndslots):
-            grown[s] = wpos
-            wpos += dcounts[s]
-        for i in range(nleft):
-            j = lkey[i] & ((<int64_t>1 << 32) - 1)
-            out_items[grown[lslot[j]]] = step_items[left[j]]
-            grown[lslot[j]] += 1
-        free(grown)
-        drain_counts[0] = dcounts
+        ok = lkey != NULL and lslot != NULL and dcounts != NULL
+        if ok:
+            for j in range(nleft):
+                lkey[j] = (<int64_t>step_items[left[j]] << 32) | j  # position, then the left-over index
+            qsort(lkey, nleft, sizeof(int64_t), _cmp_int64)
+            _reset_bins(heap, cnt, world)
+            size = world
+            for i in range(nleft):
+                j = lkey[i] & ((<int64_t>1 << 32) - 1)
+                si = left[j]
+                if _try_place(j, step_cost[si], budget, heap, &size, cnt, &rr, world, (step - nsteps) * world,
+                              lslot):
+                    step += 1
+                    _reset_bins(heap, cnt, world)
+                    size = world
+                    _try_place(j, step_cost[si], budget, heap, &size, cnt, &rr, world, (step - nsteps) * world,
+                               lslot)
+                if (step - nsteps + 1) * world > dcap:
+                    grown = <int64_t*>realloc(dcounts, 2 * dcap * sizeof(int64_t))
+                    if grown == NULL:
+                        ok = False
+                        break
+                    dcounts = grown
+                    memset(dcounts + dcap, 0, dcap * sizeof(int64_t))
+                    dcap = 2 * dcap
+                dcounts[lslot[j]] += 1
+            step += 1
+        if ok:
+            # Bins of the extra steps: their offsets after the planned steps' items, then the
+            # items by position.
+            ndslots = (step - nsteps) * world
+            grown = <int64_t*>malloc(ndslots * sizeof(int64_t))
+            ok = grown != NULL
+        if ok:
+            for s in range(ndslots):
+                grown[s] = wpos
+                wpos += dcounts[s]
+            for i in range(nleft):
+                j = lkey[i] & ((<int64_t>1 << 32) - 1)
+                out_items[grown[lslot[j]]] = step_items[left[j]]
+                grown[lslot[j]] += 1
+            free(grown)
     free(left)
     free(lkey)
     free(lslot)
+    if not ok:
+        free(dcounts)
+        return -1
+    drain_counts[0] = dcounts
     return step
 
 
