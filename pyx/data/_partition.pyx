@@ -44,7 +44,7 @@ cdef extern from *:
 # for the nogil section that uses it; a second thread planning meanwhile gets its own malloc.
 # --------------------------------------------------------------------------------------------
 DEF HUGE = 2097152
-DEF SCRATCH_KEEP = 268435456  # 256 MiB: a 2M-item packed plan needs 64 MiB
+DEF SCRATCH_KEEP = 268435456  # 256 MiB: the sort of a 2M-item plan needs 62 MiB
 
 cdef void* _scratch = NULL
 cdef size_t _scratch_cap = 0
