@@ -192,6 +192,11 @@ cdef inline size_t _round_up(size_t x, size_t a) noexcept nogil:
     return (x + a - 1) // a * a
 
 
+cdef inline size_t _at_most(size_t x, size_t c) noexcept nogil:
+    """min(x, c): part p of a two-shot chunk of c elements is [min(p*pl, c), min(p*pl + pl, c))."""
+    return x if x < c else c
+
+
 cdef struct State:
     char* base
     size_t total
@@ -512,12 +517,8 @@ cdef int _allreduce(State* st, const tl_desc_t* d, const char* send, char* recv,
                 for p in range(W):
                     if p == me:
                         continue
-                    lo = <size_t>p * pl
-                    if lo > c:
-                        lo = c
-                    hi = lo + pl
-                    if hi > c:
-                        hi = c
+                    lo = _at_most(<size_t>p * pl, c)
+                    hi = _at_most(lo + pl, c)
                     if hi > lo:
                         memcpy(_slot(st, me, use + j) + lo * esz, send + (off + lo) * esz, (hi - lo) * esz)
             st.nbuf += 1
@@ -541,12 +542,8 @@ cdef int _allreduce(State* st, const tl_desc_t* d, const char* send, char* recv,
             for p in range(W):
                 if p == me and (zc_off >= 0 or direct):
                     continue  # my reduced part is already in recv (in place, or written by my reduce)
-                lo = <size_t>p * pl
-                if lo > c:
-                    lo = c
-                hi = lo + pl
-                if hi > c:
-                    hi = c
+                lo = _at_most(<size_t>p * pl, c)
+                hi = _at_most(lo + pl, c)
                 if hi > lo:
                     memcpy(recv + (off + lo) * esz, _csrc(st, p, zp, use + j - 1, off * esz) + lo * esz,
                            (hi - lo) * esz)
@@ -555,12 +552,8 @@ cdef int _allreduce(State* st, const tl_desc_t* d, const char* send, char* recv,
             off = j * chunk_elems
             c = n - off if n - off < chunk_elems else chunk_elems
             pl = _round_up((c + W - 1) // W, align)
-            lo = <size_t>me * pl
-            if lo > c:
-                lo = c
-            hi = lo + pl
-            if hi > c:
-                hi = c
+            lo = _at_most(<size_t>me * pl, c)
+            hi = _at_most(lo + pl, c)
             if hi > lo:
                 mys = _csrc(st, me, zp, use + j, off * esz)
                 for p in range(W):
