@@ -719,6 +719,46 @@ def rank_stream(const int64_t[::1] items, const int64_t[::1] chunk_order, const 
     return out
 
 
+cdef class IntStream:
+    """Iterator over an int64 array that makes each Python int only when it is asked for.
+
+    A sampler's epoch is consumed one index at a time; a list of them all (``tolist()``) would hold
+    a million int objects per rank at N = 2M, W = 2 (36 MB of fresh pages on a first plan). The
+    length hint is what is left, so a sampler can tell how far its consumer got.
+
+    Args:
+        values: int64 array (kept alive by the stream).
+        start: position of the first value to yield.
+    """
+
+    cdef object _values
+    cdef const int64_t[::1] _v
+    cdef Py_ssize_t _pos
+
+    def __cinit__(self, values, Py_ssize_t start=0):
+        self._values = values
+        self._v = values
+        if start < 0 or start > self._v.shape[0]:
+            raise ValueError(f"IntStream: start {start} outside [0, {self._v.shape[0]}]")
+        self._pos = start
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        cdef Py_ssize_t i = self._pos
+        if i >= self._v.shape[0]:
+            raise StopIteration
+        self._pos = i + 1
+        return self._v[i]
+
+    def __length_hint__(self):
+        return self._v.shape[0] - self._pos
+
+    def __reduce__(self):
+        return (IntStream, (self._values, self._pos))
+
+
 # --------------------------------------------------------------------------------------------
 # Padded mode: items sorted by length, longest first; each batch is a run of consecutive items
 # whose padded cost (count * cost of its first = longest item) stays under the budget.

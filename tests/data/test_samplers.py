@@ -122,6 +122,28 @@ def test_randint_and_uniform_are_seeded_and_in_range():
     assert P.randint(0, 3, 1).shape == (0,) and P.uniform(0, 1).shape == (0,)
 
 
+def test_int_stream_yields_python_ints_on_demand_with_a_length_hint():
+    import operator
+    import pickle
+
+    a = np.array([5, -3, 2**40, 0], dtype=np.int64)
+    it = P.IntStream(a, 1)
+    assert iter(it) is it and operator.length_hint(it) == 3
+    first = next(it)
+    assert first == -3 and type(first) is int
+    assert operator.length_hint(it) == 2
+    rest = pickle.loads(pickle.dumps(it))  # a sampler mid-epoch can be copied
+    assert list(it) == [2**40, 0] and operator.length_hint(it) == 0
+    assert list(rest) == [2**40, 0]
+    with pytest.raises(StopIteration):
+        next(it)
+    assert list(P.IntStream(a, 4)) == [] and list(P.IntStream(np.zeros(0, np.int64))) == []
+    with pytest.raises(ValueError, match=r"IntStream: start 5 outside \[0, 4\]"):
+        P.IntStream(a, 5)
+    with pytest.raises(ValueError, match=r"Buffer dtype mismatch, expected 'const int64_t' but got 'double'"):
+        P.IntStream(np.zeros(3))
+
+
 def test_sample_draws_distinct_sorted_values_uniformly():
     counts = np.zeros(10)
     for seed in range(4000):
@@ -441,6 +463,21 @@ def test_plain_sampler_resume_equals_uninterrupted():
     t.load_state_dict(state)
     assert len(t) == len(ref) - 10
     assert head + list(t) == ref
+
+
+def test_plain_sampler_copied_mid_epoch_goes_on_where_it_was():
+    import copy
+    import pickle
+
+    lens = _lens(101, 8)
+    ref = list(_ranks(lens, 3)[1])
+    s = _ranks(lens, 3)[1]
+    it = iter(s)
+    head = [next(it) for _ in range(7)]
+    for clone in (pickle.loads(pickle.dumps(s)), copy.deepcopy(s)):
+        assert clone.state_dict()["consumed"] == 7
+        assert head + list(clone._iter) == ref
+    assert head + list(it) == ref
 
 
 # --------------------------------------------------------------------------- batch sampler
