@@ -604,6 +604,33 @@ def test_non_finite_complexities_name_the_first_index(bad):
         LoadBalancingDistributedSampler(None, complexities=c)
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda v: np.array(v, dtype=np.float32),
+        lambda v: np.array(v, dtype=np.float16),
+        lambda v: torch.tensor(v, dtype=torch.float32),
+        lambda v: torch.tensor(v, dtype=torch.bfloat16),
+    ],
+    ids=["numpy-float32", "numpy-float16", "torch-float32", "torch-bfloat16"],
+)
+def test_non_finite_complexities_of_every_float_dtype_name_the_first_index(make):
+    with pytest.raises(ConfigError, match=r"complexities\[2\] is inf; every complexity must be a finite"):
+        LoadBalancingDistributedSampler(None, complexities=make([1.0, 2.0, float("inf"), 3.0]))
+    ok = LoadBalancingDistributedSampler(None, complexities=make([1.5, 3.0, 2.0]), shuffle=False)
+    assert ok.complexities.dtype == np.float64 and list(ok) == [0, 2, 1]
+
+
+def test_integer_complexities_of_every_width_are_accepted():
+    for dt in (np.int8, np.uint16, np.int32, np.int64, np.uint64):
+        s = LoadBalancingDistributedSampler(None, complexities=np.array([5, 1, 3], dtype=dt), shuffle=False)
+        assert list(s) == [1, 2, 0]
+    t = LoadBalancingDistributedSampler(
+        None, complexities=torch.tensor([5, 1, 3], dtype=torch.uint8), shuffle=False
+    )
+    assert list(t) == [1, 2, 0]
+
+
 def test_negative_complexities_ok_for_plain_sampler_error_in_budget_mode():
     s = LoadBalancingDistributedSampler(
         None, complexities=[3, -1, 2, -5], num_replicas=2, rank=0, shuffle=False
