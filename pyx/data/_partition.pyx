@@ -1102,7 +1102,7 @@ cdef int _cmp_int64(const void* a, const void* b) noexcept nogil:
 
 cdef int64_t _packed(const double* rc, const int64_t* re, int64_t n, bint shuffle, uint64_t seed,
                      int64_t world, double budget, int64_t nsteps, int32_t* step_items,
-                     int64_t* tmp, int64_t* out_items, int64_t** drain_counts) noexcept nogil:
+                     int64_t* tmp, int32_t* out_items, int64_t** drain_counts) noexcept nogil:
     """Deal positions of the longest-first order into slots ``step * world + bin``.
 
     The costs come as a run table (rc, re; see padded mode): a window of a few blocks' costs is
@@ -1299,9 +1299,9 @@ def packed_plan(const double[::1] run_costs, const int64_t[::1] run_ends, int64_
             for the unshuffled order.
 
     Returns:
-        tuple: (items, bounds, steps): positions in the longest-first order (map them to item ids
-        with the sort's order; only the rank's own share needs mapping) grouped by slot
-        ``step * world + bin``; ``bounds`` has ``steps * world + 1`` offsets into items.
+        tuple: (items, bounds, steps): int32 positions in the longest-first order (map them to
+        item ids with the sort's order; only the rank's own share needs mapping) grouped by slot
+        ``step * world + bin``; ``bounds`` has ``steps * world + 1`` int64 offsets into items.
     """
     cdef int64_t n = _check_runs(run_costs, run_ends, "packed_plan")
     cdef int64_t i, steps, s, nslots
@@ -1320,10 +1320,10 @@ def packed_plan(const double[::1] run_costs, const int64_t[::1] run_ends, int64_
     cdef int32_t* step_items = <int32_t*>(tmp + ntmp)
     cdef int64_t* counts = tmp + ntmp - nsteps * world  # see _packed_tmp_words
     cdef int64_t* dcounts = NULL
-    cdef int64_t[::1] items
+    cdef int32_t[::1] items
     cdef int64_t[::1] bounds
     try:
-        items_a = empty(n, np.int64)
+        items_a = empty(n, np.int32)  # positions < 2^31 (checked above): half the pages of int64
         items = items_a
         with nogil:  # the whole deal runs on validated arrays and scratch we hold
             steps = _packed(&run_costs[0], &run_ends[0], n, shuffle, useed, world, budget, nsteps, step_items,
@@ -1343,25 +1343,31 @@ def packed_plan(const double[::1] run_costs, const int64_t[::1] run_ends, int64_
     return items_a, bounds_a, steps
 
 
-def rank_batches(const int64_t[::1] items, const int64_t[::1] bounds, const int64_t[::1] slots, ids=None):
+ctypedef fused position_t:
+    int32_t
+    int64_t
+
+
+def rank_batches(const position_t[::1] items, const int64_t[::1] bounds, const int64_t[::1] slots, ids=None):
     """One rank's batches for the epoch, flat: the items of ``slots`` in order, and their offsets.
 
     Replaces a numpy repeat/arange/gather chain (four temporaries of the rank's item count) with
-    one pass that writes only the two results.
+    one pass that writes only the two results. Only this rank's items are read (and, with ids,
+    range-checked): at W = 64 that is 1/64 of the plan.
 
     Args:
-        items: int64 items, slot s being items[bounds[s]:bounds[s + 1]].
+        items: int32 or int64 items, slot s being items[bounds[s]:bounds[s + 1]].
         bounds: int64 offsets, non-decreasing, bounds[0] == 0, bounds[-1] == len(items).
         slots: int64 slot ids of this rank's batches, in yield order.
         ids: optional int64 array; when given, items are positions and ids[items] the results.
 
     Returns:
-        tuple: (flat, offsets): batch i is flat[offsets[i]:offsets[i + 1]].
+        tuple: (flat, offsets): int64; batch i is flat[offsets[i]:offsets[i + 1]].
     """
     cdef int64_t ns = bounds.shape[0] - 1
     cdef int64_t nb = slots.shape[0]
     cdef int64_t n = items.shape[0]
-    cdef int64_t i, s, j, total = 0
+    cdef int64_t i, s, j, v, total = 0, bad = -1
     cdef const int64_t[::1] idv
     cdef int64_t nid = 0
     cdef bint map_ids = ids is not None
@@ -1378,27 +1384,32 @@ def rank_batches(const int64_t[::1] items, const int64_t[::1] bounds, const int6
     if map_ids:
         idv = ids
         nid = idv.shape[0]
-        for i in range(n):
-            if items[i] < 0 or items[i] >= nid:
-                raise ValueError(f"rank_batches: items[{i}] = {items[i]} is outside [0, {nid})")
     flat_a = empty(total, np.int64)
     offs_a = np.empty(nb + 1, dtype=np.int64)
     cdef int64_t[::1] flat = flat_a
     cdef int64_t[::1] offs = offs_a
     cdef int64_t pos = 0
-    with nogil:  # copies between validated ranges
+    with nogil:  # copies between validated ranges; a position outside ids stops the gather
         offs[0] = 0
         for i in range(nb):
             s = slots[i]
             if map_ids:
                 for j in range(bounds[s], bounds[s + 1]):
-                    flat[pos] = idv[items[j]]
+                    v = items[j]
+                    if v < 0 or v >= nid:
+                        bad = j
+                        break
+                    flat[pos] = idv[v]
                     pos += 1
+                if bad >= 0:
+                    break
             else:
                 for j in range(bounds[s], bounds[s + 1]):
                     flat[pos] = items[j]
                     pos += 1
             offs[i + 1] = pos
+    if bad >= 0:
+        raise ValueError(f"rank_batches: items[{bad}] = {items[bad]} is outside [0, {nid})")
     return flat_a, offs_a
 
 

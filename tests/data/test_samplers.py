@@ -205,6 +205,7 @@ def test_packed_plan_matches_a_python_longest_first_deal():
     lens = np.sort(_lens(500, 4).astype(np.float64))[::-1].copy()
     desc = np.arange(500, dtype=np.int64)
     items, bounds, steps = P.packed_plan(*P.key_runs(lens), 7, 1e12, 1, None)
+    assert items.dtype == np.int32 and bounds.dtype == np.int64  # positions: half the pages
     items = desc[items]
     assert steps == 1
     loads = sorted(lens[items[bounds[j] : bounds[j + 1]]].sum() for j in range(7))

@@ -105,16 +105,18 @@ def _rank_batches_ref(items, bounds, slots, ids):
     return flat, offs
 
 
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
 @pytest.mark.parametrize("with_ids", [False, True])
-def test_rank_batches_matches_numpy(with_ids):
+def test_rank_batches_matches_numpy(with_ids, dtype):
     rng = np.random.default_rng(2)
     sizes = rng.integers(0, 5, 40)
     bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    items = rng.permutation(int(bounds[-1])).astype(np.int64)
+    items = rng.permutation(int(bounds[-1])).astype(dtype)
     slots = rng.permutation(40)[:25].astype(np.int64)
     ids = rng.permutation(int(bounds[-1])).astype(np.int64) * 3 if with_ids else None
     flat, offs = P.rank_batches(items, bounds, slots, ids)
     ref_flat, ref_offs = _rank_batches_ref(items, bounds, slots, ids)
+    assert flat.dtype == np.int64 and offs.dtype == np.int64
     assert np.array_equal(flat, ref_flat) and np.array_equal(offs, ref_offs)
 
 
@@ -128,7 +130,15 @@ def test_rank_batches_rejects_bad_input():
     with pytest.raises(ValueError, match="rank_batches: bounds decrease at 1"):
         P.rank_batches(items, np.array([0, 5, 4], dtype=np.int64), np.array([0], dtype=np.int64))
     with pytest.raises(ValueError, match=r"rank_batches: items\[3\] = 3 is outside \[0, 3\)"):
-        P.rank_batches(items, bounds, np.array([0], dtype=np.int64), np.arange(3, dtype=np.int64))
+        P.rank_batches(items, bounds, np.array([0, 1], dtype=np.int64), np.arange(3, dtype=np.int64))
+    neg = np.array([0, 1, -2, 3], dtype=np.int32)
+    with pytest.raises(ValueError, match=r"rank_batches: items\[2\] = -2 is outside \[0, 4\)"):
+        P.rank_batches(neg, bounds, np.array([1], dtype=np.int64), np.arange(4, dtype=np.int64))
+    # Only the rank's own slots are read: a bad position in another rank's slot is not this one's.
+    flat, _ = P.rank_batches(items, bounds, np.array([0], dtype=np.int64), np.arange(3, dtype=np.int64))
+    assert flat.tolist() == [0, 1]
+    with pytest.raises(TypeError, match="No matching signature found"):  # int32 or int64 positions only
+        P.rank_batches(items.astype(np.int16), bounds, np.array([0], dtype=np.int64))
 
 
 def test_plain_padding_and_drops_still_cover_once():

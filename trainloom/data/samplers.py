@@ -1229,9 +1229,9 @@ def _fix_empty(
                 bins[j].append(pool[-1 - (k % len(pool))])
                 duplicates += 1
         for j in range(world):
-            slots[st * world + j] = np.asarray(bins[j], dtype=np.int64)
+            slots[st * world + j] = np.asarray(bins[j], dtype=items.dtype)
     kept = [slots[st * world + j] for st in np.flatnonzero(keep).tolist() for j in range(world)]
     sizes = np.array([x.shape[0] for x in kept], dtype=np.int64)
     new_bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    new_items = np.concatenate(kept).astype(np.int64) if kept else np.empty(0, dtype=np.int64)
+    new_items = np.concatenate(kept) if kept else np.empty(0, dtype=items.dtype)
     return new_items, new_bounds, duplicates, dropped
