@@ -273,6 +273,7 @@ def main() -> None:
     sizes = [2_000, 20_000] if args.quick else [100_000, 2_000_000]
     worlds = [2, 8] if args.quick else [2, 8, 64]
     repeat = 1 if args.quick else 3
+    cold_runs = 1 if args.quick else 3  # fresh interpreters per cold figure (their median)
     budget = args.budget
     fixed_batch = max(1, int(budget // corpus.mean()))
 
@@ -293,7 +294,9 @@ def main() -> None:
                 if not args.quick or (n == sizes[0] and w == worlds[0]):
                     # --quick: one fresh interpreter (seconds), to show that the path works.
                     modes = ["plain", "padded", "packed"] if not args.quick else ["packed"]
-                    cold = {m: cold_ms(lens_path, w, m, budget) for m in modes}
+                    cold = {
+                        m: median([cold_ms(lens_path, w, m, budget) for _ in range(cold_runs)]) for m in modes
+                    }
                     cold_rows.append(
                         [
                             f"{n:,}",
@@ -405,7 +408,8 @@ def main() -> None:
         "",
         "The runs above are warm: the compiled core keeps its scratch buffer and a pool of freed plan "
         "arrays between plans (as every epoch's replan does in training). The first plan in a fresh "
-        "interpreter pays for fresh pages (about 2.4-3.4 us per 4 KiB page on this VM):",
+        "interpreter pays for fresh pages (about 2.4-3.4 us per 4 KiB page on this VM); wall ms, median of "
+        f"{cold_runs} fresh interpreters:",
         "",
         markdown_table(["N", "W", "LB sampler", "LB padded", "LB packed"], cold_rows),
         "",
