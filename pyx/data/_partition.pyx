@@ -964,6 +964,32 @@ def padded_steps(const double[::1] run_costs, const int64_t[::1] run_ends, int64
     return nb, p
 
 
+cdef int64_t _greedy(const double* rc, const int64_t* re, int64_t p, int64_t q, double target, double budget,
+                     int64_t* ends, int64_t max_batches) noexcept nogil:
+    """The greedy walk of greedy_cut over a validated run table."""
+    cdef int64_t nb = 0, k, r = 0
+    while p < q:
+        if nb >= max_batches:
+            return max_batches + 1
+        r = _run_of(re, r, p)
+        k = _take(rc[r], target, budget, q - p)
+        p += k
+        ends[nb] = p
+        nb += 1
+    return nb
+
+
+cdef int64_t _check_cut(const double[::1] run_costs, const int64_t[::1] run_ends, int64_t p, int64_t q,
+                        int64_t[::1] ends, int64_t max_batches, str who) except -1:
+    """Validate a cut's run table, range and output size (GIL held)."""
+    cdef int64_t n = _check_runs(run_costs, run_ends, who)
+    if p < 0 or q > n or p > q:
+        raise ValueError(f"{who}: bad range [{p}, {q}) of {n}")
+    if ends.shape[0] < max_batches:
+        raise ValueError(f"{who}: ends too small")
+    return n
+
+
 def greedy_cut(const double[::1] run_costs, const int64_t[::1] run_ends, int64_t p, int64_t q, double target,
                double budget, int64_t[::1] ends, int64_t max_batches):
     """Cut positions [p, q) of a run table into batches aiming at ``target`` (capped by ``budget``).
@@ -972,27 +998,48 @@ def greedy_cut(const double[::1] run_costs, const int64_t[::1] run_ends, int64_t
         int: the number of batches, or ``max_batches + 1`` as soon as more would be needed (only
         the first max_batches ends are written).
     """
-    cdef int64_t n = _check_runs(run_costs, run_ends, "greedy_cut")
-    cdef int64_t nb = 0, k, r = 0
-    if p < 0 or q > n or p > q:
-        raise ValueError(f"greedy_cut: bad range [{p}, {q}) of {n}")
-    if ends.shape[0] < max_batches:
-        raise ValueError("greedy_cut: ends too small")
+    _check_cut(run_costs, run_ends, p, q, ends, max_batches, "greedy_cut")
     if p == q:
         return 0
+    if max_batches == 0:
+        return 1  # items but no room for a batch (and maybe no ends to point at)
+    cdef int64_t nb
+    with nogil:  # greedy walk; writes only the first max_batches ends
+        nb = _greedy(&run_costs[0], &run_ends[0], p, q, target, budget, &ends[0], max_batches)
+    return nb
+
+
+def lowest_target_cut(const double[::1] run_costs, const int64_t[::1] run_ends, int64_t p, int64_t q,
+                      double budget, int64_t want, int64_t[::1] ends):
+    """greedy_cut of [p, q) at the smallest target (bisected, 60 halvings of [0, budget]) that
+    needs at most ``want`` batches: the most even batches that fill ``want`` slots or fewer.
+
+    One validation and one call for the whole search (the tail of a padded plan), instead of 61
+    calls of greedy_cut that each re-check the run table.
+
+    Returns:
+        int: the number of batches written to ends (<= want when want is at least the number of
+        batches the budget itself needs).
+    """
+    _check_cut(run_costs, run_ends, p, q, ends, want, "lowest_target_cut")
+    if p == q:
+        return 0
+    if want == 0:
+        return 1  # as greedy_cut: more batches than allowed
+    cdef double lo = 0.0, hi = budget, mid
+    cdef int it
+    cdef int64_t k
     cdef const double* rc = &run_costs[0]
     cdef const int64_t* re = &run_ends[0]
-    with nogil:  # greedy walk; writes only the first max_batches ends
-        while p < q:
-            if nb >= max_batches:
-                nb = max_batches + 1
-                break
-            r = _run_of(re, r, p)
-            k = _take(rc[r], target, budget, q - p)
-            p += k
-            ends[nb] = p
-            nb += 1
-    return nb
+    with nogil:  # the batch count falls as the target rises
+        for it in range(60):
+            mid = 0.5 * (lo + hi)
+            if _greedy(rc, re, p, q, mid, budget, &ends[0], want) <= want:
+                hi = mid
+            else:
+                lo = mid
+        k = _greedy(rc, re, p, q, hi, budget, &ends[0], want)
+    return k
 
 
 # --------------------------------------------------------------------------------------------

@@ -85,6 +85,41 @@ def test_sort_desc_runs_gives_the_order_and_its_run_table(kind):
         assert np.array_equal(k, run_keys) and np.array_equal(e, run_ends)
 
 
+def _lowest_target_oracle(rc, re, p, q, budget, want, ends):
+    """The bisection the tail cut used to run in Python, one greedy_cut per halving."""
+    lo, hi = 0.0, budget
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if P.greedy_cut(rc, re, p, q, mid, budget, ends, want) <= want:
+            hi = mid
+        else:
+            lo = mid
+    return P.greedy_cut(rc, re, p, q, hi, budget, ends, want)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lowest_target_cut_matches_the_bisection_over_greedy_cut(seed):
+    rng = np.random.default_rng(seed)
+    cs = np.sort(rng.integers(1, 400, 3000).astype(np.float64))[::-1].copy()
+    rc, re = P.key_runs(cs)
+    budget = 2000.0
+    p, q = int(rng.integers(0, 1000)), 3000
+    ends, ref = np.empty(q - p, dtype=np.int64), np.empty(q - p, dtype=np.int64)
+    need = P.greedy_cut(rc, re, p, q, budget, budget, ends, q - p)
+    for want in (need, need + 3, need + 17):
+        k = P.lowest_target_cut(rc, re, p, q, budget, want, ends)
+        assert k == _lowest_target_oracle(rc, re, p, q, budget, want, ref) and k <= want
+        assert np.array_equal(ends[:k], ref[:k]) and ends[k - 1] == q
+    assert P.lowest_target_cut(rc, re, 5, 5, budget, 3, ends) == 0
+    assert P.lowest_target_cut(rc, re, 0, 5, budget, 0, ends) == 1  # no room: more than allowed
+    with pytest.raises(ValueError, match=r"lowest_target_cut: bad range \[5, 3001\) of 3000"):
+        P.lowest_target_cut(rc, re, 5, 3001, budget, 3, ends)
+    with pytest.raises(ValueError, match="lowest_target_cut: ends too small"):
+        P.lowest_target_cut(rc, re, 0, 5, budget, 9, np.empty(3, dtype=np.int64))
+    with pytest.raises(ValueError, match="lowest_target_cut: run 0 has cost -1.0"):
+        P.lowest_target_cut(np.array([-1.0]), np.array([2]), 0, 2, budget, 3, ends)
+
+
 def test_run_tables_are_checked():
     ends = np.empty(8, dtype=np.int64)
     rising = "run 1 has cost 6.0; costs must be finite, >= 0 and non-increasing"

@@ -1172,15 +1172,7 @@ def _cut_tail(rc: np.ndarray, re: np.ndarray, p: int, q: int, world: int, budget
     if steps * world > n:
         return ends[:need].tolist()  # degenerate: not enough items for whole steps
     want = steps * world
-    # The batch count falls as the target rises: find the smallest target giving <= want batches.
-    lo, hi = 0.0, budget
-    for _ in range(60):
-        mid = 0.5 * (lo + hi)
-        if _P.greedy_cut(rc, re, p, q, mid, budget, ends, want) <= want:
-            hi = mid
-        else:
-            lo = mid
-    k = _P.greedy_cut(rc, re, p, q, hi, budget, ends, want)
+    k = _P.lowest_target_cut(rc, re, p, q, budget, want, ends)  # the most even cut into <= want batches
     cuts = [p, *ends[:k].tolist()]
     while len(cuts) - 1 < want:
         # Split the batch with the most items (any part of a batch is within the cap).
