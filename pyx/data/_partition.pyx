@@ -1460,7 +1460,8 @@ def rank_batches(const position_t[::1] items, const int64_t[::1] bounds, const i
     return flat_a, offs_a
 
 
-def gather_batches(const int64_t[::1] items, const int64_t[::1] bounds, const int64_t[::1] perm):
+def gather_batches(const int64_t[::1] items, const int64_t[::1] bounds, const int64_t[::1] perm,
+                   bint narrow=False):
     """Lay batches out in a new order: batch i of the result is batch ``perm[i]`` of the input.
 
     Padded mode groups batches of similar padded cost into the same step; every batch stays one
@@ -1470,9 +1471,15 @@ def gather_batches(const int64_t[::1] items, const int64_t[::1] bounds, const in
         items: int64 items, batch b being items[bounds[b]:bounds[b + 1]].
         bounds: int64 offsets, non-decreasing, bounds[0] == 0, bounds[-1] == len(items).
         perm: int64 permutation of range(len(bounds) - 1).
+        narrow: write the items as int32 (half the memory of a plan kept for the epoch); every
+            item must then be in [0, 2^31).
 
     Returns:
-        tuple: (new_items, new_bounds), int64 arrays of the same sizes as items and bounds.
+        tuple: (new_items, new_bounds) of the same sizes as items and bounds; new_items is int32
+        with ``narrow``, else int64; new_bounds is int64.
+
+    Raises:
+        ValueError: a bad bounds or perm, or with ``narrow`` an item outside [0, 2^31).
     """
     cdef int64_t nb = bounds.shape[0] - 1
     cdef int64_t n = items.shape[0]
@@ -1491,17 +1498,42 @@ def gather_batches(const int64_t[::1] items, const int64_t[::1] bounds, const in
         if b < 0 or b >= nb or sn[b]:
             raise ValueError(f"gather_batches: perm[{i}] = {b} is out of range or repeated")
         sn[b] = 1
-    out_items = empty(n, np.int64)
+    out_items = empty(n, np.int32 if narrow else np.int64)
     out_bounds = np.empty(nb + 1, dtype=np.int64)
-    cdef int64_t[::1] oi = out_items
+    cdef int64_t[::1] oi
+    cdef int32_t[::1] oi32
     cdef int64_t[::1] ob = out_bounds
+    cdef int64_t j, bad = -1
+    cdef uint64_t over = 0
+    cdef const int64_t* src
+    cdef int32_t* dst
+    if narrow:
+        oi32 = out_items
+        with nogil:  # range check first, as one branch-free pass (the copies below then vectorise)
+            for j in range(n):
+                over |= <uint64_t>items[j] > <uint64_t>INT32_MAX  # negative items wrap to huge
+            if over:
+                for j in range(n):
+                    if <uint64_t>items[j] > <uint64_t>INT32_MAX:
+                        bad = j
+                        break
+        if bad >= 0:
+            raise ValueError(f"gather_batches: items[{bad}] = {items[bad]} does not fit int32 (narrow=True)")
+    else:
+        oi = out_items
     with nogil:  # block copies between validated ranges of arrays we own or only read
         ob[0] = 0
         for i in range(nb):
             b = perm[i]
             k = bounds[b + 1] - bounds[b]
             if k > 0:
-                memcpy(&oi[pos], &items[bounds[b]], k * sizeof(int64_t))
+                if narrow:
+                    src = &items[bounds[b]]
+                    dst = &oi32[pos]
+                    for j in range(k):
+                        dst[j] = <int32_t>src[j]
+                else:
+                    memcpy(&oi[pos], &items[bounds[b]], k * sizeof(int64_t))
             pos += k
             ob[i + 1] = pos
     return out_items, out_bounds

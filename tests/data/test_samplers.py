@@ -284,6 +284,36 @@ def test_gather_batches_moves_whole_batches():
         P.gather_batches(items, bounds, np.array([0, 1, 2], dtype=np.int64))
 
 
+def test_gather_batches_narrow_writes_the_same_items_as_int32():
+    rng = np.random.default_rng(4)
+    items = rng.integers(0, 2**31 - 1, 500).astype(np.int64)
+    items[:2] = [0, 2**31 - 1]  # both ends of the int32 range
+    bounds = np.concatenate([[0], np.sort(rng.choice(np.arange(1, 500), 40, replace=False)), [500]])
+    perm = rng.permutation(bounds.shape[0] - 1).astype(np.int64)
+    wide, wb = P.gather_batches(items, bounds, perm)
+    narrow, nb = P.gather_batches(items, bounds, perm, narrow=True)
+    assert wide.dtype == np.int64 and narrow.dtype == np.int32
+    assert np.array_equal(narrow, wide) and np.array_equal(nb, wb)
+    big = items.copy()
+    big[7] = 2**31
+    with pytest.raises(
+        ValueError, match=r"gather_batches: items\[7\] = 2147483648 does not fit int32 \(narrow=True\)"
+    ):
+        P.gather_batches(big, bounds, perm, narrow=True)
+    big[7] = -1
+    with pytest.raises(ValueError, match=r"gather_batches: items\[7\] = -1 does not fit int32"):
+        P.gather_batches(big, bounds, perm, narrow=True)
+
+
+def test_padded_plan_keeps_int32_item_ids():
+    lens = _lens(3000, 22, hi=200)
+    bs = _batch_ranks(lens, 4, max_complexity=1500)[0]
+    plan = bs._plan()
+    assert plan.items.dtype == np.int32
+    counts = np.bincount(plan.item_ids(), minlength=lens.shape[0])
+    assert counts.min() == 1 and counts.sum() == lens.shape[0] + plan.duplicates
+
+
 def test_padded_steps_group_batches_of_similar_cost():
     # A long tail of unique lengths: contiguous steps mixed 2 x 900 with 3 x 520 and the like.
     lens = np.concatenate([_lens(4000, 21, hi=60), 300 + np.arange(200) * 3])

@@ -48,6 +48,7 @@ __all__ = [
 
 _STATE_VERSION = 1
 _MODES = ("padded", "packed")
+_INT32_MAX = 2**31 - 1  # plans of fewer samples keep their item ids or positions as int32
 # Padded mode's minimum-padding cut: a batch costs budget / this (2 tokens at a 16384-token budget)
 # times (budget / its padded cost)^2, so a full batch is worth 2 tokens of padding and a quarter-full
 # one 33: small batches (which make uneven steps) are avoided. Tuned on docstring token counts at
@@ -804,8 +805,11 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
             alt = self._padded_min_padding(cut_order, rc, re, budget)
             if alt is not None and alt[2] < span:
                 bounds_a, perm = alt[0], alt[1]
-        # Only the kept plan is laid out (one gather of the items, not one per candidate).
-        order, bounds_a = _P.gather_batches(np.ascontiguousarray(cut_order, dtype=np.int64), bounds_a, perm)
+        # Only the kept plan is laid out (one gather of the items, not one per candidate), as int32
+        # ids when they fit: the plan is kept for the epoch, and an int64 one is 16 MB at 2M samples.
+        order, bounds_a = _P.gather_batches(
+            np.ascontiguousarray(cut_order, dtype=np.int64), bounds_a, perm, narrow=n <= _INT32_MAX + 1
+        )
         steps = (bounds_a.shape[0] - 1) // w
         step_order, rot = self._step_order(steps)
         return _Plan(order, bounds_a, step_order, rot, w, duplicates, dropped)
