@@ -305,6 +305,54 @@ def test_gather_batches_narrow_writes_the_same_items_as_int32():
         P.gather_batches(big, bounds, perm, narrow=True)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_gather_batches_shuffles_ties_and_repeats_as_the_separate_passes_do(seed):
+    # The fused tie shuffle must give exactly the plan of: copy the order, shuffle_runs it, append
+    # the repeated positions (padding) or cut the tail (drop_last), then gather.
+    rng = np.random.default_rng(seed)
+    for _ in range(150):
+        n = int(rng.integers(1, 80))
+        keys = rng.integers(0, int(rng.integers(1, 9)), n).astype(np.float64)
+        desc = P.sort_desc(keys)
+        runs = P.key_runs(keys, desc)[1]
+        tie_seed = int(rng.integers(0, 2**63))
+        kind = int(rng.integers(0, 3))
+        repeat = rng.integers(0, n, int(rng.integers(1, 6))).astype(np.int64) if kind == 2 else None
+        m = int(rng.integers(0, n + 1)) if kind == 1 else n + (0 if repeat is None else repeat.shape[0])
+        nb = int(rng.integers(1, 9))
+        bounds = np.concatenate([[0], np.sort(rng.integers(0, m + 1, nb - 1)), [m]]).astype(np.int64)
+        perm = rng.permutation(nb).astype(np.int64)
+        shuffled = desc.copy()
+        P.shuffle_runs(keys, shuffled, tie_seed)
+        for tie_runs, source in ((runs, shuffled), (None, desc)):
+            ref = source if repeat is None else np.concatenate([source, source[repeat]])
+            for narrow in (False, True):
+                want, want_b = P.gather_batches(np.ascontiguousarray(ref[:m]), bounds, perm, narrow=narrow)
+                got, got_b = P.gather_batches(
+                    desc, bounds, perm, narrow=narrow, tie_runs=tie_runs, seed=tie_seed, repeat=repeat
+                )
+                assert got.dtype == want.dtype and np.array_equal(got, want) and np.array_equal(got_b, want_b)
+
+
+def test_gather_batches_rejects_bad_tie_runs_and_repeats():
+    items = np.arange(6, dtype=np.int64)
+    bounds = np.array([0, 2, 6], dtype=np.int64)
+    perm = np.array([1, 0], dtype=np.int64)
+    with pytest.raises(ValueError, match=r"gather_batches: tie_runs must end at 6"):
+        P.gather_batches(items, bounds, perm, tie_runs=np.array([2, 5], dtype=np.int64))
+    with pytest.raises(ValueError, match=r"gather_batches: tie_runs\[1\] = 2 does not increase"):
+        P.gather_batches(items, bounds, perm, tie_runs=np.array([2, 2, 6], dtype=np.int64))
+    with pytest.raises(ValueError, match=r"gather_batches: bounds must run from 0 to at most 6"):
+        P.gather_batches(items, np.array([0, 2, 7], dtype=np.int64), perm)
+    rep = np.array([5, 6], dtype=np.int64)
+    with pytest.raises(ValueError, match=r"gather_batches: repeat\[1\] = 6 is outside \[0, 6\)"):
+        P.gather_batches(items, np.array([0, 2, 8], dtype=np.int64), perm, repeat=rep)
+    with pytest.raises(
+        ValueError, match=r"gather_batches: bounds must run from 0 to 8 \(6 items, 2 repeated\)"
+    ):
+        P.gather_batches(items, bounds, perm, repeat=np.array([5, 4], dtype=np.int64))
+
+
 def test_padded_plan_keeps_int32_item_ids():
     lens = _lens(3000, 22, hi=200)
     bs = _batch_ranks(lens, 4, max_complexity=1500)[0]

@@ -757,11 +757,6 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         c = s.complexities
         n = int(c.shape[0])
         rc, re = self._cost_runs()
-        order = _P.empty(n, np.int64)
-        order[:] = s._desc_order()
-        if s.shuffle:
-            # Equal keys have equal costs, so the tie shuffle keeps order aligned with the run table.
-            _P.shuffle_runs(c, order, _seed64(s.seed, s.epoch, "ties"))
         ends = np.empty(n, dtype=np.int64)
         nb, p = _P.padded_steps(rc, re, w, budget, ends)
         if 0 < n - p < w and nb >= w:
@@ -770,6 +765,11 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
             nb -= w
             p = int(ends[nb - 1]) if nb else 0
         bounds = [0, *ends[:nb].tolist()]
+        # The cuts are positions in the sorted order (longest first). Which of a run of equal
+        # complexities fills which position is shuffled each epoch; gather_batches does that
+        # while it lays the batches out (no shuffled copy of the order). drop_last leaves out the
+        # positions after the last whole step; padding repeats positions of the last one (repeat).
+        repeat: Optional[np.ndarray] = None
         duplicates = dropped = 0
         if p < n:
             tail = _cut_tail(rc, re, p, n, w, budget)
@@ -779,22 +779,23 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
                 last = bounds[-1]  # where the incomplete last step starts
                 if self.drop_last:
                     dropped = n - last
-                    order = order[:last]
                 else:
                     bounds += tail[whole:]
                     k = w - (len(tail) - whole)
-                    dup = [order[n - 1 - (i % (n - last))] for i in range(k)]
+                    repeat = np.asarray([n - 1 - (i % (n - last)) for i in range(k)], dtype=np.int64)
                     duplicates = k
-                    order = np.concatenate([order, np.asarray(dup, dtype=np.int64)])
                     bounds += list(range(n + 1, n + 1 + k))
         if len(bounds) == 1:
             raise ConfigError(
                 "LoadBalancingDistributedBatchSampler: the plan has no complete step (drop_last=True)"
             )
-        cut_order = order  # longest first, aligned with the run table (no duplicates or drops are used below)
         bounds_a = np.asarray(bounds, dtype=np.int64)
-        padded_total = float((np.diff(bounds_a) * _run_cost_at(rc, re, bounds_a[:-1])).sum())
-        perm, span = self._group_by_cost(cut_order, bounds_a)
+        starts = bounds_a[:-1]
+        if repeat is not None:  # a repeated position costs what the position it repeats costs
+            starts = np.where(starts >= n, repeat[np.clip(starts - n, 0, repeat.shape[0] - 1)], starts)
+        first = _run_cost_at(rc, re, starts)  # each batch's longest item comes first
+        padded_total = float((np.diff(bounds_a) * first).sum())
+        perm, span = self._group_by_cost(bounds_a, first)
         if (
             duplicates == dropped == 0
             and padded_total > 0
@@ -802,20 +803,26 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         ):
             # The step-wise cut pads more than _PAD_DP_WASTE (few samples per length): try the
             # minimum-padding cut. Dense epochs (2M samples: 0.03 %) skip its extra passes.
-            alt = self._padded_min_padding(cut_order, rc, re, budget)
+            alt = self._padded_min_padding(rc, re, budget)
             if alt is not None and alt[2] < span:
                 bounds_a, perm = alt[0], alt[1]
         # Only the kept plan is laid out (one gather of the items, not one per candidate), as int32
         # ids when they fit: the plan is kept for the epoch, and an int64 one is 16 MB at 2M samples.
         order, bounds_a = _P.gather_batches(
-            np.ascontiguousarray(cut_order, dtype=np.int64), bounds_a, perm, narrow=n <= _INT32_MAX + 1
+            s._desc_order(),
+            bounds_a,
+            perm,
+            narrow=n <= _INT32_MAX + 1,
+            tie_runs=re if s.shuffle else None,
+            seed=_seed64(s.seed, s.epoch, "ties"),
+            repeat=repeat,
         )
         steps = (bounds_a.shape[0] - 1) // w
         step_order, rot = self._step_order(steps)
         return _Plan(order, bounds_a, step_order, rot, w, duplicates, dropped)
 
     def _padded_min_padding(
-        self, order: np.ndarray, rc: np.ndarray, re: np.ndarray, budget: float
+        self, rc: np.ndarray, re: np.ndarray, budget: float
     ) -> Optional[Tuple[np.ndarray, np.ndarray, float]]:
         """The other padded plan: cuts that minimise padding, then grouped by cost: (bounds, perm, span).
 
@@ -855,22 +862,20 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
                     i = int(np.argmax(sz))
                     cuts.insert(i + 1, cuts[i] + int(sz[i]) // 2)
                 bounds = np.asarray(cuts, dtype=np.int64)
-        perm, span = self._group_by_cost(order, bounds)
+        perm, span = self._group_by_cost(bounds, _run_cost_at(rc, re, bounds[:-1]))
         return bounds, perm, span
 
-    def _group_by_cost(self, order: np.ndarray, bounds: np.ndarray) -> Tuple[np.ndarray, float]:
+    def _group_by_cost(self, bounds: np.ndarray, first: np.ndarray) -> Tuple[np.ndarray, float]:
         """Put batches of similar padded cost into the same step: the batch order, and its time.
 
         The cuts leave some steps mixing coarse batches (2 items of 8000 tokens next to 3 of 4500);
         sorted by padded cost (stable, so deterministic) and taken W at a time, every step holds
         neighbours in cost. Steps are the unit that the epoch's shuffle permutes, so the grouping
-        survives it; each batch stays a contiguous run of items, longest first. Returns the
-        permutation of the batches (for ``gather_batches``) and the epoch's time in cost units.
+        survives it; each batch stays a contiguous run of items, longest first. ``first`` is the
+        cost of each batch's first (longest) item. Returns the permutation of the batches (for
+        ``gather_batches``) and the epoch's time in cost units.
         """
-        a, b = self.cost
-        counts = np.diff(bounds)
-        first = self.sampler.complexities[order[bounds[:-1]]]
-        padded = counts * (a * first + b * first * first)
+        padded = np.diff(bounds) * first
         perm = np.argsort(-padded, kind="stable").astype(np.int64)
         # The epoch's time in cost units: each step waits for its largest batch, which is the first
         # of its W in this descending order.
@@ -977,15 +982,22 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         self.epoch = self.sampler.epoch
         start = self._start(self.sampler.shuffle)
         self._delivered = start
-        # Gather this rank's items for the whole epoch at once (one compiled pass), then make each
-        # batch's list when it is asked for (a memoryview slice, no numpy call per batch): the
-        # epoch's int objects never all live at once.
-        flat, offs = _P.rank_batches(plan.items, plan.bounds, plan.slots(self.rank), plan.ids)
-        values = memoryview(flat)
-        bounds = offs.tolist()
+        # Each batch's list is made when it is asked for, from a memoryview slice (no numpy call
+        # per batch): the epoch's int objects never all live at once.
+        slots = plan.slots(self.rank)
+        if plan.ids is None:
+            # The plan holds the dataset indices: slice it where this rank's batches are.
+            values = memoryview(plan.items)
+            lo, hi = plan.bounds[slots].tolist(), plan.bounds[slots + 1].tolist()
+        else:
+            # The plan holds positions in the sorted order: map this rank's share (one compiled
+            # pass; 1/W of the plan), not the whole plan.
+            flat, offs = _P.rank_batches(plan.items, plan.bounds, slots, plan.ids)
+            values = memoryview(flat)
+            lo, hi = offs[:-1].tolist(), offs[1:].tolist()
         for i in range(start, plan.steps):
             self._position = i + 1
-            yield values[bounds[i] : bounds[i + 1]].tolist()
+            yield values[lo[i] : hi[i]].tolist()
 
     def __len__(self) -> int:
         """Batches the next iteration yields (the same on every rank), less a restored state's."""
