@@ -14,7 +14,7 @@ small shared machines this runs on the DataLoader workers want the second core.
 from libc.stdint cimport int32_t, int64_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc, qsort, realloc
 from libc.math cimport INFINITY
-from libc.string cimport memcpy, memset
+from libc.string cimport memcpy, memmove, memset
 from posix.stdlib cimport posix_memalign
 
 import numpy as np
@@ -1657,31 +1657,93 @@ cdef inline double _batch_value(double fi, int64_t i, int64_t j, double c, doubl
     return fi + batch_penalty
 
 
+# The minimum-padding program visits positions in increasing order, but only few of them can end
+# a batch: the run ends, and the fullest end of a batch from a position that ends one (a third of
+# the positions at 100k token counts). A value and a predecessor per position (16 bytes per item)
+# made a process's first plan fault in ~280 fresh pages at 100k items (~1 ms, most of the call)
+# to use a third of them. So the program keeps them per run end (arrays of nr entries) and keeps
+# the fullest ends that are not run ends only while they wait to be processed, in a window:
+#
+# - From i the fullest end is i + t(c_i) (t: how many items of the batch's longest cost c_i fit
+#   the budget, at least 1), or n. Costs do not grow along positions, so t does not shrink, and
+#   the fullest ends below n strictly increase with i. So they come out in increasing order (a
+#   first-in first-out window, no heap) and each is relaxed by exactly one position, once.
+# - For the same reason the walk back needs no stored predecessor for them: the one position
+#   whose fullest end is p is found again from the run table (_fullest_from).
+DEF WINDOW_START = 64  # pending fullest ends the window holds at first; it doubles in place as needed
+
+
+cdef struct _Pending:
+    int64_t pos  # a reachable fullest end that is not a run end, not processed yet
+    double f  # the program's value there (final: only one position relaxes it)
+
+
+cdef inline int64_t _fullest_take(double c, double budget) noexcept nogil:
+    """Items in the fullest batch whose longest item costs c (at least 1), or -1 for all that are left."""
+    cdef double q
+    cdef int64_t k
+    if c <= 0.0:
+        return -1  # zero-cost items pad to nothing: one batch takes them all
+    q = budget / c
+    if not q < 9223372036854775808.0:
+        return -1  # more than 2^63 fit: all of them (and casting q to int64 would be undefined)
+    k = <int64_t>q
+    if k < 1:
+        k = 1
+    return k
+
+
+cdef inline int64_t _fullest_end(double c, int64_t i, int64_t n, double budget) noexcept nogil:
+    """End of the fullest batch from position i, whose longest item costs c."""
+    cdef int64_t t = _fullest_take(c, budget)
+    if t < 0 or t > n - i:
+        return n
+    return i + t
+
+
+cdef int64_t _fullest_from(const double* rc, const int64_t* re, int64_t r, int64_t p,
+                           double budget) noexcept nogil:
+    """The position whose fullest end is p (< n, not a run end, inside run r).
+
+    Exactly one position i has i + t(c_i) == p (see above); it lies in run r or before. In run r'
+    it can only be p - t(c_r'), so the runs are tried downwards from r."""
+    cdef int64_t t, i
+    while r >= 0:
+        t = _fullest_take(rc[r], budget)
+        i = p - t
+        if t > 0 and i >= (re[r - 1] if r > 0 else 0) and i < re[r]:
+            return i
+        r -= 1
+    return 0  # not reached: p was relaxed from a position before it
+
+
 cdef int64_t _min_padding_dp(const double* rc, const int64_t* re, int64_t nr, int64_t n, double budget,
-                             double batch_penalty, int64_t* ends, double* f, int64_t* prev) noexcept nogil:
-    """The program of padded_min_padding_cut on a validated run table; f and prev hold n + 1
-    entries each. Returns the number of batches written to ends."""
-    cdef int64_t i, j, e, k, rj, cur = 0, nb = 0
-    cdef double c, v, w, pre_i, pre_run = 0.0
-    f[0] = 0.0
-    for i in range(1, n + 1):
-        f[i] = INFINITY
-    for i in range(n):
-        if f[i] == INFINITY:
-            continue  # no batch ends here: not a run end, nor the fullest end of any batch
+                             double batch_penalty, int64_t* ends, double* fr, int64_t* pr, _Pending* win,
+                             int64_t win_max) noexcept nogil:
+    """The program of padded_min_padding_cut on a validated run table.
+
+    fr and pr hold nr entries (value and predecessor at each run end); win holds win_max >= n + 1 - nr
+    pending fullest ends. Returns the number of batches written to ends, 0 if n has no finite value.
+    """
+    cdef int64_t i = 0, j, e, k, rj, cur = 0, nb = 0, rn = 0, head = 0, tail = 0, cap
+    cdef double fi = 0.0, c, v, w, pre_i, pre_run = 0.0
+    # The window is win[head:tail] within its first cap entries. At most n - nr fullest ends are
+    # ever pushed (distinct positions in (0, n), none a run end), so tail < win_max: it can always
+    # grow. When full it slides back to the front if half of it is processed, else doubles: it
+    # grows only while more than half waits, so it touches fewer than 4 times the most entries
+    # that ever wait at once (154 at 100k token counts and at 2M).
+    cap = WINDOW_START if WINDOW_START < win_max else win_max
+    for rj in range(nr):
+        fr[rj] = INFINITY
+    # i is the position being processed and fi its value (final: every batch into i starts before
+    # it). The positions come in increasing order, as in a program over every position, so each
+    # target sees the same relaxations in the same order and ties resolve the same way.
+    while True:
         while re[cur] <= i:
             pre_run += (re[cur] - (re[cur - 1] if cur > 0 else 0)) * rc[cur]
             cur += 1
         c = rc[cur]
-        if c <= 0.0:
-            k = n - i  # zero-cost items pad to nothing: one batch takes them all
-        else:
-            k = <int64_t>(budget / c)
-            if k < 1:
-                k = 1
-            if k > n - i:
-                k = n - i
-        e = i + k
+        e = _fullest_end(c, i, n, budget)
         # The sum of costs before i: runs before cur (pre_run) plus i's offset in its run. A
         # batch [i, j) pads (j - i) * c minus the costs in it.
         pre_i = pre_run + (i - (re[cur - 1] if cur > 0 else 0)) * c
@@ -1691,24 +1753,64 @@ cdef int64_t _min_padding_dp(const double* rc, const int64_t* re, int64_t nr, in
             j = re[rj]
             if j >= e:
                 # The fullest end (inside run rj, or its end).
-                v = _batch_value(f[i], i, e, c, pre_i, v + (e - (re[rj - 1] if rj > 0 else 0)) * rc[rj],
+                v = _batch_value(fi, i, e, c, pre_i, v + (e - (re[rj - 1] if rj > 0 else 0)) * rc[rj],
                                  budget, batch_penalty)
-                if v < f[e]:
-                    f[e] = v
-                    prev[e] = i
+                if j == e:
+                    if v < fr[rj]:
+                        fr[rj] = v
+                        pr[rj] = i
+                elif v < INFINITY:  # e's first and only relaxation (an infinite value reaches nothing)
+                    if tail == cap:
+                        if 2 * head >= cap:
+                            memmove(win, win + head, (tail - head) * sizeof(_Pending))
+                            tail -= head
+                            head = 0
+                        else:
+                            cap = 2 * cap if 2 * cap < win_max else win_max
+                    win[tail].pos = e
+                    win[tail].f = v
+                    tail += 1
                 break
             v += (j - (re[rj - 1] if rj > 0 else 0)) * rc[rj]  # now the sum of costs before j
-            w = _batch_value(f[i], i, j, c, pre_i, v, budget, batch_penalty)
-            if w < f[j]:
-                f[j] = w
-                prev[j] = i
+            w = _batch_value(fi, i, j, c, pre_i, v, budget, batch_penalty)
+            if w < fr[rj]:
+                fr[rj] = w
+                pr[rj] = i
             rj += 1
-    # Walk back from n, then reverse the ends in place.
-    j = n
-    while j > 0:
-        ends[nb] = j
+        # The next position: the first pending fullest end or the next reachable run end (they
+        # are never equal), whichever comes first; the program stops at n.
+        while True:
+            if head < tail and win[head].pos < re[rn]:
+                i = win[head].pos
+                fi = win[head].f
+                head += 1
+                break
+            if rn == nr - 1:
+                i = n
+                break
+            i = re[rn]
+            fi = fr[rn]
+            rn += 1
+            if fi < INFINITY:
+                break
+        if i == n:
+            break
+    if not fr[nr - 1] < INFINITY:
+        return 0  # every way to n overflows (an infinite batch_penalty, or costs near the double range)
+    # Walk back from n (rj follows the run holding i), then reverse the ends in place.
+    ends[nb] = n
+    nb += 1
+    i = pr[nr - 1]
+    rj = nr - 1
+    while i > 0:
+        ends[nb] = i
         nb += 1
-        j = prev[j]
+        while rj > 0 and re[rj - 1] > i:
+            rj -= 1
+        if rj > 0 and re[rj - 1] == i:
+            i = pr[rj - 1]  # i ends run rj - 1: its predecessor is kept
+        else:
+            i = _fullest_from(rc, re, rj, i, budget)  # i is a fullest end: found from the run table
     i = 0
     k = nb - 1
     while i < k:
@@ -1732,8 +1834,12 @@ def padded_min_padding_cut(const double[::1] run_costs, const int64_t[::1] run_e
     run of equal costs or at the fullest end are tried: an end strictly inside a run pads nothing
     less than the run's end would, and the fullest end is what the greedy cut takes.
 
-    The costs come as a run table, so the program needs two arrays of n + 1 entries (value and
-    predecessor per position, in the kept scratch) and no per-item costs or prefix sums.
+    The costs come as a run table, so the program needs no per-item costs or prefix sums, and it
+    keeps a value only where a batch can end: per run end, and for the fullest ends only while
+    they wait to be processed (see the comment above _min_padding_dp). It takes 16 * (n + 1)
+    bytes of the kept scratch for the worst case, of which it touches 16 bytes per run and per
+    waiting fullest end (30 KB at 100k or 2M token counts, where one value per position was 1.6
+    or 32 MB).
 
     Args:
         run_costs: cost of each run of equal costs, non-increasing, >= 0.
@@ -1743,9 +1849,11 @@ def padded_min_padding_cut(const double[::1] run_costs, const int64_t[::1] run_e
         ends: output, end position of each batch (capacity >= n).
 
     Returns:
-        int: the number of batches written to ends.
+        int: the number of batches written to ends; 0 when no cut has a finite cost (an infinite
+        batch_penalty, or costs so large that the sums overflow).
     """
     cdef int64_t n = _check_runs(run_costs, run_ends, "padded_min_padding_cut")
+    cdef int64_t nr = run_costs.shape[0]
     cdef int64_t nb = 0
     cdef bint owned
     if not budget > 0.0 or not batch_penalty >= 0.0:
@@ -1754,13 +1862,18 @@ def padded_min_padding_cut(const double[::1] run_costs, const int64_t[::1] run_e
         raise ValueError(f"padded_min_padding_cut: ends has {ends.shape[0]} slots for {n} items")
     if n == 0:
         return 0
-    # f and prev: n + 1 entries each, in the kept scratch (see _scratch_get).
-    cdef double* f = <double*>_scratch_get(2 * (n + 1) * sizeof(double), &owned)
-    cdef int64_t* prev = <int64_t*>(f + (n + 1))
+    # In the kept scratch (see _scratch_get), small and hot arrays first: the run ends' values and
+    # predecessors, then the window (n + 1 - nr entries at most, 512 in use at 100k token counts).
+    # The plan's sort (sort_desc_runs) has just written the first 4n bytes of the scratch, so on a
+    # process's first plan these pages are already mapped (2 page faults at 100k, not 277).
+    cdef double* fr = <double*>_scratch_get(nr * (sizeof(double) + sizeof(int64_t))
+                                            + (n + 1 - nr) * sizeof(_Pending), &owned)
+    cdef int64_t* pr = <int64_t*>(fr + nr)
+    cdef _Pending* win = <_Pending*>(pr + nr)
     try:
         with nogil:  # the program over the validated run table and scratch we hold
-            nb = _min_padding_dp(&run_costs[0], &run_ends[0], run_costs.shape[0], n, budget, batch_penalty,
-                                 &ends[0], f, prev)
+            nb = _min_padding_dp(&run_costs[0], &run_ends[0], nr, n, budget, batch_penalty, &ends[0], fr, pr,
+                                 win, n + 1 - nr)
     finally:
-        _scratch_put(f, owned)
+        _scratch_put(fr, owned)
     return nb

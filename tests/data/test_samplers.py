@@ -434,6 +434,37 @@ def test_min_padding_cut_matches_a_per_item_program(seed):
         assert ends[:nb].tolist() == _min_padding_oracle(cs, budget, penalty)
 
 
+@pytest.mark.parametrize(
+    "cs, budget",
+    [
+        # 150 run ends whose fullest ends (200 to 318 items on) land inside one long run, each then
+        # pushing the next: ~150 fullest ends wait at once (the window grows from 64 and slides).
+        (np.concatenate([np.arange(400, 250, -1), np.full(2000, 250)]), 80000.0),
+        # Short items last: many fullest ends clamped to n (the only place two can coincide), and
+        # zero-cost items (one batch takes all that are left).
+        (np.concatenate([np.full(40, 90), np.arange(60, 0, -1).repeat(3), np.zeros(30)]), 1000.0),
+        # Items over the budget (a batch of one each: every position is reachable), then small ones.
+        (np.concatenate([np.arange(120, 60, -1), np.full(50, 7)]), 50.0),
+        # Items so cheap that more than 2^63 fit the budget: their batch takes all that are left.
+        (np.array([5.0, 5.0, 3.0] + [1e-19] * 20), 10.0),
+        (np.array([3.0]), 10.0),
+        (np.array([30.0]), 10.0),
+        (np.array([0.0]), 10.0),
+    ],
+)
+def test_min_padding_cut_through_fullest_ends_matches_a_per_item_program(cs, budget):
+    # The compiled program keeps values per run end and, for the fullest ends that are not run
+    # ends, only while they wait to be processed; the walk back finds their predecessors from the
+    # run table. The per-item program keeps every position.
+    cs = cs.astype(np.float64)
+    ends = np.empty(cs.shape[0], dtype=np.int64)
+    for penalty in (0.0, budget / 8000, budget / 10, budget * 10):
+        nb = P.padded_min_padding_cut(*P.key_runs(cs), budget, penalty, ends)
+        assert ends[:nb].tolist() == _min_padding_oracle(cs, budget, penalty)
+    # No cut has a finite cost: no batches (the sampler then keeps its step-wise cut).
+    assert P.padded_min_padding_cut(*P.key_runs(cs), budget, np.inf, ends) == 0
+
+
 def test_padded_mode_cuts_where_lengths_change(monkeypatch):
     # Few samples per length (a long tail): batches straddling two lengths pad.
     lens = np.random.default_rng(22).geometric(0.02, 20000)
