@@ -275,3 +275,35 @@ def test_planning_memory_is_reported_and_released():
             S.release_planning_memory()
     finally:
         P._hold_scratch(False)
+
+
+def test_padded_plan_keeps_the_step_wise_cut_when_the_program_finds_no_cut(monkeypatch):
+    # padded_min_padding_cut returns 0 when no cut has a finite cost (sums past the float range):
+    # the sampler must then keep its step-wise cut, not read the unused ends array.
+    lens = np.minimum(np.random.default_rng(22).geometric(0.02, 20000), 2000)
+    real = S._P
+
+    def ranks():
+        return [
+            LoadBalancingDistributedBatchSampler(
+                LoadBalancingDistributedSampler(None, complexities=lens, num_replicas=2, rank=r),
+                max_complexity=4096,
+            )
+            for r in range(2)
+        ]
+
+    class NoCut:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def padded_min_padding_cut(self, rc, re, budget, penalty, ends):
+            ends[:] = -7  # what an unused ends array might hold
+            return 0
+
+    with_program = ranks()[0].plan_stats()["padding_waste"]
+    monkeypatch.setattr(S, "_P", NoCut())
+    bs = ranks()
+    st = bs[0].plan_stats()
+    assert st["max_batch_cost_ratio"] <= 1.0 and st["duplicates"] == st["dropped"] == 0
+    assert sorted(i for b in bs for batch in b for i in batch) == list(range(20000))
+    assert st["padding_waste"] > 2 * with_program  # the step-wise cut: the program's was not used

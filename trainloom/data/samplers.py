@@ -839,6 +839,8 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         total = self._cost_sum()
         for div in _PAD_BATCH_PENALTY_DIVS:
             nb = _P.padded_min_padding_cut(rc, re, budget, budget / div, ends)
+            if nb == 0:
+                return None  # no cut with a finite cost (sums past the float range): keep the step-wise one
             starts = np.concatenate(([0], ends[: nb - 1]))
             padded = float(((ends[:nb] - starts) * _run_cost_at(rc, re, starts)).sum())
             if padded <= 0 or 1.0 - total / padded <= _PAD_DP_WASTE:
