@@ -754,8 +754,7 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         s = self.sampler
         w = self.num_replicas
         budget = float(self.max_complexity)  # type: ignore[arg-type]
-        c = s.complexities
-        n = int(c.shape[0])
+        n = int(s.complexities.shape[0])
         rc, re = self._cost_runs()
         ends = np.empty(n, dtype=np.int64)
         nb, p = _P.padded_steps(rc, re, w, budget, ends)
