@@ -1121,24 +1121,51 @@ DEF INT32_MAX = 2147483647
 
 
 cdef inline int64_t _packed_tmp_words(int64_t n, int64_t world, int64_t nsteps) noexcept nogil:
-    """int64 words of _packed's tmp: step_cost, heap, cnt, bin_start, off, perm, tile, the tile's
-    costs, then one step's bins (bin_of) and the per-slot counts of the planned steps."""
-    return n + 4 * world + (2 * DEAL_TILE + 2) * nsteps + 1 + (n // nsteps + 1) + nsteps * world
+    """int64 words of _packed's tmp: heap, cnt, bin_start, off, perm, tile, the tile's encoded
+    items (int32), one step's bins (bin_of), the run at each block's start (int32), then the
+    per-slot counts of the planned steps. A few words per step, per block and per bin: no
+    n-sized array (step_items is separate; see packed_plan for where both go)."""
+    return (4 * world + (DEAL_TILE + DEAL_TILE // 2 + 2) * nsteps + 1 + (n // nsteps + 1) + (n // nsteps + 3) // 2
+            + nsteps * world)
 
 
-cdef inline int64_t _fill_costs(const double* rc, const int64_t* re, int64_t r, int64_t p, int64_t q,
-                                double* out) noexcept nogil:
-    """out[i - p] = cost of position i for i in [p, q), from the run table (r: a run at or before
-    p's). Returns the run holding q - 1."""
-    cdef int64_t e, i
-    while p < q:
-        r = _run_of(re, r, p)
-        e = re[r] if re[r] < q else q
-        for i in range(p, e):
-            out[i - p] = rc[r]
-        out += e - p
-        p = e
-    return r
+cdef inline int _bits(int64_t x) noexcept nogil:
+    """Bits needed to write x >= 0 (0 for 0)."""
+    cdef int b = 0
+    while x > 0:
+        b += 1
+        x >>= 1
+    return b
+
+
+cdef inline int64_t _run_in(const int64_t* re, int64_t lo, int64_t hi, int64_t q) noexcept nogil:
+    """The run holding position q, known to be one of runs lo to hi: a binary search whose
+    compare feeds a conditional move, not a branch (which runs a search ends in is random)."""
+    cdef int64_t base = lo, m = hi - lo + 1, half
+    while m > 1:
+        half = m >> 1
+        base = base + half if re[base + half - 1] <= q else base
+        m -= half
+    return base
+
+
+cdef inline void _fill_block(const int64_t* re, int64_t r0, int64_t p0, int64_t m, int bj, bint enc,
+                             int32_t* out) noexcept nogil:
+    """out[j] for the m positions p0 + j of one block (r0: the run holding p0): the position,
+    or with enc the run and the offset packed as ((run - r0) << bj) | j (see _packed)."""
+    cdef int64_t r = r0, j = 0, e, i
+    if not enc:
+        for i in range(m):
+            out[i] = <int32_t>(p0 + i)
+        return
+    while j < m:  # run by run: the runs are non-empty, and r0's holds p0
+        e = re[r] - p0
+        if e > m:
+            e = m
+        for i in range(j, e):
+            out[i] = <int32_t>(((r - r0) << bj) | i)
+        j = e
+        r += 1
 
 
 cdef int _cmp_int64(const void* a, const void* b) noexcept nogil:
@@ -1147,35 +1174,40 @@ cdef int _cmp_int64(const void* a, const void* b) noexcept nogil:
     return (x > y) - (x < y)
 
 
-cdef int64_t _packed(const double* rc, const int64_t* re, int64_t n, bint shuffle, uint64_t seed,
+cdef int64_t _packed(const double* rc, const int64_t* re, int64_t nr, int64_t n, bint shuffle, uint64_t seed,
                      int64_t world, double budget, int64_t nsteps, int32_t* step_items,
                      int64_t* tmp, int32_t* out_items, int64_t** drain_counts) noexcept nogil:
     """Deal positions of the longest-first order into slots ``step * world + bin``.
 
-    The costs come as a run table (rc, re; see padded mode): a window of a few blocks' costs is
-    expanded at a time, so no per-item cost array of the whole epoch is needed.
+    The costs come as a run table of nr runs (rc, re; see padded mode). No per-item cost array
+    is kept: each entry of step_items carries its item's run, packed with the item's offset in
+    its block (see phases 1-2), and the cost is rc[run] where the deal uses it.
     Each step's items are written to out_items as soon as the step is dealt, grouped by bin
     (slot order), each bin in increasing position, i.e. longest first: positions, not item ids,
     so no per-step sort. The planned steps' per-slot counts are left in tmp (see
     _packed_tmp_words); the items that fit no bin of their step are dealt to extra steps at the
     end, whose per-slot counts go to a malloc'd array in drain_counts[0] (the caller frees it).
-    step_items is int32 scratch of n entries (positions are int32: the caller checks n < 2^31).
+    step_items is int32 scratch of n entries (positions are int32: the caller checks n < 2^31);
+    the caller may hand over pages holding anything (all entries are written before being read).
     Returns the number of steps used, or -1 when out of memory.
     """
-    cdef double* step_cost = <double*>tmp
-    cdef Bin* heap = <Bin*>(tmp + n)  # Bin is 2 int64 wide: 2 * world slots
-    cdef int64_t* cnt = tmp + n + 2 * world
-    cdef int64_t* bin_start = tmp + n + 3 * world
-    cdef int64_t* off = tmp + n + 4 * world
+    cdef Bin* heap = <Bin*>tmp  # Bin is 2 int64 wide: 2 * world slots
+    cdef int64_t* cnt = tmp + 2 * world
+    cdef int64_t* bin_start = tmp + 3 * world
+    cdef int64_t* off = tmp + 4 * world
     cdef int64_t* perm = off + nsteps + 1
     cdef int64_t* tile = perm + nsteps
-    cdef double* wcost = <double*>(tile + DEAL_TILE * nsteps)  # costs of the current tile's positions
-    cdef int64_t* bin_of = <int64_t*>(wcost + DEAL_TILE * nsteps)  # the bin of each item of a step
-    cdef int64_t* counts = bin_of + (n // nsteps + 1)  # items per slot of the planned steps
-    cdef int64_t i, s, si, size, nleft, step, rr = 0, k, j, pos, base, b, kb, run = 0, lo, hi, wpos
+    cdef int32_t* wenc = <int32_t*>(tile + DEAL_TILE * nsteps)  # the tile's step_items entries by position
+    cdef int64_t* bin_of = tile + (DEAL_TILE + DEAL_TILE // 2) * nsteps  # the bin of each item of a step
+    cdef int32_t* block_run = <int32_t*>(bin_of + (n // nsteps + 1))  # the run holding each block's start
+    cdef int64_t* counts = bin_of + (n // nsteps + 1) + (n // nsteps + 3) // 2  # items per slot, planned steps
+    cdef int64_t i, s, si, size, nleft, step, rr = 0, k, j, pos, base, b, kb, run, lo, hi, wpos, v
+    cdef int64_t nblk, dmax = 0, jmask
+    cdef int bj
+    cdef bint enc
     cdef int64_t left_cap = 0, dcap = 0, ndslots = 0
     cdef bint ok
-    cdef int64_t* left = NULL  # step-array indices of the items left over, in increasing order
+    cdef int64_t* left = NULL  # positions of the items left over, in step order
     cdef int64_t* grown
     cdef int64_t* dcounts = NULL
     cdef int64_t* lkey = NULL
@@ -1205,11 +1237,29 @@ cdef int64_t _packed(const double* rc, const int64_t* re, int64_t n, bint shuffl
     for s in range(nsteps):
         off[s + 1] += off[s]
     base = nfull * nsteps
-    _fill_costs(rc, re, 0, base, n, wcost)  # rem < nsteps positions
-    for j in range(rem):
-        si = off[perm[j]] + nfull
-        step_items[si] = <int32_t>(base + j)
-        step_cost[si] = wcost[j]
+    # Costs without a cost array: an item of block k (positions k * nsteps + j, j < nsteps) lies
+    # in one of runs block_run[k] to block_run[k + 1], so its step_items entry can carry the run as
+    # a delta from block_run[k] next to j: ((run - block_run[k]) << bj) | j, bj = bits(nsteps - 1).
+    # Phase 3 then gets position and cost with a shift, a mask and two loads of small arrays
+    # (searching each item's run there made a plan of 100k items up to 15% slower). When the two
+    # do not fit 31 bits (more than ~2^15 steps with blocks spanning as many runs) the entries are
+    # plain positions, and phase 3 does search each item's run, between those two bounds.
+    nblk = nfull + (rem > 0)
+    run = 0
+    for k in range(nblk):
+        run = _run_of(re, run, k * nsteps)
+        block_run[k] = <int32_t>run  # run indices < nr <= n < 2^31
+    block_run[nblk] = <int32_t>(nr - 1)
+    for k in range(nblk):
+        if block_run[k + 1] - block_run[k] > dmax:
+            dmax = block_run[k + 1] - block_run[k]
+    bj = _bits(nsteps - 1)
+    enc = bj + _bits(dmax) <= 31
+    jmask = (<int64_t>1 << bj) - 1
+    if rem > 0:
+        _fill_block(re, block_run[nfull], base, rem, bj, enc, wenc)
+        for j in range(rem):
+            step_items[off[perm[j]] + nfull] = wenc[j]
     # Full blocks, DEAL_TILE blocks at a time. For each block a random permutation says which
     # item (offset j in the block) goes to step s: tile[b * nsteps + s] = j. Walking steps in the
     # outer loop writes DEAL_TILE consecutive slots of each step at once; walking items instead
@@ -1225,19 +1275,23 @@ cdef int64_t _packed(const double* rc, const int64_t* re, int64_t n, bint shuffl
                 tile[b * nsteps + s] = s
             if shuffle:
                 _fisher_yates(tile + b * nsteps, nsteps, &r)
-        run = _fill_costs(rc, re, run, k * nsteps, (k + kb) * nsteps, wcost)
+        # The entries by position, after all of the tile's shuffles: filling each block right
+        # after its shuffle made the plan ~30% slower at W = 64 (9-item blocks) for 3 of 4 stack
+        # placements, the shuffle's loads stalling behind the fill's stores.
+        for b in range(kb):
+            _fill_block(re, block_run[k + b], (k + b) * nsteps, nsteps, bj, enc, wenc + b * nsteps)
         for s in range(nsteps):
             si = off[s] + k
             for b in range(kb):
-                j = b * nsteps + tile[b * nsteps + s]
-                step_items[si + b] = <int32_t>(k * nsteps + j)
-                step_cost[si + b] = wcost[j]
+                step_items[si + b] = wenc[b * nsteps + tile[b * nsteps + s]]
         k += kb
 
     # Phase 3: longest first to the least-loaded open bin. An item that fits no bin is left over
     # for the drain below, never carried into the next step: carrying made the work quadratic
     # when items are coarse relative to the budget. Each step is written out by bin as soon as it
     # is dealt (a counting sort of the step's items by bin), so no per-item slot array is kept.
+    # Item si - lo of a step is from block si - lo (the partial block's item, if any, last), so
+    # its entry decodes to its run and position (see above) without a search.
     nleft = 0
     wpos = 0
     for step in range(nsteps):
@@ -1246,7 +1300,14 @@ cdef int64_t _packed(const double* rc, const int64_t* re, int64_t n, bint shuffl
         lo = off[step]
         hi = off[step + 1]
         for si in range(lo, hi):
-            if _try_place(si - lo, step_cost[si], budget, heap, &size, cnt, &rr, world, 0, bin_of):
+            k = si - lo
+            v = step_items[si]
+            if enc:
+                run = block_run[k] + (v >> bj)
+                v = k * nsteps + (v & jmask)
+            else:
+                run = _run_in(re, block_run[k], block_run[k + 1], v)
+            if _try_place(k, rc[run], budget, heap, &size, cnt, &rr, world, 0, bin_of):
                 bin_of[si - lo] = -1
                 if nleft == left_cap:
                     left_cap = 2 * left_cap + 256
@@ -1255,7 +1316,7 @@ cdef int64_t _packed(const double* rc, const int64_t* re, int64_t n, bint shuffl
                         free(left)
                         return -1
                     left = grown
-                left[nleft] = si
+                left[nleft] = v
                 nleft += 1
         for b in range(world):
             counts[step * world + b] = cnt[b]
@@ -1264,13 +1325,15 @@ cdef int64_t _packed(const double* rc, const int64_t* re, int64_t n, bint shuffl
         for si in range(lo, hi):
             b = bin_of[si - lo]
             if b >= 0:
-                out_items[bin_start[b]] = step_items[si]
+                v = step_items[si]
+                out_items[bin_start[b]] = <int32_t>(((si - lo) * nsteps + (v & jmask)) if enc else v)
                 bin_start[b] += 1
 
     # Drain: the left-over items, longest first (by position), in extra steps. A step closes at
     # the first item that fits none of its bins, which then opens the next step (an item always
     # fits an empty step), so this stays linear. Each bin is then written longest first, like
-    # the planned steps' bins.
+    # the planned steps' bins. The items are visited in increasing position, so each one's run
+    # is searched from the previous one's on.
     step = nsteps
     drain_counts[0] = NULL
     ok = True
@@ -1282,19 +1345,20 @@ cdef int64_t _packed(const double* rc, const int64_t* re, int64_t n, bint shuffl
         ok = lkey != NULL and lslot != NULL and dcounts != NULL
         if ok:
             for j in range(nleft):
-                lkey[j] = (<int64_t>step_items[left[j]] << 32) | j  # position, then the left-over index
+                lkey[j] = (left[j] << 32) | j  # position, then the left-over index
             qsort(lkey, nleft, sizeof(int64_t), _cmp_int64)
             _reset_bins(heap, cnt, world)
             size = world
+            run = 0
             for i in range(nleft):
                 j = lkey[i] & ((<int64_t>1 << 32) - 1)
-                si = left[j]
-                if _try_place(j, step_cost[si], budget, heap, &size, cnt, &rr, world, (step - nsteps) * world,
+                run = _run_in(re, run, nr - 1, lkey[i] >> 32)
+                if _try_place(j, rc[run], budget, heap, &size, cnt, &rr, world, (step - nsteps) * world,
                               lslot):
                     step += 1
                     _reset_bins(heap, cnt, world)
                     size = world
-                    _try_place(j, step_cost[si], budget, heap, &size, cnt, &rr, world, (step - nsteps) * world,
+                    _try_place(j, rc[run], budget, heap, &size, cnt, &rr, world, (step - nsteps) * world,
                                lslot)
                 if (step - nsteps + 1) * world > dcap:
                     grown = <int64_t*>realloc(dcounts, 2 * dcap * sizeof(int64_t))
@@ -1318,7 +1382,7 @@ cdef int64_t _packed(const double* rc, const int64_t* re, int64_t n, bint shuffl
                 wpos += dcounts[s]
             for i in range(nleft):
                 j = lkey[i] & ((<int64_t>1 << 32) - 1)
-                out_items[grown[lslot[j]]] = step_items[left[j]]
+                out_items[grown[lslot[j]]] = <int32_t>left[j]
                 grown[lslot[j]] += 1
             free(grown)
     free(left)
@@ -1362,9 +1426,14 @@ def packed_plan(const double[::1] run_costs, const int64_t[::1] run_ends, int64_
         raise ValueError(f"packed_plan: {n} items; packed mode plans at most {INT32_MAX}")
     cdef int64_t ntmp = _packed_tmp_words(n, world, nsteps)
     cdef bint owned
-    # One block of kept scratch (see _scratch_get): the deal's tmp, then the int32 step_items.
-    cdef int64_t* tmp = <int64_t*>_scratch_get((ntmp + (n + 1) // 2) * sizeof(int64_t), &owned)
-    cdef int32_t* step_items = <int32_t*>(tmp + ntmp)
+    # One block of kept scratch (see _scratch_get), laid out over the pages the sort that made
+    # the run table (sort_desc_runs, same n) has just touched: step_items (int32, n) where the
+    # counting sort kept its int32 buckets (the first 4n bytes), the deal's tmp at word n where
+    # its counts start. Words (n + 1) // 2 to n stay unused: in a process's first plan they are
+    # pages nobody touched yet, and packing the tmp right after step_items would fault them in.
+    cdef int64_t* scratch = <int64_t*>_scratch_get((n + ntmp) * sizeof(int64_t), &owned)
+    cdef int32_t* step_items = <int32_t*>scratch
+    cdef int64_t* tmp = scratch + n
     cdef int64_t* counts = tmp + ntmp - nsteps * world  # see _packed_tmp_words
     cdef int64_t* dcounts = NULL
     cdef int32_t[::1] items
@@ -1373,8 +1442,8 @@ def packed_plan(const double[::1] run_costs, const int64_t[::1] run_ends, int64_
         items_a = empty(n, np.int32)  # positions < 2^31 (checked above): half the pages of int64
         items = items_a
         with nogil:  # the whole deal runs on validated arrays and scratch we hold
-            steps = _packed(&run_costs[0], &run_ends[0], n, shuffle, useed, world, budget, nsteps, step_items,
-                            tmp, &items[0], &dcounts)
+            steps = _packed(&run_costs[0], &run_ends[0], run_costs.shape[0], n, shuffle, useed, world, budget,
+                            nsteps, step_items, tmp, &items[0], &dcounts)
         if steps < 0:
             raise MemoryError("packed_plan: out of memory")
         nslots = steps * world
@@ -1386,7 +1455,7 @@ def packed_plan(const double[::1] run_costs, const int64_t[::1] run_ends, int64_
                 bounds[s + 1] = bounds[s] + (counts[s] if s < nsteps * world else dcounts[s - nsteps * world])
     finally:
         free(dcounts)
-        _scratch_put(tmp, owned)
+        _scratch_put(scratch, owned)
     return items_a, bounds_a, steps
 
 

@@ -247,6 +247,171 @@ def test_packed_plan_matches_a_python_longest_first_deal():
     assert np.allclose(loads, _lpt_oracle(lens, 7))
 
 
+_M64 = (1 << 64) - 1
+
+
+def _rotl(x, k):
+    return ((x << k) | (x >> (64 - k))) & _M64
+
+
+class _Xoshiro:
+    """xoshiro256** seeded through splitmix64, as the compiled core draws it (slow)."""
+
+    def __init__(self, seed):
+        x, self.s = seed, []
+        for _ in range(4):
+            x = (x + 0x9E3779B97F4A7C15) & _M64
+            z = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+            z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+            self.s.append(z ^ (z >> 31))
+
+    def next(self):
+        s0, s1, s2, s3 = self.s
+        out = (_rotl((s1 * 5) & _M64, 7) * 9) & _M64
+        t = (s1 << 17) & _M64
+        s2 ^= s0
+        s3 ^= s1
+        s1 ^= s2
+        s0 ^= s3
+        s2 ^= t
+        self.s = [s0, s1, s2, _rotl(s3, 45)]
+        return out
+
+    def shuffle(self, a):
+        for i in range(len(a) - 1, 0, -1):
+            j = (self.next() * (i + 1)) >> 64
+            a[i], a[j] = a[j], a[i]
+
+
+def _packed_oracle(run_costs, run_ends, world, budget, nsteps, seed):
+    """packed_plan done the slow way, from an array of every position's cost."""
+    cost = np.repeat(run_costs, np.diff(run_ends, prepend=0)).tolist()
+    n = len(cost)
+    rng = _Xoshiro(0 if seed is None else seed)
+    perm = list(range(nsteps))
+    if seed is not None:
+        rng.shuffle(perm)
+    steps = [[] for _ in range(nsteps)]
+    nfull, rem = divmod(n, nsteps)
+    for k in range(nfull):  # block k deals one of its positions to every step
+        tile = list(range(nsteps))
+        if seed is not None:
+            rng.shuffle(tile)
+        for s in range(nsteps):
+            steps[s].append(k * nsteps + tile[s])
+    for j in range(rem):  # the partial last block: one more item for the first `rem` of perm
+        steps[perm[j]].append(nfull * nsteps + j)
+    rr = 0
+
+    def reset():
+        return [[0.0, j] for j in range(world)], [0] * world, [world]
+
+    def place(c, heap, cnt, size):  # the bin, or None when no open bin takes the item
+        nonlocal rr
+        if size[0] == 0:
+            return None
+        if c == 0.0:
+            b = heap[rr % size[0]][1]
+            rr += 1
+        else:
+            b = heap[0][1]
+            if c > budget:
+                if cnt[b] != 0:
+                    return None
+                size[0] -= 1
+                heap[0] = heap[size[0]]
+            elif heap[0][0] + c > budget:
+                return None
+            else:
+                heap[0][0] += c
+            i, x = 0, heap[0]  # sift the root down (a min-heap on load; ties keep the left child)
+            while 2 * i + 1 < size[0]:
+                m = 2 * i + 1
+                if m + 1 < size[0] and heap[m + 1][0] < heap[m][0]:
+                    m += 1
+                if not heap[m][0] < x[0]:
+                    break
+                heap[i] = heap[m]
+                i = m
+            heap[i] = x
+        cnt[b] += 1
+        return b
+
+    slots, left = [], []
+    for items in steps:
+        heap, cnt, size = reset()
+        bins = [[] for _ in range(world)]
+        for p in items:
+            b = place(cost[p], heap, cnt, size)
+            (left if b is None else bins[b]).append(p)
+        slots += bins
+    heap, cnt, size = reset()
+    bins = [[] for _ in range(world)]
+    for p in sorted(left):  # extra steps: the left-over items, longest first
+        b = place(cost[p], heap, cnt, size)
+        if b is None:
+            slots += bins
+            heap, cnt, size = reset()
+            bins = [[] for _ in range(world)]
+            b = place(cost[p], heap, cnt, size)
+        bins[b].append(p)
+    if left:
+        slots += bins
+    bounds = np.cumsum([0] + [len(x) for x in slots])
+    return [p for x in slots for p in sorted(x)], bounds.tolist(), len(slots) // world
+
+
+def test_xoshiro_oracle_draws_what_the_compiled_core_draws():
+    for seed in (0, 1, 2**63 + 5):
+        a = list(range(50))
+        _Xoshiro(seed).shuffle(a)
+        assert a == P.permutation(50, seed).tolist()
+
+
+@pytest.mark.parametrize("case", range(300))
+def test_packed_plan_matches_a_slow_oracle(case):
+    # Every decision of the deal compared: step membership (blocks, shuffles, the partial block),
+    # longest first to the least-loaded bin, zero-cost round robin, items over budget alone, the
+    # drain. The compiled plan keeps no per-item cost (it carries each item's run), the oracle does.
+    rng = np.random.default_rng(1000 + case)
+    n = int(rng.integers(1, 300))
+    kind = case % 4
+    if kind == 0:
+        lens = rng.integers(0, 30, n).astype(np.float64)  # ties and zero costs
+    elif kind == 1:
+        lens = rng.random(n) * 10.0  # nearly all distinct (a run per item)
+        lens[rng.random(n) < 0.2] = 0.0
+    elif kind == 2:
+        lens = rng.integers(0, 4, n).astype(np.float64) ** 2 * 3.5
+    else:
+        lens = np.round(rng.exponential(5.0, n), 1)
+    lens = np.sort(lens)[::-1].copy()
+    world = int(rng.integers(1, 41))
+    top = float(lens[0]) if lens[0] > 0 else 1.0
+    budget = top * float(rng.choice([0.3, 0.7, 1.0, 1.5, 3.0, 10.0]))  # below 1: items over budget
+    nsteps = int(rng.integers(1, n // world + 4))  # may exceed n: steps without items
+    seed = None if case % 3 == 0 else int(rng.integers(0, 2**63))
+    runs = P.key_runs(lens)
+    items, bounds, steps = P.packed_plan(*runs, world, budget, nsteps, seed)
+    ref_items, ref_bounds, ref_steps = _packed_oracle(*runs, world, budget, nsteps, seed)
+    assert (items.tolist(), bounds.tolist(), steps) == (ref_items, ref_bounds, ref_steps)
+
+
+@pytest.mark.parametrize("world,budget", [(1, 1.7), (3, 0.9)])
+def test_packed_plan_matches_the_oracle_when_runs_and_offsets_overflow_int32(world, budget):
+    # 2^16 steps and blocks spanning 2^16 runs (every cost distinct): an item's offset in its
+    # block (16 bits) and its run within the block (17 bits) do not fit one int32 together, so the
+    # plan keeps plain positions and searches each item's run. The budgets make the deal depend
+    # on every item's exact cost (which items fit, which are over budget).
+    n = 3 * 2**16 + 5
+    lens = np.linspace(1.0, 0.01, n)
+    lens[-3:] = 0.0  # the last run: zero-cost items, dealt round robin
+    runs = P.key_runs(lens)
+    items, bounds, steps = P.packed_plan(*runs, world, budget, 2**16, 9)
+    ref_items, ref_bounds, ref_steps = _packed_oracle(*runs, world, budget, 2**16, 9)
+    assert (items.tolist(), bounds.tolist(), steps) == (ref_items, ref_bounds, ref_steps)
+
+
 def test_packed_plan_respects_the_budget_and_places_every_item():
     rng = np.random.default_rng(5)
     lens = np.sort(rng.integers(1, 120, 4000).astype(np.float64))[::-1].copy()
