@@ -1464,7 +1464,8 @@ ctypedef fused position_t:
     int64_t
 
 
-def rank_batches(const position_t[::1] items, const int64_t[::1] bounds, const int64_t[::1] slots, ids=None):
+def rank_batches(const position_t[::1] items, const int64_t[::1] bounds, const int64_t[::1] slots, ids=None,
+                 bint narrow=False):
     """One rank's batches for the epoch, flat: the items of ``slots`` in order, and their offsets.
 
     Replaces a numpy repeat/arange/gather chain (four temporaries of the rank's item count) with
@@ -1476,14 +1477,21 @@ def rank_batches(const position_t[::1] items, const int64_t[::1] bounds, const i
         bounds: int64 offsets, non-decreasing, bounds[0] == 0, bounds[-1] == len(items).
         slots: int64 slot ids of this rank's batches, in yield order.
         ids: optional int64 array; when given, items are positions and ids[items] the results.
+        narrow: write flat as int32 (half the memory of the rank's share); every value written
+            (an item, or with ids ids[item]) must then be in [0, 2^31).
 
     Returns:
-        tuple: (flat, offsets): int64; batch i is flat[offsets[i]:offsets[i + 1]].
+        tuple: (flat, offsets): flat int32 with ``narrow``, else int64, and int64 offsets; batch i
+        is flat[offsets[i]:offsets[i + 1]].
+
+    Raises:
+        ValueError: bad bounds or slots, with ids an item outside [0, len(ids)), or with
+        ``narrow`` a value to write outside [0, 2^31).
     """
     cdef int64_t ns = bounds.shape[0] - 1
     cdef int64_t nb = slots.shape[0]
     cdef int64_t n = items.shape[0]
-    cdef int64_t i, s, j, v, total = 0, bad = -1
+    cdef int64_t i, s, j, v, total = 0, bad = -1, wide = -1
     cdef const int64_t[::1] idv
     cdef int64_t nid = 0
     cdef bint map_ids = ids is not None
@@ -1500,32 +1508,51 @@ def rank_batches(const position_t[::1] items, const int64_t[::1] bounds, const i
     if map_ids:
         idv = ids
         nid = idv.shape[0]
-    flat_a = empty(total, np.int64)
+    flat_a = empty(total, np.int32 if narrow else np.int64)
     offs_a = np.empty(nb + 1, dtype=np.int64)
-    cdef int64_t[::1] flat = flat_a
+    cdef int64_t[::1] f64
+    cdef int32_t[::1] f32
+    cdef int64_t* o64 = NULL
+    cdef int32_t* o32 = NULL
+    if total > 0:
+        if narrow:
+            f32 = flat_a
+            o32 = &f32[0]
+        else:
+            f64 = flat_a
+            o64 = &f64[0]
     cdef int64_t[::1] offs = offs_a
     cdef int64_t pos = 0
-    with nogil:  # copies between validated ranges; a position outside ids stops the gather
+    with nogil:  # copies between validated ranges; a position outside ids or a wide value stops it
         offs[0] = 0
         for i in range(nb):
             s = slots[i]
-            if map_ids:
-                for j in range(bounds[s], bounds[s + 1]):
-                    v = items[j]
+            for j in range(bounds[s], bounds[s + 1]):
+                v = items[j]
+                if map_ids:
                     if v < 0 or v >= nid:
                         bad = j
                         break
-                    flat[pos] = idv[v]
-                    pos += 1
-                if bad >= 0:
-                    break
-            else:
-                for j in range(bounds[s], bounds[s + 1]):
-                    flat[pos] = items[j]
-                    pos += 1
+                    v = idv[v]
+                if narrow:
+                    if <uint64_t>v > <uint64_t>INT32_MAX:  # negative values wrap to huge
+                        wide = j
+                        break
+                    o32[pos] = <int32_t>v
+                else:
+                    o64[pos] = v
+                pos += 1
+            if bad >= 0 or wide >= 0:
+                break
             offs[i + 1] = pos
     if bad >= 0:
         raise ValueError(f"rank_batches: items[{bad}] = {items[bad]} is outside [0, {nid})")
+    if wide >= 0:
+        if map_ids:
+            raise ValueError(
+                f"rank_batches: ids[{items[wide]}] = {idv[items[wide]]} does not fit int32 (narrow=True)"
+            )
+        raise ValueError(f"rank_batches: items[{wide}] = {items[wide]} does not fit int32 (narrow=True)")
     return flat_a, offs_a
 
 

@@ -105,18 +105,19 @@ def _rank_batches_ref(items, bounds, slots, ids):
     return flat, offs
 
 
+@pytest.mark.parametrize("narrow", [False, True])
 @pytest.mark.parametrize("dtype", [np.int32, np.int64])
 @pytest.mark.parametrize("with_ids", [False, True])
-def test_rank_batches_matches_numpy(with_ids, dtype):
+def test_rank_batches_matches_numpy(with_ids, dtype, narrow):
     rng = np.random.default_rng(2)
     sizes = rng.integers(0, 5, 40)
     bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     items = rng.permutation(int(bounds[-1])).astype(dtype)
     slots = rng.permutation(40)[:25].astype(np.int64)
     ids = rng.permutation(int(bounds[-1])).astype(np.int64) * 3 if with_ids else None
-    flat, offs = P.rank_batches(items, bounds, slots, ids)
+    flat, offs = P.rank_batches(items, bounds, slots, ids, narrow=narrow)
     ref_flat, ref_offs = _rank_batches_ref(items, bounds, slots, ids)
-    assert flat.dtype == np.int64 and offs.dtype == np.int64
+    assert flat.dtype == (np.int32 if narrow else np.int64) and offs.dtype == np.int64
     assert np.array_equal(flat, ref_flat) and np.array_equal(offs, ref_offs)
 
 
@@ -139,6 +140,29 @@ def test_rank_batches_rejects_bad_input():
     assert flat.tolist() == [0, 1]
     with pytest.raises(TypeError, match="No matching signature found"):  # int32 or int64 positions only
         P.rank_batches(items.astype(np.int16), bounds, np.array([0], dtype=np.int64))
+
+
+def test_rank_batches_narrow_refuses_values_that_do_not_fit_int32():
+    bounds = np.array([0, 2, 4], dtype=np.int64)
+    both = np.array([0, 1], dtype=np.int64)
+    ids = np.array([5, 2**31 - 1, 2**31, 7], dtype=np.int64)
+    pos = np.array([0, 1, 3, 2], dtype=np.int32)
+    with pytest.raises(
+        ValueError, match=r"rank_batches: ids\[2\] = 2147483648 does not fit int32 \(narrow=True\)"
+    ):
+        P.rank_batches(pos, bounds, both, ids, narrow=True)
+    ids[2] = -1
+    with pytest.raises(ValueError, match=r"rank_batches: ids\[2\] = -1 does not fit int32 \(narrow=True\)"):
+        P.rank_batches(pos, bounds, both, ids, narrow=True)
+    # The largest int32 fits, and only the values written are checked (slot 1 is not this rank's).
+    flat, _ = P.rank_batches(pos, bounds, both[:1], ids, narrow=True)
+    assert flat.dtype == np.int32 and flat.tolist() == [5, 2**31 - 1]
+    items = np.array([0, 1, 2**31, 3], dtype=np.int64)
+    with pytest.raises(
+        ValueError, match=r"rank_batches: items\[2\] = 2147483648 does not fit int32 \(narrow=True\)"
+    ):
+        P.rank_batches(items, bounds, both, narrow=True)
+    assert P.rank_batches(items, bounds, both)[0].tolist() == [0, 1, 2**31, 3]  # int64 without narrow
 
 
 def test_plain_padding_and_drops_still_cover_once():
