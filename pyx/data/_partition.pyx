@@ -453,6 +453,39 @@ def shuffle_runs(const double[::1] keys, int64_t[::1] order, uint64_t seed):
                 start = i
 
 
+def shuffle_runs_at(int64_t[::1] order, const int64_t[::1] run_ends, uint64_t seed):
+    """Shuffle, in place, each run ``order[run_ends[k - 1]:run_ends[k]]`` (the first from 0).
+
+    ``shuffle_runs`` with the runs given: the same draws when run_ends are the ends of the runs
+    of equal keys, without reading a key.
+
+    Args:
+        order: int64 items; modified in place.
+        run_ends: int64 end of each run, increasing, the last == len(order).
+        seed: 64-bit seed.
+
+    Raises:
+        ValueError: run_ends not increasing or not ending at len(order).
+    """
+    cdef int64_t n = order.shape[0]
+    cdef int64_t nr = run_ends.shape[0]
+    cdef int64_t k, lo
+    cdef Rng r
+    if (nr == 0) != (n == 0) or (nr > 0 and run_ends[nr - 1] != n):
+        raise ValueError(f"shuffle_runs_at: run_ends must end at {n}")
+    for k in range(nr):
+        lo = run_ends[k - 1] if k > 0 else 0
+        if run_ends[k] <= lo:
+            raise ValueError(f"shuffle_runs_at: run_ends[{k}] = {run_ends[k]} does not increase")
+    _rng_seed(&r, seed)
+    with nogil:  # validated spans of order
+        lo = 0
+        for k in range(nr):
+            if run_ends[k] - lo > 1:
+                _fisher_yates(&order[lo], run_ends[k] - lo, &r)
+            lo = run_ends[k]
+
+
 # --------------------------------------------------------------------------------------------
 # Stable LSD radix argsort on float64 keys (8 passes of 8 bits at most). Passes whose byte is the
 # same for every key are skipped: integer-valued lengths stored as doubles have all-zero low
@@ -526,9 +559,18 @@ cdef void _radix_argsort(const double* keys, const int64_t* order_in, int64_t* o
 DEF COUNTING_MAX = 4194304
 
 
-cdef int _counting_argsort(const double* keys, const int64_t* order_in, int64_t* out, int64_t n,
+ctypedef fused sort_key_t:
+    double
+    int64_t
+    int32_t
+
+
+cdef int _counting_argsort(const sort_key_t* keys, const int64_t* order_in, int64_t* out, int64_t n,
                            bint descending, int64_t* hist, int64_t* nbuckets) noexcept nogil:
     """0 when sorted, 1 when the keys are not small non-negative integers (nothing written).
+
+    Integer keys are read as the doubles a float64 copy of them would hold (the same checks, the
+    same buckets), so a sampler sorts its integer complexities without making that copy.
 
     hist is scratch of _sort_scratch_bytes(n): the first n words hold each item's bucket (as
     int32, read back by the two later passes instead of re-reading and re-converting the
@@ -541,7 +583,7 @@ cdef int _counting_argsort(const double* keys, const int64_t* order_in, int64_t*
     cdef int* bucket = <int*>hist
     cdef int64_t* count = hist + n
     for i in range(n):
-        x = keys[_item(order_in, i)]
+        x = <double>keys[_item(order_in, i)]
         if not (x >= 0.0 and x <= COUNTING_MAX):
             return 1
         b = <int64_t>x
@@ -630,7 +672,7 @@ def sort_desc(const double[::1] keys):
     return out
 
 
-def sort_desc_runs(const double[::1] keys):
+def sort_desc_runs(const sort_key_t[::1] keys):
     """Items sorted by key, largest first, ties by index, and the run table of the sorted keys.
 
     The run table (one entry per distinct key, as ``key_runs`` gives it) comes straight from the
@@ -638,7 +680,9 @@ def sort_desc_runs(const double[::1] keys):
     padded planning needs no n-sized array of sorted keys.
 
     Args:
-        keys: float64 key per item (finite).
+        keys: float64, int64 or int32 key per item (finite). Integer keys are sorted as the
+            float64 values they convert to, without a float64 copy when they are small
+            non-negative integers (a copy is made for the radix sort otherwise).
 
     Returns:
         tuple: (order, run_keys, run_ends): int64 item indices, then the float64 key and the int64
@@ -652,6 +696,7 @@ def sort_desc_runs(const double[::1] keys):
     if n == 0:
         return out, np.empty(0, dtype=np.float64), np.empty(0, dtype=np.int64)
     cdef int64_t[::1] o = out
+    cdef const double[::1] fk
     cdef int64_t* scratch = <int64_t*>_scratch_get(_sort_scratch_bytes(n), &owned)
     cdef int64_t* count = scratch + n
     cdef double[::1] rkv
@@ -659,22 +704,27 @@ def sort_desc_runs(const double[::1] keys):
     try:
         with nogil:  # the sort reads keys and writes out and scratch only
             rc = _counting_argsort(&keys[0], NULL, &o[0], n, True, scratch, &nb)
-            if rc == 1:
-                _radix_argsort(&keys[0], NULL, &o[0], n, True, scratch)
-                nr = _runs_of_sorted(&keys[0], &o[0], n, NULL, NULL)
+        if rc == 1:
+            if sort_key_t is double:
+                fk = keys
             else:
-                pos = 0
-                for b in range(nb):
-                    if count[b] > pos:
-                        nr += 1
-                        pos = count[b]
+                fk = np.asarray(keys, dtype=np.float64)  # large or negative integers: radix-sort doubles
+            with nogil:
+                _radix_argsort(&fk[0], NULL, &o[0], n, True, scratch)
+                nr = _runs_of_sorted(&fk[0], &o[0], n, NULL, NULL)
+        else:
+            pos = 0
+            for b in range(nb):
+                if count[b] > pos:
+                    nr += 1
+                    pos = count[b]
         rk = np.empty(nr, dtype=np.float64)
         re = np.empty(nr, dtype=np.int64)
         rkv = rk
         rev = re
         with nogil:  # the run table, from the buckets' ends or from the sorted keys
             if rc == 1:
-                _runs_of_sorted(&keys[0], &o[0], n, &rkv[0], &rev[0])
+                _runs_of_sorted(&fk[0], &o[0], n, &rkv[0], &rev[0])
             else:
                 pos = 0
                 nr = 0

@@ -9,6 +9,7 @@ import pytest
 
 from trainloom.data import samplers as S
 from trainloom.data.samplers import LoadBalancingDistributedBatchSampler, LoadBalancingDistributedSampler
+from trainloom.errors import ConfigError
 
 P = S._P
 HUGE = 2 * 1024 * 1024
@@ -82,18 +83,66 @@ def test_threads_planning_at_once_agree():
     assert all(got[i] == ref for i in range(3))
 
 
-def test_run_table_after_the_plain_order():
+@pytest.mark.parametrize("dtype", [np.int64, np.int32, np.uint16, np.float64])
+def test_integer_complexities_are_sorted_at_construction_and_not_kept(dtype):
     lens = _lens(1000, 7)
-    s = LoadBalancingDistributedSampler(None, complexities=lens, num_replicas=2, rank=0)
-    list(s)  # sorts without a run table
-    assert s._runs is None
-    keys, ends = s._desc_runs()  # then scans the sorted order
-    fresh = LoadBalancingDistributedSampler(None, complexities=lens, num_replicas=2, rank=0)
-    fk, fe = fresh._desc_runs()  # sorted with the table
-    assert np.array_equal(fk, keys) and np.array_equal(fe, ends)
-    assert np.array_equal(fresh._desc_order(), s._desc_order())
-    sk = lens[s._desc_order()]
-    assert np.array_equal(np.repeat(keys, np.diff(ends, prepend=0)), sk)
+    src = lens.astype(dtype)
+    s = LoadBalancingDistributedSampler(None, complexities=src, num_replicas=2, rank=0)
+    kept = s._complexities is not None
+    assert kept == (dtype not in (np.int64, np.int32))  # int32 / int64: no copy at all
+    order = s._desc_order()
+    assert np.array_equal(order, np.argsort(-lens, kind="stable"))
+    keys, ends = s._desc_runs()
+    ref_keys, ref_ends = P.key_runs(lens.astype(np.float64), order)
+    assert np.array_equal(keys, ref_keys) and np.array_equal(ends, ref_ends)
+    first = [s.rank_indices(r) for r in range(2)]
+    digest = s.digest()
+    src[:] = 0  # the caller's array is not read after construction
+    s._cache = None
+    assert all(np.array_equal(a, s.rank_indices(r)) for r, a in enumerate(first))
+    # The complexities are rebuilt from the order and its runs: float64, read-only, our own.
+    c = s.complexities
+    assert c.dtype == np.float64 and not c.flags.writeable and not np.shares_memory(c, src)
+    assert np.array_equal(c, lens.astype(np.float64))
+    assert digest == LoadBalancingDistributedSampler(None, complexities=lens.astype(np.float64)).digest()
+
+
+def test_integer_complexities_outside_the_counting_range_sort_as_their_doubles():
+    # Negative and huge int64 values take the radix sort, on the doubles a float64 copy holds
+    # (2**60 + 1 rounds to 2**60: a tie, as it was when the sampler copied to float64).
+    src = np.array([-3, 2**60 + 1, 5, -3, 2**60, 7, 0], dtype=np.int64)
+    as_f64 = src.astype(np.float64)
+    for keys in (src, src[[0, 2, 3, 5, 6]].astype(np.int32)):
+        order, run_keys, run_ends = P.sort_desc_runs(keys)
+        f = keys.astype(np.float64)
+        assert np.array_equal(order, np.argsort(-f, kind="stable"))
+        ref_k, ref_e = P.key_runs(f, order)
+        assert np.array_equal(run_keys, ref_k) and np.array_equal(run_ends, ref_e)
+    s = LoadBalancingDistributedSampler(None, complexities=src, num_replicas=2, rank=0)
+    assert np.array_equal(s.complexities, as_f64)
+    assert s.digest() == LoadBalancingDistributedSampler(None, complexities=as_f64).digest()
+    with pytest.raises(ConfigError, match=r"complexities\[0\] = -3.0 is negative"):
+        LoadBalancingDistributedBatchSampler(s, max_complexity=10.0)
+
+
+def test_shuffle_runs_at_draws_what_shuffle_runs_draws():
+    rng = np.random.default_rng(4)
+    for case in range(50):
+        top, n = int(rng.integers(1, 40)), int(rng.integers(1, 300))
+        keys = np.sort(rng.integers(0, top, n)).astype(np.float64)
+        a = np.arange(keys.shape[0], dtype=np.int64)
+        b = a.copy()
+        P.shuffle_runs(keys, a, case)
+        P.shuffle_runs_at(b, P.key_runs(keys)[1], case)
+        assert np.array_equal(a, b)
+    order = np.arange(5, dtype=np.int64)
+    with pytest.raises(ValueError, match=r"shuffle_runs_at: run_ends must end at 5"):
+        P.shuffle_runs_at(order, np.array([2, 4], dtype=np.int64), 0)
+    with pytest.raises(ValueError, match=r"shuffle_runs_at: run_ends\[1\] = 2 does not increase"):
+        P.shuffle_runs_at(order, np.array([2, 2, 5], dtype=np.int64), 0)
+    with pytest.raises(ValueError, match=r"shuffle_runs_at: run_ends must end at 0"):
+        P.shuffle_runs_at(order[:0], np.array([1], dtype=np.int64), 0)
+    P.shuffle_runs_at(order[:0], np.array([], dtype=np.int64), 0)  # nothing to shuffle
 
 
 def _rank_batches_ref(items, bounds, slots, ids):

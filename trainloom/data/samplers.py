@@ -127,7 +127,10 @@ def _check_finite(c: np.ndarray, who: str) -> None:
         )
 
 
-def _as_complexities(values: Any, n_expected: Optional[int], who: str) -> np.ndarray:
+def _as_complexities(values: Any, n_expected: Optional[int], who: str) -> Tuple[np.ndarray, bool]:
+    """Validated complexities: (array, owned). int32 and int64 values come back as they are
+    (contiguous; the caller's memory, owned=False): the sampler sorts them at once and keeps no
+    copy. Anything else is copied to our own float64 array (owned=True)."""
     if isinstance(values, torch.Tensor):
         values = values.detach().cpu()
         if values.dtype == torch.bfloat16:  # numpy has no bfloat16; float32 holds every value
@@ -147,14 +150,18 @@ def _as_complexities(values: Any, n_expected: Optional[int], who: str) -> np.nda
         raise ConfigError(
             f"{who}: complexities has {arr.shape[0]} entries but the dataset has {n_expected} samples"
         )
-    # Always our own copy: the plan caches orders computed from these values, and the sampler
-    # marks them read-only; neither may leak into (or be changed through) the caller's array.
+    if arr.dtype == np.int64 or arr.dtype == np.int32:
+        # Token counts, usually: sorted straight from these values (the sort reads them as the
+        # doubles a copy would hold), then never read again, so no copy (16 MB at 2M samples).
+        return np.ascontiguousarray(arr), False
+    # Our own copy: the plan caches orders computed from these values, and the sampler marks
+    # them read-only; neither may leak into (or be changed through) the caller's array.
     # (_P.empty: a pooled block, not fresh pages; see _partition.)
     own = _P.empty(arr.shape[0], np.float64)
     np.copyto(own, arr, casting="unsafe")
     if np.issubdtype(arr.dtype, np.floating):  # integers are finite (2.5 ms and 2 MB saved at 2M)
         _check_finite(own, who)
-    return own
+    return own, True
 
 
 def _complexities_from_fn(dataset: Any, fn: Callable[[Any], Any], who: str) -> np.ndarray:
@@ -321,11 +328,11 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
             raise ConfigError(f"{who}: pass complexity_fn or complexities, not both")
         if complexities is not None:
             n_expected = None if dataset is None else len(dataset)
-            c = _as_complexities(complexities, n_expected, who)
+            c, owned = _as_complexities(complexities, n_expected, who)
         elif complexity_fn is not None:
             if dataset is None:
                 raise ConfigError(f"{who}: complexity_fn needs a dataset to read samples from")
-            c = _complexities_from_fn(dataset, complexity_fn, who)
+            c, owned = _complexities_from_fn(dataset, complexity_fn, who), True
         else:
             raise ConfigError(
                 f"{who}: pass complexities= (one number per sample, the fast path) or complexity_fn="
@@ -340,9 +347,16 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
                 f"{who}: num_replicas={self.num_replicas} is larger than the dataset ({n} samples) and "
                 "drop_last=True would leave every rank empty; use drop_last=False or fewer replicas"
             )
-        c.setflags(write=False)
+        # Sorted once, here (every plan starts from this order and its run table): the values are
+        # not read again, so integer values need no copy that outlives this call.
+        self._desc, keys, ends = _P.sort_desc_runs(c)
+        self._desc.setflags(write=False)
+        self._runs: Tuple[np.ndarray, np.ndarray] = (keys, ends)
+        self._n = n
+        if owned:
+            c.setflags(write=False)
+        self._complexities: Optional[np.ndarray] = c if owned else None
         self.dataset = dataset
-        self.complexities = c
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
         self.drop_last = bool(drop_last)
@@ -350,8 +364,6 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
         w = self.num_replicas
         self.num_samples = n // w if self.drop_last else -(-n // w)
         self.total_size = self.num_samples * w
-        self._desc: Optional[np.ndarray] = None
-        self._runs: Optional[Tuple[np.ndarray, np.ndarray]] = None
         self._digest: Optional[str] = None
         self._cache: Optional[Tuple[int, np.ndarray, np.ndarray, np.ndarray]] = None
         self._iter: Optional[Iterator[int]] = None
@@ -359,26 +371,31 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
         self._init_resume()
 
     # ----------------------------------------------------------------------------- plan
+    @property
+    def complexities(self) -> np.ndarray:
+        """The per-sample complexities, float64, read-only.
+
+        int32 / int64 complexities are not copied at construction (the sort reads them there):
+        this array is rebuilt from the sorted order and its run table when first asked for.
+        """
+        if self._complexities is None:
+            keys, ends = self._runs
+            c = np.empty(self._n, dtype=np.float64)
+            c[self._desc] = np.repeat(keys, np.diff(ends, prepend=0))
+            c.setflags(write=False)
+            self._complexities = c
+        return self._complexities
+
     def _desc_order(self) -> np.ndarray:
-        """Items by complexity, largest first, ties by index (computed once, compiled sort)."""
-        if self._desc is None:
-            self._desc = _P.sort_desc(self.complexities)
-            self._desc.setflags(write=False)
+        """Items by complexity, largest first, ties by index (sorted once, at construction)."""
         return self._desc
 
     def _desc_runs(self) -> Tuple[np.ndarray, np.ndarray]:
         """Runs of equal complexity in ``_desc_order()``: (complexity of each run, end position).
 
-        Padded mode plans on this table (a few thousand runs for token counts) instead of an
+        The planners work on this table (a few thousand runs for token counts) instead of an
         array of sorted costs: no n-sized array of fresh pages on the first plan.
         """
-        if self._runs is None:
-            if self._desc is None:
-                self._desc, keys, ends = _P.sort_desc_runs(self.complexities)
-                self._desc.setflags(write=False)
-                self._runs = (keys, ends)
-            else:
-                self._runs = _P.key_runs(self.complexities, self._desc_order())
         return self._runs
 
     def digest(self) -> str:
@@ -391,20 +408,22 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
         """(sorted items with padding/drops, chunk order, per-chunk rotation) for ``epoch``."""
         if self._cache is not None and self._cache[0] == epoch:
             return self._cache[1], self._cache[2], self._cache[3]
-        c = self.complexities
-        n = c.shape[0]
+        n = self._n
         w = self.num_replicas
         tag = epoch if self.shuffle else 0
+        run_keys, run_ends = self._runs
         if self.shuffle and self.random_level > 0:
-            span = float(c.max() - c.min()) or 1.0
+            span = float(run_keys[0] - run_keys[-1]) or 1.0
             noise = _P.uniform(n, _seed64(self.seed, tag, "noise"))
-            keys = c + self.random_level * span * noise
+            keys = self.complexities + self.random_level * span * noise
             order = _P.argsort(keys, _P.permutation(n, _seed64(self.seed, tag, "perm")), False)
         else:
             order = _P.empty(n, np.int64)
-            order[:] = self._desc_order()[::-1]
+            order[:] = self._desc[::-1]
             if self.shuffle:
-                _P.shuffle_runs(c, order, _seed64(self.seed, tag, "ties"))
+                # Shuffle the ties: the runs of the ascending order are the run table's, reversed.
+                ends = n - np.concatenate(([0], run_ends[:-1]))[::-1]
+                _P.shuffle_runs_at(order, ends, _seed64(self.seed, tag, "ties"))
         # Random draws come from the compiled core's generator (xoshiro256**, seeded from seed,
         # epoch and purpose): the same on every rank, and no numpy.random import on the first plan.
         pad_seed = _seed64(self.seed, tag, "pad")
@@ -503,7 +522,7 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
             "consumed": pos,
             "num_replicas": self.num_replicas,
             "rank": self.rank,
-            "dataset_size": int(self.complexities.shape[0]),
+            "dataset_size": self._n,
             "digest": self.digest(),
             "shuffle": self.shuffle,
             "drop_last": self.drop_last,
@@ -516,7 +535,7 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
         Raises:
             ConfigError: the state comes from another world size, dataset or configuration.
         """
-        _check_state(state, type(self).__name__, self.num_replicas, self.complexities.shape[0], self.digest)
+        _check_state(state, type(self).__name__, self.num_replicas, self._n, self.digest)
         for key in ("shuffle", "drop_last", "random_level"):
             if state[key] != getattr(self, key):
                 raise ConfigError(
@@ -556,7 +575,7 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
         starts = np.arange(0, mat.shape[0], batch_size)
         per_step = np.add.reduceat(cost, starts, axis=0) if mat.shape[0] else cost
         mean, p99 = _ratio_stats(per_step)
-        n = int(self.complexities.shape[0])
+        n = self._n
         return {
             "steps": steps,
             "world_size": w,
@@ -669,8 +688,7 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
             raise ConfigError(f"{who}: cost must be a pair (a, b) of numbers, got {cost!r}") from exc
         if not (math.isfinite(a) and math.isfinite(b)) or a < 0 or b < 0 or a == b == 0:
             raise ConfigError(f"{who}: cost=(a, b) needs finite a >= 0 and b >= 0, not both 0; got {cost!r}")
-        c = sampler.complexities
-        n = int(c.shape[0])
+        n = sampler._n
         if max_complexity is not None:
             if isinstance(max_complexity, bool) or not isinstance(max_complexity, numbers.Real):
                 raise ConfigError(
@@ -678,12 +696,13 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
                 )
             if not (math.isfinite(max_complexity) and max_complexity > 0):
                 raise ConfigError(f"{who}: max_complexity must be finite and > 0, got {max_complexity!r}")
-            neg = np.flatnonzero(c < 0)
-            if neg.size:
-                i = int(neg[0])
+            run_keys, run_ends = sampler._desc_runs()
+            if run_keys[-1] < 0:  # the runs are largest first: the negative ones are last
+                k = int(np.flatnonzero(run_keys < 0)[0])
+                i = int(sampler._desc[run_ends[k - 1] if k > 0 else 0 :].min())  # the first such index
                 raise ConfigError(
-                    f"{who}: complexities[{i}] = {float(c[i])!r} is negative; budget mode (max_complexity) "
-                    "needs complexities >= 0"
+                    f"{who}: complexities[{i}] = {float(sampler.complexities[i])!r} is negative; budget mode "
+                    "(max_complexity) needs complexities >= 0"
                 )
             if drop_last and n < sampler.num_replicas:
                 raise ConfigError(
@@ -754,7 +773,7 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         s = self.sampler
         w = self.num_replicas
         budget = float(self.max_complexity)  # type: ignore[arg-type]
-        n = int(s.complexities.shape[0])
+        n = s._n
         rc, re = self._cost_runs()
         ends = np.empty(n, dtype=np.int64)
         nb, p = _P.padded_steps(rc, re, w, budget, ends)
@@ -913,7 +932,7 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
     def _plan_batch_fn(self) -> _Plan:
         s = self.sampler
         w = self.num_replicas
-        n = int(s.complexities.shape[0])
+        n = s._n
         per_rank: List[List[np.ndarray]] = []
         for r in range(w):
             given = s.rank_indices(r)
@@ -1071,7 +1090,7 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
             "consumed": pos,
             "num_replicas": self.num_replicas,
             "rank": self.rank,
-            "dataset_size": int(s.complexities.shape[0]),
+            "dataset_size": s._n,
             "digest": s.digest(),
             "mode": self.mode,
             "max_complexity": self.max_complexity,
@@ -1087,7 +1106,7 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
             ConfigError: the state comes from another world size, dataset or configuration.
         """
         s = self.sampler
-        _check_state(state, type(self).__name__, self.num_replicas, s.complexities.shape[0], s.digest)
+        _check_state(state, type(self).__name__, self.num_replicas, s._n, s.digest)
         mine = {
             "mode": self.mode,
             "max_complexity": self.max_complexity,
