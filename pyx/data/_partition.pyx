@@ -295,8 +295,17 @@ cdef inline uint64_t _rng_next(Rng* r) noexcept nogil:
     return result
 
 
-cdef inline void _fisher_yates(int64_t* a, int64_t n, Rng* r) noexcept nogil:
-    cdef int64_t i, j, t
+# Item ids and positions: int32 when they fit (half the memory of the arrays kept for an epoch).
+ctypedef fused position_t:
+    int32_t
+    int64_t
+
+DEF INT32_MAX = 2147483647
+
+
+cdef inline void _fisher_yates(position_t* a, int64_t n, Rng* r) noexcept nogil:
+    cdef int64_t i, j
+    cdef position_t t
     i = n - 1
     while i > 0:
         j = <int64_t>tl_bounded(_rng_next(r), <uint64_t>(i + 1))
@@ -565,7 +574,7 @@ ctypedef fused sort_key_t:
     int32_t
 
 
-cdef int _counting_argsort(const sort_key_t* keys, const int64_t* order_in, int64_t* out, int64_t n,
+cdef int _counting_argsort(const sort_key_t* keys, const int64_t* order_in, position_t* out, int64_t n,
                            bint descending, int64_t* hist, int64_t* nbuckets) noexcept nogil:
     """0 when sorted, 1 when the keys are not small non-negative integers (nothing written).
 
@@ -610,7 +619,7 @@ cdef int _counting_argsort(const sort_key_t* keys, const int64_t* order_in, int6
         pos += c
     for i in range(n):
         b = bucket[i]
-        out[count[b]] = _item(order_in, i)
+        out[count[b]] = <position_t>_item(order_in, i)
         count[b] += 1
     return 0
 
@@ -685,33 +694,47 @@ def sort_desc_runs(const sort_key_t[::1] keys):
             non-negative integers (a copy is made for the radix sort otherwise).
 
     Returns:
-        tuple: (order, run_keys, run_ends): int64 item indices, then the float64 key and the int64
-        end position of each run of equal keys in that order.
+        tuple: (order, run_keys, run_ends): the item indices (int32 for at most 2^31 items, else
+        int64), then the float64 key and the int64 end position of each run of equal keys in that
+        order.
     """
     cdef int64_t n = keys.shape[0]
-    cdef int64_t nb = 0, b, pos, nr = 0, end
+    cdef int64_t nb = 0, b, pos, nr = 0, end, i
     cdef int rc = 1
     cdef bint owned
-    out = empty(n, np.int64)
+    cdef bint narrow = n <= <int64_t>INT32_MAX + 1
+    out = empty(n, np.int32 if narrow else np.int64)
     if n == 0:
         return out, np.empty(0, dtype=np.float64), np.empty(0, dtype=np.int64)
-    cdef int64_t[::1] o = out
+    cdef int32_t[::1] o32
+    cdef int64_t[::1] o64
     cdef const double[::1] fk
     cdef int64_t* scratch = <int64_t*>_scratch_get(_sort_scratch_bytes(n), &owned)
     cdef int64_t* count = scratch + n
+    cdef int64_t* wide = NULL  # the int64 order of the radix sort
     cdef double[::1] rkv
     cdef int64_t[::1] rev
+    if narrow:
+        o32 = out
+    else:
+        o64 = out
     try:
         with nogil:  # the sort reads keys and writes out and scratch only
-            rc = _counting_argsort(&keys[0], NULL, &o[0], n, True, scratch, &nb)
+            if narrow:
+                rc = _counting_argsort(&keys[0], NULL, &o32[0], n, True, scratch, &nb)
+            else:
+                rc = _counting_argsort(&keys[0], NULL, &o64[0], n, True, scratch, &nb)
         if rc == 1:
             if sort_key_t is double:
                 fk = keys
             else:
                 fk = np.asarray(keys, dtype=np.float64)  # large or negative integers: radix-sort doubles
             with nogil:
-                _radix_argsort(&fk[0], NULL, &o[0], n, True, scratch)
-                nr = _runs_of_sorted(&fk[0], &o[0], n, NULL, NULL)
+                # The radix sort writes int64: into the order itself, or into the last n words of
+                # the scratch (past the radix's 3n + 2048), then narrowed.
+                wide = &o64[0] if not narrow else scratch + 3 * n + 2048
+                _radix_argsort(&fk[0], NULL, wide, n, True, scratch)
+                nr = _runs_of_sorted(&fk[0], wide, n, NULL, NULL)
         else:
             pos = 0
             for b in range(nb):
@@ -724,7 +747,10 @@ def sort_desc_runs(const sort_key_t[::1] keys):
         rev = re
         with nogil:  # the run table, from the buckets' ends or from the sorted keys
             if rc == 1:
-                _runs_of_sorted(&fk[0], &o[0], n, &rkv[0], &rev[0])
+                _runs_of_sorted(&fk[0], wide, n, &rkv[0], &rev[0])
+                if narrow:
+                    for i in range(n):
+                        o32[i] = <int32_t>wide[i]
             else:
                 pos = 0
                 nr = 0
@@ -1170,7 +1196,6 @@ cdef inline int _try_place(int64_t it, double c, double budget, Bin* heap, int64
 
 # Blocks dealt together (see _packed): 8 int64 slots fill one 64-byte cache line of each step.
 DEF DEAL_TILE = 8
-DEF INT32_MAX = 2147483647
 
 
 cdef inline int64_t _packed_tmp_words(int64_t n, int64_t world, int64_t nsteps) noexcept nogil:
@@ -1517,11 +1542,6 @@ def packed_plan(const double[::1] run_costs, const int64_t[::1] run_ends, int64_
     return items_a, bounds_a, steps
 
 
-ctypedef fused position_t:
-    int32_t
-    int64_t
-
-
 def rank_batches(const position_t[::1] items, const int64_t[::1] bounds, const int64_t[::1] slots, ids=None,
                  bint narrow=False):
     """One rank's batches for the epoch, flat: the items of ``slots`` in order, and their offsets.
@@ -1534,7 +1554,8 @@ def rank_batches(const position_t[::1] items, const int64_t[::1] bounds, const i
         items: int32 or int64 items, slot s being items[bounds[s]:bounds[s + 1]].
         bounds: int64 offsets, non-decreasing, bounds[0] == 0, bounds[-1] == len(items).
         slots: int64 slot ids of this rank's batches, in yield order.
-        ids: optional int64 array; when given, items are positions and ids[items] the results.
+        ids: optional int32 or int64 array; when given, items are positions and ids[items] the
+            results.
         narrow: write flat as int32 (half the memory of the rank's share); every value written
             (an item, or with ids ids[item]) must then be in [0, 2^31).
 
@@ -1551,8 +1572,10 @@ def rank_batches(const position_t[::1] items, const int64_t[::1] bounds, const i
     cdef int64_t n = items.shape[0]
     cdef int64_t i, s, j, v, total = 0, bad = -1, wide = -1
     cdef const int64_t[::1] idv
+    cdef const int32_t[::1] idv32
     cdef int64_t nid = 0
     cdef bint map_ids = ids is not None
+    cdef bint ids32 = map_ids and isinstance(ids, np.ndarray) and ids.dtype == np.int32
     if ns < 0 or bounds[0] != 0 or bounds[ns] != n:
         raise ValueError(f"rank_batches: bounds must run from 0 to {n}")
     for i in range(ns):
@@ -1563,7 +1586,10 @@ def rank_batches(const position_t[::1] items, const int64_t[::1] bounds, const i
         if s < 0 or s >= ns:
             raise ValueError(f"rank_batches: slots[{i}] = {s} is outside [0, {ns})")
         total += bounds[s + 1] - bounds[s]
-    if map_ids:
+    if ids32:
+        idv32 = ids
+        nid = idv32.shape[0]
+    elif map_ids:
         idv = ids
         nid = idv.shape[0]
     flat_a = empty(total, np.int32 if narrow else np.int64)
@@ -1591,7 +1617,7 @@ def rank_batches(const position_t[::1] items, const int64_t[::1] bounds, const i
                     if v < 0 or v >= nid:
                         bad = j
                         break
-                    v = idv[v]
+                    v = idv32[v] if ids32 else idv[v]
                 if narrow:
                     if <uint64_t>v > <uint64_t>INT32_MAX:  # negative values wrap to huge
                         wide = j
@@ -1608,22 +1634,28 @@ def rank_batches(const position_t[::1] items, const int64_t[::1] bounds, const i
     if wide >= 0:
         if map_ids:
             raise ValueError(
-                f"rank_batches: ids[{items[wide]}] = {idv[items[wide]]} does not fit int32 (narrow=True)"
+                f"rank_batches: ids[{items[wide]}] = {idv32[items[wide]] if ids32 else idv[items[wide]]} "
+                "does not fit int32 (narrow=True)"
             )
         raise ValueError(f"rank_batches: items[{wide}] = {items[wide]} does not fit int32 (narrow=True)")
     return flat_a, offs_a
 
 
-cdef inline void _copy_items(const int64_t* src, void* out, int64_t at, int64_t k, bint narrow) noexcept nogil:
+cdef inline void _copy_items(const position_t* src, void* out, int64_t at, int64_t k, bint narrow) noexcept nogil:
     """out[at:at + k] = src[:k], out being int32 (narrow, values already range-checked) or int64."""
     cdef int64_t j
     cdef int32_t* d32
+    cdef int64_t* d64
     if narrow:
         d32 = (<int32_t*>out) + at
         for j in range(k):  # a plain loop: it vectorises
             d32[j] = <int32_t>src[j]
-    else:
+    elif position_t is int64_t:
         memcpy((<int64_t*>out) + at, src, k * sizeof(int64_t))
+    else:
+        d64 = (<int64_t*>out) + at
+        for j in range(k):
+            d64[j] = src[j]
 
 
 cdef inline int64_t _batch_at(const int64_t* bounds, int64_t nb, int64_t p) noexcept nogil:
@@ -1638,7 +1670,7 @@ cdef inline int64_t _batch_at(const int64_t* bounds, int64_t nb, int64_t p) noex
     return lo
 
 
-def gather_batches(const int64_t[::1] items, const int64_t[::1] bounds, const int64_t[::1] perm,
+def gather_batches(const position_t[::1] items, const int64_t[::1] bounds, const int64_t[::1] perm,
                    bint narrow=False, const int64_t[::1] tie_runs=None, uint64_t seed=0,
                    const int64_t[::1] repeat=None):
     """Lay batches out in a new order: batch i of the result is batch ``perm[i]`` of the input.
@@ -1654,7 +1686,7 @@ def gather_batches(const int64_t[::1] items, const int64_t[::1] bounds, const in
     plan, 16 MB at 2M items). Positions at or after ``bounds[-1]`` are left out (drop_last).
 
     Args:
-        items: int64 items (the sorted order).
+        items: int32 or int64 items (the sorted order).
         bounds: int64 offsets, non-decreasing, bounds[0] == 0; batch b is positions
             [bounds[b], bounds[b + 1]); bounds[-1] <= len(items), or == len(items) + len(repeat)
             when items are repeated.
@@ -1737,13 +1769,13 @@ def gather_batches(const int64_t[::1] items, const int64_t[::1] bounds, const in
             oi = out_items
             out = &oi[0]
     cdef int64_t rs, re_, end, p, q, k
-    cdef const int64_t* src
-    cdef int64_t* tmp = NULL
+    cdef const position_t* src
+    cdef position_t* tmp = NULL
     cdef bint owned = False
     cdef Rng r
     _rng_seed(&r, seed)
     if tie_runs is not None and longest > 1 and m > 0:
-        tmp = <int64_t*>_scratch_get(longest * sizeof(int64_t), &owned)
+        tmp = <position_t*>_scratch_get(longest * sizeof(position_t), &owned)
     try:
         with nogil:  # copies between validated ranges of arrays we own or only read
             ob[0] = 0
@@ -1771,7 +1803,7 @@ def gather_batches(const int64_t[::1] items, const int64_t[::1] bounds, const in
                         break
                     re_ = tie_runs[i]
                     if re_ - rs > 1:
-                        memcpy(tmp, &items[rs], (re_ - rs) * sizeof(int64_t))
+                        memcpy(tmp, &items[rs], (re_ - rs) * sizeof(position_t))
                         _fisher_yates(tmp, re_ - rs, &r)
                         src = tmp
                     else:

@@ -77,11 +77,12 @@ def test_sort_desc_runs_gives_the_order_and_its_run_table(kind):
         "single": np.array([3.0]),
     }[kind]
     order, run_keys, run_ends = P.sort_desc_runs(keys)
+    assert order.dtype == np.int32  # ids of fewer than 2^31 items: half the pages of int64
     assert np.array_equal(order, np.argsort(-keys, kind="stable"))
     ref_k, ref_e = _runs_oracle(keys[order])
     assert np.array_equal(run_keys, ref_k) and np.array_equal(run_ends, ref_e)
     # key_runs gives the same table from an order, or from keys already sorted.
-    for k, e in (P.key_runs(keys, order), P.key_runs(keys[order])):
+    for k, e in (P.key_runs(keys, order.astype(np.int64)), P.key_runs(keys[order])):
         assert np.array_equal(k, run_keys) and np.array_equal(e, run_ends)
 
 
@@ -470,16 +471,17 @@ def test_gather_batches_narrow_writes_the_same_items_as_int32():
         P.gather_batches(big, bounds, perm, narrow=True)
 
 
+@pytest.mark.parametrize("items_dtype", [np.int64, np.int32])
 @pytest.mark.parametrize("seed", range(4))
-def test_gather_batches_shuffles_ties_and_repeats_as_the_separate_passes_do(seed):
+def test_gather_batches_shuffles_ties_and_repeats_as_the_separate_passes_do(seed, items_dtype):
     # The fused tie shuffle must give exactly the plan of: copy the order, shuffle_runs it, append
     # the repeated positions (padding) or cut the tail (drop_last), then gather.
     rng = np.random.default_rng(seed)
     for _ in range(150):
         n = int(rng.integers(1, 80))
         keys = rng.integers(0, int(rng.integers(1, 9)), n).astype(np.float64)
-        desc = P.sort_desc(keys)
-        runs = P.key_runs(keys, desc)[1]
+        desc = P.sort_desc(keys).astype(items_dtype)  # the sampler's order is int32
+        runs = P.key_runs(keys, desc.astype(np.int64))[1]
         tie_seed = int(rng.integers(0, 2**63))
         kind = int(rng.integers(0, 3))
         repeat = rng.integers(0, n, int(rng.integers(1, 6))).astype(np.int64) if kind == 2 else None
@@ -487,7 +489,7 @@ def test_gather_batches_shuffles_ties_and_repeats_as_the_separate_passes_do(seed
         nb = int(rng.integers(1, 9))
         bounds = np.concatenate([[0], np.sort(rng.integers(0, m + 1, nb - 1)), [m]]).astype(np.int64)
         perm = rng.permutation(nb).astype(np.int64)
-        shuffled = desc.copy()
+        shuffled = desc.astype(np.int64)
         P.shuffle_runs(keys, shuffled, tie_seed)
         for tie_runs, source in ((runs, shuffled), (None, desc)):
             ref = source if repeat is None else np.concatenate([source, source[repeat]])

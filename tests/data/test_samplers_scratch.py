@@ -93,7 +93,7 @@ def test_integer_complexities_are_sorted_at_construction_and_not_kept(dtype):
     order = s._desc_order()
     assert np.array_equal(order, np.argsort(-lens, kind="stable"))
     keys, ends = s._desc_runs()
-    ref_keys, ref_ends = P.key_runs(lens.astype(np.float64), order)
+    ref_keys, ref_ends = P.key_runs(lens.astype(np.float64), order.astype(np.int64))
     assert np.array_equal(keys, ref_keys) and np.array_equal(ends, ref_ends)
     first = [s.rank_indices(r) for r in range(2)]
     digest = s.digest()
@@ -116,7 +116,7 @@ def test_integer_complexities_outside_the_counting_range_sort_as_their_doubles()
         order, run_keys, run_ends = P.sort_desc_runs(keys)
         f = keys.astype(np.float64)
         assert np.array_equal(order, np.argsort(-f, kind="stable"))
-        ref_k, ref_e = P.key_runs(f, order)
+        ref_k, ref_e = P.key_runs(f, order.astype(np.int64))
         assert np.array_equal(run_keys, ref_k) and np.array_equal(run_ends, ref_e)
     s = LoadBalancingDistributedSampler(None, complexities=src, num_replicas=2, rank=0)
     assert np.array_equal(s.complexities, as_f64)
@@ -156,14 +156,14 @@ def _rank_batches_ref(items, bounds, slots, ids):
 
 @pytest.mark.parametrize("narrow", [False, True])
 @pytest.mark.parametrize("dtype", [np.int32, np.int64])
-@pytest.mark.parametrize("with_ids", [False, True])
+@pytest.mark.parametrize("with_ids", [None, np.int64, np.int32])
 def test_rank_batches_matches_numpy(with_ids, dtype, narrow):
     rng = np.random.default_rng(2)
     sizes = rng.integers(0, 5, 40)
     bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     items = rng.permutation(int(bounds[-1])).astype(dtype)
     slots = rng.permutation(40)[:25].astype(np.int64)
-    ids = rng.permutation(int(bounds[-1])).astype(np.int64) * 3 if with_ids else None
+    ids = None if with_ids is None else (rng.permutation(int(bounds[-1])) * 3).astype(with_ids)
     flat, offs = P.rank_batches(items, bounds, slots, ids, narrow=narrow)
     ref_flat, ref_offs = _rank_batches_ref(items, bounds, slots, ids)
     assert flat.dtype == (np.int32 if narrow else np.int64) and offs.dtype == np.int64
@@ -212,6 +212,12 @@ def test_rank_batches_narrow_refuses_values_that_do_not_fit_int32():
     ):
         P.rank_batches(items, bounds, both, narrow=True)
     assert P.rank_batches(items, bounds, both)[0].tolist() == [0, 1, 2**31, 3]  # int64 without narrow
+    ids32 = np.array([5, 9, -4, 7], dtype=np.int32)  # int32 ids (the sampler's order)
+    with pytest.raises(ValueError, match=r"rank_batches: ids\[2\] = -4 does not fit int32 \(narrow=True\)"):
+        P.rank_batches(pos, bounds, both, ids32, narrow=True)
+    assert P.rank_batches(pos, bounds, both[:1], ids32, narrow=True)[0].tolist() == [5, 9]
+    with pytest.raises(ValueError, match=r"rank_batches: items\[1\] = 4 is outside \[0, 4\)"):
+        P.rank_batches(np.array([0, 4, 1, 2], dtype=np.int32), bounds, both, ids32)
 
 
 def test_plain_padding_and_drops_still_cover_once():
