@@ -581,16 +581,18 @@ cdef int _counting_argsort(const sort_key_t* keys, const int64_t* order_in, posi
     Integer keys are read as the doubles a float64 copy of them would hold (the same checks, the
     same buckets), so a sampler sorts its integer complexities without making that copy.
 
-    hist is scratch of _sort_scratch_bytes(n): the first n words hold each item's bucket (as
-    int32, read back by the two later passes instead of re-reading and re-converting the
-    doubles), the counts follow; only the first max(key) + 1 counts are touched. After a sort,
-    count b (hist[n + b]) is the end of bucket b in out for b < nbuckets[0] (if not NULL); the
-    buckets are in output order (bucket b holds key nbuckets - 1 - b when descending, else b).
+    hist is scratch of _sort_scratch_bytes(n). Sorting all items (order_in NULL), the passes
+    re-read the keys (sequentially) and the counts are hist[0:]; sorting order_in, the first n
+    words hold each item's bucket as int32 (read back instead of gathering the keys again) and
+    the counts follow, at hist[n:]. Only the first max(key) + 1 counts are touched. After a sort,
+    count b is the end of bucket b in out for b < nbuckets[0] (if not NULL); the buckets are in
+    output order (bucket b holds key nbuckets - 1 - b when descending, else b).
     """
     cdef double x
     cdef int64_t i, b, nb, pos, c, mx = 0
+    cdef bint keep = order_in != NULL
     cdef int* bucket = <int*>hist
-    cdef int64_t* count = hist + n
+    cdef int64_t* count = hist + n if keep else hist
     for i in range(n):
         x = <double>keys[_item(order_in, i)]
         if not (x >= 0.0 and x <= COUNTING_MAX):
@@ -598,7 +600,8 @@ cdef int _counting_argsort(const sort_key_t* keys, const int64_t* order_in, posi
         b = <int64_t>x
         if <double>b != x:
             return 1
-        bucket[i] = <int>b
+        if keep:
+            bucket[i] = <int>b
         if b > mx:
             mx = b
     nb = mx + 1
@@ -607,20 +610,35 @@ cdef int _counting_argsort(const sort_key_t* keys, const int64_t* order_in, posi
     if nbuckets != NULL:
         nbuckets[0] = nb
     memset(count, 0, nb * sizeof(int64_t))
-    if descending:
+    if keep:
+        if descending:
+            for i in range(n):
+                bucket[i] = <int>(nb - 1 - bucket[i])
         for i in range(n):
-            bucket[i] = <int>(nb - 1 - bucket[i])
-    for i in range(n):
-        count[bucket[i]] += 1
+            count[bucket[i]] += 1
+    else:
+        # Keys re-read: no n-sized bucket array (n / 1024 fresh pages of a first plan) for one
+        # float-to-int conversion per item and pass. The checks above make <int64_t> exact.
+        for i in range(n):
+            b = <int64_t>keys[i]
+            count[(nb - 1 - b) if descending else b] += 1
     pos = 0
     for b in range(nb):
         c = count[b]
         count[b] = pos
         pos += c
-    for i in range(n):
-        b = bucket[i]
-        out[count[b]] = <position_t>_item(order_in, i)
-        count[b] += 1
+    if keep:
+        for i in range(n):
+            b = bucket[i]
+            out[count[b]] = <position_t>order_in[i]
+            count[b] += 1
+    else:
+        for i in range(n):
+            b = <int64_t>keys[i]
+            if descending:
+                b = nb - 1 - b
+            out[count[b]] = <position_t>i
+            count[b] += 1
     return 0
 
 
@@ -710,7 +728,7 @@ def sort_desc_runs(const sort_key_t[::1] keys):
     cdef int64_t[::1] o64
     cdef const double[::1] fk
     cdef int64_t* scratch = <int64_t*>_scratch_get(_sort_scratch_bytes(n), &owned)
-    cdef int64_t* count = scratch + n
+    cdef int64_t* count = scratch  # the counting sort's bucket ends (see _counting_argsort)
     cdef int64_t* wide = NULL  # the int64 order of the radix sort
     cdef double[::1] rkv
     cdef int64_t[::1] rev
@@ -1200,11 +1218,11 @@ DEF DEAL_TILE = 8
 
 cdef inline int64_t _packed_tmp_words(int64_t n, int64_t world, int64_t nsteps) noexcept nogil:
     """int64 words of _packed's tmp: heap, cnt, bin_start, off, perm, tile, the tile's encoded
-    items (int32), one step's bins (bin_of), the run at each block's start (int32), then the
-    per-slot counts of the planned steps. A few words per step, per block and per bin: no
+    items (int32), one step's bins (bin_of), the run at each block's start (int32), one step's
+    positions (int32), then the per-slot counts of the planned steps. A few words per step, per block and per bin: no
     n-sized array (step_items is separate; see packed_plan for where both go)."""
     return (4 * world + (DEAL_TILE + DEAL_TILE // 2 + 2) * nsteps + 1 + (n // nsteps + 1) + (n // nsteps + 3) // 2
-            + nsteps * world)
+            + (n // nsteps + 2) // 2 + nsteps * world)
 
 
 cdef inline int _bits(int64_t x) noexcept nogil:
@@ -1261,6 +1279,9 @@ cdef int64_t _packed(const double* rc, const int64_t* re, int64_t nr, int64_t n,
     end, whose per-slot counts go to a malloc'd array in drain_counts[0] (the caller frees it).
     step_items is int32 scratch of n entries (positions are int32: the caller checks n < 2^31);
     the caller may hand over pages holding anything (all entries are written before being read).
+    It may be out_items itself: a step's entries are all read (into pos_of) before its items are
+    written, and they are written below the next step's entries (at most as many items precede
+    them in the output as in step_items).
     Returns the number of steps used, or -1 when out of memory.
     """
     cdef Bin* heap = <Bin*>tmp  # Bin is 2 int64 wide: 2 * world slots
@@ -1272,7 +1293,8 @@ cdef int64_t _packed(const double* rc, const int64_t* re, int64_t nr, int64_t n,
     cdef int32_t* wenc = <int32_t*>(tile + DEAL_TILE * nsteps)  # the tile's step_items entries by position
     cdef int64_t* bin_of = tile + (DEAL_TILE + DEAL_TILE // 2) * nsteps  # each item of a step: its bin, its place in it << 32
     cdef int32_t* block_run = <int32_t*>(bin_of + (n // nsteps + 1))  # the run holding each block's start
-    cdef int64_t* counts = bin_of + (n // nsteps + 1) + (n // nsteps + 3) // 2  # items per slot, planned steps
+    cdef int32_t* pos_of = <int32_t*>(bin_of + (n // nsteps + 1) + (n // nsteps + 3) // 2)  # a step's positions
+    cdef int64_t* counts = bin_of + (n // nsteps + 1) + (n // nsteps + 3) // 2 + (n // nsteps + 2) // 2
     cdef int64_t i, s, si, size, nleft, step, rr = 0, k, j, pos, base, b, kb, run, lo, hi, wpos, v
     cdef int64_t nblk, dmax = 0, jmask, e, nw
     cdef uint64_t word
@@ -1380,6 +1402,7 @@ cdef int64_t _packed(const double* rc, const int64_t* re, int64_t nr, int64_t n,
                 v = k * nsteps + (v & jmask)
             else:
                 run = _run_in(re, block_run[k], block_run[k + 1], v)
+            pos_of[k] = <int32_t>v
             if _try_place(k, rc[run], budget, heap, &size, cnt, &rr, world, 0, bin_of):
                 bin_of[k] = -1
                 if nleft == left_cap:
@@ -1397,12 +1420,10 @@ cdef int64_t _packed(const double* rc, const int64_t* re, int64_t nr, int64_t n,
             counts[step * world + b] = cnt[b]
             bin_start[b] = wpos
             wpos += cnt[b]
-        for si in range(lo, hi):
-            e = bin_of[si - lo]
+        for k in range(hi - lo):
+            e = bin_of[k]
             if e >= 0:
-                v = step_items[si]
-                out_items[bin_start[e & ((<int64_t>1 << 32) - 1)] + (e >> 32)] = <int32_t>(
-                    ((si - lo) * nsteps + (v & jmask)) if enc else v)
+                out_items[bin_start[e & ((<int64_t>1 << 32) - 1)] + (e >> 32)] = pos_of[k]
 
     # Drain: the left-over items, longest first (by position), in extra steps. A step closes at
     # the first item that fits none of its bins, which then opens the next step (an item always
@@ -1509,14 +1530,11 @@ def packed_plan(const double[::1] run_costs, const int64_t[::1] run_ends, int64_
         raise ValueError(f"packed_plan: {n} items; packed mode plans at most {INT32_MAX}")
     cdef int64_t ntmp = _packed_tmp_words(n, world, nsteps)
     cdef bint owned
-    # One block of kept scratch (see _scratch_get), laid out over the pages the sort that made
-    # the run table (sort_desc_runs, same n) has just touched: step_items (int32, n) where the
-    # counting sort kept its int32 buckets (the first 4n bytes), the deal's tmp at word n where
-    # its counts start. Words (n + 1) // 2 to n stay unused: in a process's first plan they are
-    # pages nobody touched yet, and packing the tmp right after step_items would fault them in.
-    cdef int64_t* scratch = <int64_t*>_scratch_get((n + ntmp) * sizeof(int64_t), &owned)
-    cdef int32_t* step_items = <int32_t*>scratch
-    cdef int64_t* tmp = scratch + n
+    # The deal's steps are laid out in the plan itself (step_items = the items returned; see
+    # _packed), and its tmp (a few words per step, block and bin) is kept scratch (_scratch_get),
+    # whose first pages the sort that made the run table (sort_desc_runs) has just touched: no
+    # n-sized scratch at all.
+    cdef int64_t* tmp = <int64_t*>_scratch_get(ntmp * sizeof(int64_t), &owned)
     cdef int64_t* counts = tmp + ntmp - nsteps * world  # see _packed_tmp_words
     cdef int64_t* dcounts = NULL
     cdef int32_t[::1] items
@@ -1526,7 +1544,7 @@ def packed_plan(const double[::1] run_costs, const int64_t[::1] run_ends, int64_
         items = items_a
         with nogil:  # the whole deal runs on validated arrays and scratch we hold
             steps = _packed(&run_costs[0], &run_ends[0], run_costs.shape[0], n, shuffle, useed, world, budget,
-                            nsteps, step_items, tmp, &items[0], &dcounts)
+                            nsteps, &items[0], tmp, &items[0], &dcounts)
         if steps < 0:
             raise MemoryError("packed_plan: out of memory")
         nslots = steps * world
@@ -1538,7 +1556,7 @@ def packed_plan(const double[::1] run_costs, const int64_t[::1] run_ends, int64_
                 bounds[s + 1] = bounds[s] + (counts[s] if s < nsteps * world else dcounts[s - nsteps * world])
     finally:
         free(dcounts)
-        _scratch_put(scratch, owned)
+        _scratch_put(tmp, owned)
     return items_a, bounds_a, steps
 
 
