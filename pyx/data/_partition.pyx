@@ -462,6 +462,22 @@ def shuffle_runs(const double[::1] keys, int64_t[::1] order, uint64_t seed):
                 start = i
 
 
+cdef int64_t _longest_run(const int64_t[::1] ends, int64_t n, str who, str name) except -1:
+    """Check the ends of runs that tile [0, n) (increasing, the last == n; none when n == 0) and
+    return the longest run's length."""
+    cdef int64_t nr = ends.shape[0]
+    cdef int64_t k, lo, longest = 0
+    if (nr == 0) != (n == 0) or (nr > 0 and ends[nr - 1] != n):
+        raise ValueError(f"{who}: {name} must end at {n}")
+    for k in range(nr):
+        lo = ends[k - 1] if k > 0 else 0
+        if ends[k] <= lo:
+            raise ValueError(f"{who}: {name}[{k}] = {ends[k]} does not increase")
+        if ends[k] - lo > longest:
+            longest = ends[k] - lo
+    return longest
+
+
 def shuffle_runs_at(int64_t[::1] order, const int64_t[::1] run_ends, uint64_t seed):
     """Shuffle, in place, each run ``order[run_ends[k - 1]:run_ends[k]]`` (the first from 0).
 
@@ -480,12 +496,7 @@ def shuffle_runs_at(int64_t[::1] order, const int64_t[::1] run_ends, uint64_t se
     cdef int64_t nr = run_ends.shape[0]
     cdef int64_t k, lo
     cdef Rng r
-    if (nr == 0) != (n == 0) or (nr > 0 and run_ends[nr - 1] != n):
-        raise ValueError(f"shuffle_runs_at: run_ends must end at {n}")
-    for k in range(nr):
-        lo = run_ends[k - 1] if k > 0 else 0
-        if run_ends[k] <= lo:
-            raise ValueError(f"shuffle_runs_at: run_ends[{k}] = {run_ends[k]} does not increase")
+    _longest_run(run_ends, n, "shuffle_runs_at", "run_ends")
     _rng_seed(&r, seed)
     with nogil:  # validated spans of order
         lo = 0
@@ -1560,6 +1571,20 @@ def packed_plan(const double[::1] run_costs, const int64_t[::1] run_ends, int64_
     return items_a, bounds_a, steps
 
 
+cdef void* _int_data(object arr, bint narrow) except? NULL:
+    """The first element's address of a contiguous int32 (narrow) or int64 array; NULL if empty.
+    The caller holds arr."""
+    cdef int32_t[::1] a32
+    cdef int64_t[::1] a64
+    if arr.shape[0] == 0:
+        return NULL
+    if narrow:
+        a32 = arr
+        return &a32[0]
+    a64 = arr
+    return &a64[0]
+
+
 def rank_batches(const position_t[::1] items, const int64_t[::1] bounds, const int64_t[::1] slots, ids=None,
                  bint narrow=False):
     """One rank's batches for the epoch, flat: the items of ``slots`` in order, and their offsets.
@@ -1612,17 +1637,9 @@ def rank_batches(const position_t[::1] items, const int64_t[::1] bounds, const i
         nid = idv.shape[0]
     flat_a = empty(total, np.int32 if narrow else np.int64)
     offs_a = np.empty(nb + 1, dtype=np.int64)
-    cdef int64_t[::1] f64
-    cdef int32_t[::1] f32
-    cdef int64_t* o64 = NULL
-    cdef int32_t* o32 = NULL
-    if total > 0:
-        if narrow:
-            f32 = flat_a
-            o32 = &f32[0]
-        else:
-            f64 = flat_a
-            o64 = &f64[0]
+    cdef void* flat = _int_data(flat_a, narrow)
+    cdef int64_t* o64 = <int64_t*>flat
+    cdef int32_t* o32 = <int32_t*>flat
     cdef int64_t[::1] offs = offs_a
     cdef int64_t pos = 0
     with nogil:  # copies between validated ranges; a position outside ids or a wide value stops it
@@ -1743,14 +1760,7 @@ def gather_batches(const position_t[::1] items, const int64_t[::1] bounds, const
         if repeat[i] < 0 or repeat[i] >= n:
             raise ValueError(f"gather_batches: repeat[{i}] = {repeat[i]} is outside [0, {n})")
     if tie_runs is not None:
-        if (nruns == 0) != (n == 0) or (nruns > 0 and tie_runs[nruns - 1] != n):
-            raise ValueError(f"gather_batches: tie_runs must end at {n}")
-        for i in range(nruns):
-            lo = tie_runs[i - 1] if i > 0 else 0
-            if tie_runs[i] <= lo:
-                raise ValueError(f"gather_batches: tie_runs[{i}] = {tie_runs[i]} does not increase")
-            if tie_runs[i] - lo > longest:
-                longest = tie_runs[i] - lo
+        longest = max(1, _longest_run(tie_runs, n, "gather_batches", "tie_runs"))
     seen = np.zeros(nb, dtype=np.uint8)
     cdef unsigned char[::1] sn = seen
     for i in range(nb):
@@ -1776,16 +1786,7 @@ def gather_batches(const position_t[::1] items, const int64_t[::1] bounds, const
     at_a = np.empty(max(nb, 1), dtype=np.int64)  # where each source batch starts in the output
     cdef int64_t[::1] ob = out_bounds
     cdef int64_t[::1] at = at_a
-    cdef void* out = NULL
-    cdef int64_t[::1] oi
-    cdef int32_t[::1] oi32
-    if m > 0:
-        if narrow:
-            oi32 = out_items
-            out = &oi32[0]
-        else:
-            oi = out_items
-            out = &oi[0]
+    cdef void* out = _int_data(out_items, narrow)
     cdef int64_t rs, re_, end, p, q, k
     cdef const position_t* src
     cdef position_t* tmp = NULL
