@@ -1230,10 +1230,11 @@ DEF DEAL_TILE = 8
 cdef inline int64_t _packed_tmp_words(int64_t n, int64_t world, int64_t nsteps) noexcept nogil:
     """int64 words of _packed's tmp: heap, cnt, bin_start, off, perm, tile, the tile's encoded
     items (int32), one step's bins (bin_of), the run at each block's start (int32), one step's
-    positions (int32), then the per-slot counts of the planned steps. A few words per step, per block and per bin: no
-    n-sized array (step_items is separate; see packed_plan for where both go)."""
-    return (4 * world + (DEAL_TILE + DEAL_TILE // 2 + 2) * nsteps + 1 + (n // nsteps + 1) + (n // nsteps + 3) // 2
-            + (n // nsteps + 2) // 2 + nsteps * world)
+    positions (int32), then the per-slot counts of the planned steps. A few words per step, per
+    block and per bin: no n-sized array (step_items is the plan itself; see packed_plan)."""
+    cdef int64_t per_step = n // nsteps  # a step holds at most per_step + 1 items
+    return (4 * world + (DEAL_TILE + DEAL_TILE // 2 + 2) * nsteps + 1 + (per_step + 1) + (per_step + 3) // 2
+            + (per_step + 2) // 2 + nsteps * world)
 
 
 cdef inline int _bits(int64_t x) noexcept nogil:
@@ -1302,9 +1303,10 @@ cdef int64_t _packed(const double* rc, const int64_t* re, int64_t nr, int64_t n,
     cdef int64_t* perm = off + nsteps + 1
     cdef int64_t* tile = perm + nsteps
     cdef int32_t* wenc = <int32_t*>(tile + DEAL_TILE * nsteps)  # the tile's step_items entries by position
-    cdef int64_t* bin_of = tile + (DEAL_TILE + DEAL_TILE // 2) * nsteps  # each item of a step: its bin, its place in it << 32
+    # each item of a step: its bin, and its place in the bin << 32
+    cdef int64_t* bin_of = tile + (DEAL_TILE + DEAL_TILE // 2) * nsteps
     cdef int32_t* block_run = <int32_t*>(bin_of + (n // nsteps + 1))  # the run holding each block's start
-    cdef int32_t* pos_of = <int32_t*>(bin_of + (n // nsteps + 1) + (n // nsteps + 3) // 2)  # a step's positions
+    cdef int32_t* pos_of = <int32_t*>(bin_of + (n // nsteps + 1) + (n // nsteps + 3) // 2)  # a step's items
     cdef int64_t* counts = bin_of + (n // nsteps + 1) + (n // nsteps + 3) // 2 + (n // nsteps + 2) // 2
     cdef int64_t i, s, si, size, nleft, step, rr = 0, k, j, pos, base, b, kb, run, lo, hi, wpos, v
     cdef int64_t nblk, dmax = 0, jmask, e, nw
@@ -1676,7 +1678,8 @@ def rank_batches(const position_t[::1] items, const int64_t[::1] bounds, const i
     return flat_a, offs_a
 
 
-cdef inline void _copy_items(const position_t* src, void* out, int64_t at, int64_t k, bint narrow) noexcept nogil:
+cdef inline void _copy_items(const position_t* src, void* out, int64_t at, int64_t k,
+                             bint narrow) noexcept nogil:
     """out[at:at + k] = src[:k], out being int32 (narrow, values already range-checked) or int64."""
     cdef int64_t j
     cdef int32_t* d32
