@@ -147,6 +147,9 @@ print((time.perf_counter() - t) * 1e3)
 """
 
 
+_COLD_LABEL = {"plain": "LB sampler (per item)", "padded": "LB batch, padded", "packed": "LB batch, packed"}
+
+
 def cold_ms(lens_path: Path, w: int, mode: str, budget: float) -> float:
     """Wall ms of the first plan (construct + one epoch) in a fresh interpreter: no kept scratch,
     no pooled blocks, every page fresh (the figure a one-off job sees; later epochs see the warm one)."""
@@ -282,6 +285,7 @@ def main() -> None:
     band_rows: List[List[object]] = []
     trade_at = (sizes[0], worlds[-1])
     times: Dict[str, Dict[int, List[float]]] = {}
+    cold_times: Dict[str, Dict[int, float]] = {}  # first plan in a fresh interpreter, ms
     tmpdir = tempfile.TemporaryDirectory(prefix="trainloom-bench-sampler-")
     with bench_lock(), tmpdir:
         for n in sizes:
@@ -299,6 +303,8 @@ def main() -> None:
                         for m in modes:
                             runs[m].append(cold_ms(lens_path, w, m, budget))
                     cold = {m: median(runs[m]) for m in modes}
+                    for m in modes:
+                        cold_times.setdefault(f"{_COLD_LABEL[m]}, N={n:,}", {})[w] = cold[m]
                     cold_rows.append(
                         [
                             f"{n:,}",
@@ -492,6 +498,16 @@ def main() -> None:
             logy=True,
             hlines={"target at 2M: 150 ms": 150.0, "target at 100k: 5 ms": 5.0},
         )
+        if cold_times:
+            plot_lines(
+                path.parent / "sampler_first_plan_time.png",
+                "First plan per rank in a fresh process (construct + epoch)",
+                "world size",
+                "ms (log scale)",
+                {name: (sorted(by_w), [by_w[x] for x in sorted(by_w)]) for name, by_w in cold_times.items()},
+                logy=True,
+                hlines={"target at 2M: 150 ms": 150.0, "target at 100k: 5 ms": 5.0},
+            )
         if trade_rows:
             plot_tradeoff(path.parent / "sampler_padding_tradeoff.png", trade_rows, trade_at)
 
