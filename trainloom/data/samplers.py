@@ -295,6 +295,8 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
         drop_last: drop, instead of duplicate, samples to make the dataset divisible by ranks.
         random_level: 0 (best balance) to 1 (close to random): noise added to the sort key.
         complexities: per-sample numbers (array, list or tensor): the fast path, no sample read.
+            Sorted here; int32 / int64 values are not copied (nor read again), others are copied
+            to float64. ``sampler.complexities`` gives them back as a read-only float64 array.
 
     Raises:
         ConfigError: empty dataset, NaN/infinite complexities (naming the first index), a
