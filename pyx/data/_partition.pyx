@@ -1277,8 +1277,8 @@ cdef inline void _fill_block(const int64_t* re, int64_t r0, int64_t p0, int64_t 
 
 
 cdef int64_t _packed(const double* rc, const int64_t* re, int64_t nr, int64_t n, bint shuffle, uint64_t seed,
-                     int64_t world, double budget, int64_t nsteps, int32_t* step_items,
-                     int64_t* tmp, int32_t* out_items, int64_t** drain_counts) noexcept nogil:
+                     int64_t world, double budget, int64_t nsteps, int64_t* tmp, int32_t* out_items,
+                     int64_t** drain_counts) noexcept nogil:
     """Deal positions of the longest-first order into slots ``step * world + bin``.
 
     The costs come as a run table of nr runs (rc, re; see padded mode). No per-item cost array
@@ -1289,13 +1289,13 @@ cdef int64_t _packed(const double* rc, const int64_t* re, int64_t nr, int64_t n,
     so no per-step sort. The planned steps' per-slot counts are left in tmp (see
     _packed_tmp_words); the items that fit no bin of their step are dealt to extra steps at the
     end, whose per-slot counts go to a malloc'd array in drain_counts[0] (the caller frees it).
-    step_items is int32 scratch of n entries (positions are int32: the caller checks n < 2^31);
-    the caller may hand over pages holding anything (all entries are written before being read).
-    It may be out_items itself: a step's entries are all read (into pos_of) before its items are
-    written, and they are written below the next step's entries (at most as many items precede
-    them in the output as in step_items).
+    out_items has n int32 entries (positions: the caller checks n < 2^31) and may hold anything.
+    The steps are first laid out in it (step_items, step s at off[s]:off[s + 1]); a step's
+    entries are all read (into pos_of) before its bins are written, and those land below the next
+    step's entries (at most as many items precede them in the output as in the layout).
     Returns the number of steps used, or -1 when out of memory.
     """
+    cdef int32_t* step_items = out_items  # the steps' layout, overwritten step by step (see above)
     cdef Bin* heap = <Bin*>tmp  # Bin is 2 int64 wide: 2 * world slots
     cdef int64_t* cnt = tmp + 2 * world
     cdef int64_t* bin_start = tmp + 3 * world
@@ -1557,7 +1557,7 @@ def packed_plan(const double[::1] run_costs, const int64_t[::1] run_ends, int64_
         items = items_a
         with nogil:  # the whole deal runs on validated arrays and scratch we hold
             steps = _packed(&run_costs[0], &run_ends[0], run_costs.shape[0], n, shuffle, useed, world, budget,
-                            nsteps, &items[0], tmp, &items[0], &dcounts)
+                            nsteps, tmp, &items[0], &dcounts)
         if steps < 0:
             raise MemoryError("packed_plan: out of memory")
         nslots = steps * world
@@ -2072,8 +2072,9 @@ def padded_min_padding_cut(const double[::1] run_costs, const int64_t[::1] run_e
         return 0
     # In the kept scratch (see _scratch_get), small and hot arrays first: the run ends' values and
     # predecessors, then the window (n + 1 - nr entries at most, 512 in use at 100k token counts).
-    # The plan's sort (sort_desc_runs) has just written the first 4n bytes of the scratch, so on a
-    # process's first plan these pages are already mapped (2 page faults at 100k, not 277).
+    # The plan's sort (sort_desc_runs) has just written its counts at the start of the scratch (a
+    # word per possible length: 64 KB for lengths up to 8192), so on a process's first plan these
+    # pages are mostly mapped already.
     cdef double* fr = <double*>_scratch_get(nr * (sizeof(double) + sizeof(int64_t))
                                             + (n + 1 - nr) * sizeof(_Pending), &owned)
     cdef int64_t* pr = <int64_t*>(fr + nr)

@@ -701,7 +701,8 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
             run_keys, run_ends = sampler._desc_runs()
             if run_keys[-1] < 0:  # the runs are largest first: the negative ones are last
                 k = int(np.flatnonzero(run_keys < 0)[0])
-                i = int(sampler._desc[run_ends[k - 1] if k > 0 else 0 :].min())  # the first such index
+                # the first such index: the smallest in those runs
+                i = int(sampler._desc_order()[run_ends[k - 1] if k > 0 else 0 :].min())
                 raise ConfigError(
                     f"{who}: complexities[{i}] = {float(sampler.complexities[i])!r} is negative; budget mode "
                     "(max_complexity) needs complexities >= 0"
