@@ -1304,10 +1304,13 @@ cdef int64_t _packed(const double* rc, const int64_t* re, int64_t nr, int64_t n,
     cdef int64_t* tile = perm + nsteps
     cdef int32_t* wenc = <int32_t*>(tile + DEAL_TILE * nsteps)  # the tile's step_items entries by position
     # each item of a step: its bin, and its place in the bin << 32
+    cdef int64_t per_step = n // nsteps  # a step holds at most per_step + 1 items (see _packed_tmp_words)
     cdef int64_t* bin_of = tile + (DEAL_TILE + DEAL_TILE // 2) * nsteps
-    cdef int32_t* block_run = <int32_t*>(bin_of + (n // nsteps + 1))  # the run holding each block's start
-    cdef int32_t* pos_of = <int32_t*>(bin_of + (n // nsteps + 1) + (n // nsteps + 3) // 2)  # a step's items
-    cdef int64_t* counts = bin_of + (n // nsteps + 1) + (n // nsteps + 3) // 2 + (n // nsteps + 2) // 2
+    cdef int64_t* block_words = bin_of + (per_step + 1)
+    cdef int32_t* block_run = <int32_t*>block_words  # the run holding each block's start (<= per_step + 2)
+    cdef int64_t* pos_words = block_words + (per_step + 3) // 2
+    cdef int32_t* pos_of = <int32_t*>pos_words  # a step's items (<= per_step + 1)
+    cdef int64_t* counts = pos_words + (per_step + 2) // 2
     cdef int64_t i, s, si, size, nleft, step, rr = 0, k, j, pos, base, b, kb, run, lo, hi, wpos, v
     cdef int64_t nblk, dmax = 0, jmask, e, nw
     cdef uint64_t word

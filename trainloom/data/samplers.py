@@ -381,9 +381,9 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
         this array is rebuilt from the sorted order and its run table when first asked for.
         """
         if self._complexities is None:
-            keys, ends = self._runs
+            keys, ends = self._desc_runs()
             c = np.empty(self._n, dtype=np.float64)
-            c[self._desc] = np.repeat(keys, np.diff(ends, prepend=0))
+            c[self._desc_order()] = np.repeat(keys, np.diff(ends, prepend=0))
             c.setflags(write=False)
             self._complexities = c
         return self._complexities
@@ -413,7 +413,7 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
         n = self._n
         w = self.num_replicas
         tag = epoch if self.shuffle else 0
-        run_keys, run_ends = self._runs
+        run_keys, run_ends = self._desc_runs()
         if self.shuffle and self.random_level > 0:
             span = float(run_keys[0] - run_keys[-1]) or 1.0
             noise = _P.uniform(n, _seed64(self.seed, tag, "noise"))
@@ -421,7 +421,7 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
             order = _P.argsort(keys, _P.permutation(n, _seed64(self.seed, tag, "perm")), False)
         else:
             order = _P.empty(n, np.int64)
-            order[:] = self._desc[::-1]
+            order[:] = self._desc_order()[::-1]
             if self.shuffle:
                 # Shuffle the ties: the runs of the ascending order are the run table's, reversed.
                 ends = n - np.concatenate(([0], run_ends[:-1]))[::-1]
