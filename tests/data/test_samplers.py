@@ -889,6 +889,50 @@ def test_batch_resume_equals_uninterrupted(mode):
     assert len(new) == len(list(new))
 
 
+@pytest.mark.parametrize("tracked", [False, True])
+@pytest.mark.parametrize("via", ["batch sampler", "wrapped sampler"])
+def test_batch_state_taken_after_set_epoch_starts_that_epoch(via, tracked):
+    # A checkpoint at the start of epoch 1 (set_epoch called, nothing iterated yet) used to carry
+    # epoch 0's batch count as epoch 1's "consumed": the resumed run skipped the whole epoch.
+    lens = _lens(200, 40, hi=60)
+
+    def make():
+        return _batch_ranks(lens, 2, max_complexity=300, skw={"seed": 1})[0]
+
+    bs = make()
+    for epoch in range(2):
+        (bs if via == "batch sampler" else bs.sampler).set_epoch(epoch)
+        if epoch == 1:
+            state = bs.state_dict()
+        if tracked:
+            list(bs.track(torch.utils.data.DataLoader(range(200), batch_sampler=bs)))
+        else:
+            epoch_1 = list(bs)
+    if tracked:
+        ref = make()
+        ref.set_epoch(1)
+        epoch_1 = list(ref)
+    assert (state["epoch"], state["consumed"]) == (1, 0)
+    new = make()
+    new.load_state_dict(state)
+    assert new.state_dict()["consumed"] == 0
+    assert len(new) == len(epoch_1) > 0
+    assert list(new) == epoch_1
+
+
+def test_batch_state_right_after_load_state_dict_is_the_loaded_one():
+    lens = _lens(500, 41)
+    bs = _batch_ranks(lens, 2, max_complexity=900)[1]
+    bs.set_epoch(2)
+    it = iter(bs)
+    for _ in range(3):
+        next(it)
+    state = bs.state_dict()
+    new = _batch_ranks(lens, 2, max_complexity=900)[1]
+    new.load_state_dict(state)
+    assert new.state_dict() == state
+
+
 # --------------------------------------------------------------------------- bad input
 def test_empty_dataset():
     with pytest.raises(ConfigError, match=r"the dataset is empty \(0 samples\); there is nothing to sample"):
@@ -1098,3 +1142,157 @@ def test_planning_releases_the_gil():
         t.join()
     # With the GIL held for the whole call the spinner could not run at all inside it.
     assert max(during) > 100, during
+
+
+# --------------------------------------------------------------------------- bad input: types
+@pytest.mark.parametrize("seed", [None, "a", 1.5, True])
+def test_seed_must_be_an_integer(seed):
+    with pytest.raises(
+        ConfigError,
+        match=rf"LoadBalancingDistributedSampler: seed must be an integer, got {re.escape(repr(seed))}$",
+    ):
+        LoadBalancingDistributedSampler(None, complexities=[1, 2], num_replicas=1, rank=0, seed=seed)
+
+
+def test_integer_arguments_accept_numpy_and_tensor_integers():
+    s = LoadBalancingDistributedSampler(
+        None, complexities=[3, 1, 2], num_replicas=2, rank=0, seed=np.int64(4)
+    )
+    s.set_epoch(torch.tensor(2))
+    assert s.epoch == 2 and type(s.epoch) is int
+    assert list(s.rank_indices(np.int32(1))) == list(s.rank_indices(1))
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda s: s.set_epoch(1.9), "set_epoch: epoch must be an integer, got 1.9"),
+        (lambda s: s.set_epoch(None), "set_epoch: epoch must be an integer, got None"),
+        (lambda s: s.rank_indices("1"), "rank_indices: rank must be an integer, got '1'"),
+        (lambda s: s.rank_indices(0, epoch=0.5), "rank_indices: epoch must be an integer, got 0.5"),
+        (lambda s: s.plan_stats("2"), "plan_stats: batch_size must be an integer, got '2'"),
+        (lambda s: s.plan_stats(2.5), "plan_stats: batch_size must be an integer, got 2.5"),
+        (lambda s: s.plan_stats(0), "plan_stats: batch_size must be >= 1, got 0"),
+        (lambda s: s.state_dict(consumed="3"), "state_dict: consumed must be an integer, got '3'"),
+    ],
+)
+def test_plain_sampler_integer_arguments(call, message):
+    s = LoadBalancingDistributedSampler(None, complexities=_lens(20, 42), num_replicas=2, rank=0)
+    with pytest.raises(ConfigError, match=re.escape(message) + "$"):
+        call(s)
+
+
+def test_plan_stats_batch_larger_than_the_epoch_is_one_step():
+    s = LoadBalancingDistributedSampler(None, complexities=_lens(20, 43), num_replicas=2, rank=0)
+    assert s.plan_stats(10**30)["steps"] == s.plan_stats(10)["steps"] == 1
+
+
+@pytest.mark.parametrize("batch", [False, True])
+@pytest.mark.parametrize("key", ["dataset_size", "seed", "shuffle", "drop_last", "mode", "random_level"])
+def test_load_state_dict_names_a_missing_key(batch, key):
+    lens = _lens(50, 44)
+    obj = _batch_ranks(lens, 2, max_complexity=500)[0] if batch else _ranks(lens, 2)[0]
+    state = obj.state_dict()
+    if key not in state:
+        return  # mode is the batch sampler's, random_level the plain sampler's
+    del state[key]
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(f"load_state_dict: the state lacks ['{key}']; pass what state_dict() returned") + "$",
+    ):
+        obj.load_state_dict(state)
+
+
+@pytest.mark.parametrize("batch", [False, True])
+@pytest.mark.parametrize("key, value", [("epoch", "abc"), ("consumed", None), ("seed", 1.5)])
+def test_load_state_dict_rejects_non_integer_counters(batch, key, value):
+    lens = _lens(50, 45)
+    obj = _batch_ranks(lens, 2, max_complexity=500)[0] if batch else _ranks(lens, 2)[0]
+    state = obj.state_dict()
+    state[key] = value
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(f"load_state_dict: the state's {key} must be an integer, got {value!r}") + "$",
+    ):
+        obj.load_state_dict(state)
+
+
+def test_a_batch_state_loaded_into_a_plain_sampler_names_the_kind():
+    lens = _lens(50, 46)
+    state = _batch_ranks(lens, 2, max_complexity=500)[0].state_dict()
+    with pytest.raises(
+        ConfigError,
+        match=r"load_state_dict: the state is a LoadBalancingDistributedBatchSampler's, not a "
+        r"LoadBalancingDistributedSampler's$",
+    ):
+        _ranks(lens, 2)[0].load_state_dict(state)
+
+
+def test_complexity_fn_returning_an_int_too_large_for_float64():
+    with pytest.raises(
+        ConfigError,
+        match=r"LoadBalancingDistributedSampler: complexity_fn returned int 10000000000000000000\.\.\. "
+        r"at index 1, too large for a float64$",
+    ):
+        LoadBalancingDistributedSampler(
+            [1, 2, 3], complexity_fn=lambda x: 10**400 if x == 2 else x, num_replicas=1, rank=0
+        )
+
+
+@pytest.mark.parametrize("mode", ["padded", "packed"])
+def test_budget_costs_that_overflow_float64(mode):
+    s = LoadBalancingDistributedSampler(None, complexities=[1.0, 1e200, 2.0], num_replicas=1, rank=0)
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
+            "LoadBalancingDistributedBatchSampler: the cost 1 * len + 1 * len**2 of complexities[1] = 1e+200 "
+            "overflows float64; scale the complexities (and max_complexity) down"
+        )
+        + "$",
+    ):
+        LoadBalancingDistributedBatchSampler(s, max_complexity=1e300, mode=mode, cost=(1, 1))
+    s = LoadBalancingDistributedSampler(None, complexities=[1e308] * 6, num_replicas=2, rank=0)
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
+            "LoadBalancingDistributedBatchSampler: max_complexity=1.5e+308 is too large: the plan's total "
+            "cost (6 samples) overflows float64; scale the complexities and max_complexity down"
+        )
+        + "$",
+    ):
+        LoadBalancingDistributedBatchSampler(s, max_complexity=1.5e308, mode=mode)
+
+
+def test_packed_plan_with_a_mean_cost_that_underflows():
+    # eff / n rounds to 0.0 here (5e-324 / 2): the step sizing must not divide by it.
+    s = LoadBalancingDistributedSampler(None, complexities=[5e-324, 0.0], num_replicas=1, rank=0)
+    bs = LoadBalancingDistributedBatchSampler(s, max_complexity=1.0, mode="packed")
+    assert sorted(i for b in bs for i in b) == [0, 1]
+
+
+def test_random_level_over_the_whole_float64_range_is_a_permutation():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        outs = [list(s) for s in _ranks([1e308, 1e308, -1e308, 0.0], 2, random_level=0.5)]
+    assert sorted(outs[0] + outs[1]) == [0, 1, 2, 3]
+
+
+def test_batch_fn_that_raises_names_the_rank():
+    def batch_fn(indices):
+        return [[indices[0]]] if len(indices) < 3 else 1 / 0
+
+    s = LoadBalancingDistributedSampler(None, complexities=_lens(5, 47), num_replicas=2, rank=0)
+    with pytest.raises(
+        ConfigError, match=r"batch_fn raised ZeroDivisionError on rank 0's 3 indices: division by zero$"
+    ):
+        list(LoadBalancingDistributedBatchSampler(s, batch_fn=batch_fn))
+
+
+def test_batch_fn_returning_a_ragged_batch():
+    s = LoadBalancingDistributedSampler(None, complexities=_lens(6, 48), num_replicas=2, rank=0)
+    with pytest.raises(
+        ConfigError,
+        match=r"batch_fn returned an empty or malformed batch \(batch 0, rank 0\): \[\d+, \[\d+\]\]; every "
+        r"batch must be a non-empty list of indices$",
+    ):
+        list(LoadBalancingDistributedBatchSampler(s, batch_fn=lambda idx: [[idx[0], [idx[1]]]]))

@@ -100,6 +100,19 @@ def _seed64(*parts: object) -> int:
     return struct.unpack("<Q", h.digest())[0]
 
 
+def _as_int(value: Any, what: str, minimum: Optional[int] = None) -> int:
+    """An integer argument (int, numpy integer, 0-d integer tensor; not bool or float), else ConfigError."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        out = operator.index(value)
+    except TypeError:
+        raise ConfigError(f"{what} must be an integer, got {value!r}") from None
+    if minimum is not None and out < minimum:
+        raise ConfigError(f"{what} must be >= {minimum}, got {out}")
+    return out
+
+
 def _world(num_replicas: Optional[int], rank: Optional[int], who: str) -> Tuple[int, int]:
     """num_replicas and rank, defaulting to torch.distributed's, or 1 and 0 when not initialized."""
     initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -181,7 +194,13 @@ def _complexities_from_fn(dataset: Any, fn: Callable[[Any], Any], who: str) -> n
                 f"{who}: complexity_fn returned {type(v).__name__} at index {i}; "
                 "it must return a real number (int or float)"
             )
-        out[i] = float(v)
+        try:
+            out[i] = float(v)
+        except OverflowError:
+            raise ConfigError(
+                f"{who}: complexity_fn returned {type(v).__name__} {str(v)[:20]}... at index {i}, "
+                "too large for a float64"
+            ) from None
     _check_finite(out, who)
     return out
 
@@ -360,7 +379,7 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
         self._complexities: Optional[np.ndarray] = c if owned else None
         self.dataset = dataset
         self.shuffle = bool(shuffle)
-        self.seed = int(seed)
+        self.seed = _as_int(seed, f"{who}: seed")
         self.drop_last = bool(drop_last)
         self.random_level = float(random_level)
         w = self.num_replicas
@@ -415,9 +434,12 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
         tag = epoch if self.shuffle else 0
         run_keys, run_ends = self._desc_runs()
         if self.shuffle and self.random_level > 0:
-            span = float(run_keys[0] - run_keys[-1]) or 1.0
+            # Python floats: a span over the float64 range (1e308 and -1e308) is clipped, not inf
+            # (inf * a zero draw would be NaN); keys that overflow are ties at inf.
+            span = min(float(run_keys[0]) - float(run_keys[-1]), np.finfo(np.float64).max) or 1.0
             noise = _P.uniform(n, _seed64(self.seed, tag, "noise"))
-            keys = self.complexities + self.random_level * span * noise
+            with np.errstate(over="ignore"):
+                keys = self.complexities + self.random_level * span * noise
             order = _P.argsort(keys, _P.permutation(n, _seed64(self.seed, tag, "perm")), False)
         else:
             order = _P.empty(n, np.int64)
@@ -459,10 +481,12 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
         Returns:
             numpy.ndarray: int64 array of ``num_samples`` dataset indices.
         """
-        r = self.rank if rank is None else int(rank)
+        r = self.rank if rank is None else _as_int(rank, "rank_indices: rank")
         if not 0 <= r < self.num_replicas:
             raise ConfigError(f"rank_indices: rank {r} is outside [0, {self.num_replicas})")
-        order, chunk_order, rot = self._epoch_plan(self.epoch if epoch is None else int(epoch))
+        order, chunk_order, rot = self._epoch_plan(
+            self.epoch if epoch is None else _as_int(epoch, "rank_indices: epoch")
+        )
         return _P.rank_stream(order, chunk_order, rot, self.num_replicas, r)
 
     # ----------------------------------------------------------------------------- Sampler API
@@ -490,10 +514,11 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
         Args:
             epoch: epoch number.
         """
-        if int(epoch) != self.epoch:
+        epoch = _as_int(epoch, "set_epoch: epoch")
+        if epoch != self.epoch:
             self._iter = None
             self._position = 0
-        self.epoch = int(epoch)
+        self.epoch = epoch
         if self._resume is not None and self._resume[0] != self.epoch:
             self._resume = None
 
@@ -513,7 +538,7 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
         Returns:
             dict: epoch, seed, consumed, num_replicas, rank, dataset size and digest.
         """
-        pos = self._consumed() if consumed is None else int(consumed)
+        pos = self._consumed() if consumed is None else _as_int(consumed, "state_dict: consumed")
         if not 0 <= pos <= self.num_samples:
             raise ConfigError(f"state_dict: consumed={pos} is outside [0, {self.num_samples}]")
         return {
@@ -537,7 +562,14 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
         Raises:
             ConfigError: the state comes from another world size, dataset or configuration.
         """
-        _check_state(state, type(self).__name__, self.num_replicas, self._n, self.digest)
+        _check_state(
+            state,
+            type(self).__name__,
+            self.num_replicas,
+            self._n,
+            self.digest,
+            ("shuffle", "drop_last", "random_level"),
+        )
         for key in ("shuffle", "drop_last", "random_level"):
             if state[key] != getattr(self, key):
                 raise ConfigError(
@@ -567,12 +599,12 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
             dict: ``steps``; ``straggler_mean`` / ``straggler_p99`` (max over ranks of a step's
             summed complexity divided by the mean over ranks); ``duplicates`` and ``dropped``.
         """
-        if batch_size < 1:
-            raise ConfigError(f"plan_stats: batch_size must be >= 1, got {batch_size}")
+        batch_size = _as_int(batch_size, "plan_stats: batch_size", 1)
         order, chunk_order, rot = self._epoch_plan(self.epoch)
         w = self.num_replicas
         mat = np.stack([_P.rank_stream(order, chunk_order, rot, w, r) for r in range(w)], axis=1)
         cost = self.complexities[mat]
+        batch_size = min(batch_size, max(1, mat.shape[0]))  # a larger batch is the whole epoch
         steps = -(-mat.shape[0] // batch_size)
         starts = np.arange(0, mat.shape[0], batch_size)
         per_step = np.add.reduceat(cost, starts, axis=0) if mat.shape[0] else cost
@@ -588,22 +620,29 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
         }
 
 
-def _check_state(state: Dict[str, Any], kind: str, world: int, n: int, digest: Callable[[], str]) -> None:
+def _check_state(
+    state: Dict[str, Any],
+    kind: str,
+    world: int,
+    n: int,
+    digest: Callable[[], str],
+    config: Tuple[str, ...],
+) -> None:
+    """Checks a state from state_dict(): its keys, kind, version, integers, world size and dataset."""
     if not isinstance(state, dict):
         raise ConfigError(f"load_state_dict: expected a dict from state_dict(), got {type(state).__name__}")
-    missing = [
-        k
-        for k in ("kind", "version", "epoch", "seed", "consumed", "num_replicas", "digest")
-        if k not in state
-    ]
+    if "kind" in state and state["kind"] != kind:
+        raise ConfigError(f"load_state_dict: the state is a {state['kind']}'s, not a {kind}'s")
+    required = ("kind", "version", "epoch", "seed", "consumed", "num_replicas", "dataset_size", "digest")
+    missing = [k for k in required + config if k not in state]
     if missing:
         raise ConfigError(f"load_state_dict: the state lacks {missing}; pass what state_dict() returned")
-    if state["kind"] != kind:
-        raise ConfigError(f"load_state_dict: the state is a {state['kind']}'s, not a {kind}'s")
     if state["version"] != _STATE_VERSION:
         raise ConfigError(
             f"load_state_dict: state version {state['version']} is not supported ({_STATE_VERSION})"
         )
+    for key in ("epoch", "seed", "consumed"):
+        _as_int(state[key], f"load_state_dict: the state's {key}")
     if state["num_replicas"] != world:
         raise ConfigError(
             f"load_state_dict: the state was saved with num_replicas={state['num_replicas']}, this sampler "
@@ -707,6 +746,21 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
                     f"{who}: complexities[{i}] = {float(sampler.complexities[i])!r} is negative; budget mode "
                     "(max_complexity) needs complexities >= 0"
                 )
+            # The planners sum costs in float64: the largest item's cost, and n batches at the
+            # budget, must stay finite.
+            top = float(run_keys[0])
+            top_cost = a * top + b * top * top
+            if not math.isfinite(top_cost):
+                i = int(sampler._desc_order()[0])
+                raise ConfigError(
+                    f"{who}: the cost {a:g} * len + {b:g} * len**2 of complexities[{i}] = {top!r} overflows "
+                    "float64; scale the complexities (and max_complexity) down"
+                )
+            if not math.isfinite(n * min(top_cost, float(max_complexity))):
+                raise ConfigError(
+                    f"{who}: max_complexity={max_complexity!r} is too large: the plan's total cost ({n} "
+                    "samples) overflows float64; scale the complexities and max_complexity down"
+                )
             if drop_last and n < sampler.num_replicas:
                 raise ConfigError(
                     f"{who}: num_replicas={sampler.num_replicas} is larger than the dataset ({n} samples) "
@@ -727,6 +781,10 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         self._tracked = False
         self._init_resume()
         self.epoch = sampler.epoch
+        # The epoch whose batches _position / _delivered count: set when an iteration starts or a
+        # state is loaded. A state taken in any other epoch (set_epoch called on this or on the
+        # wrapped sampler, not iterated yet) has consumed nothing of it.
+        self._counted_epoch: Optional[int] = None
 
     # ----------------------------------------------------------------------------- planning
     @property
@@ -915,7 +973,9 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         eff = float(np.minimum(rc, budget) @ np.diff(re, prepend=0))
         # Plan each step a little under W * budget: about half an average item of slack per rank,
         # so the longest-first deal rarely leaves an item that fits no rank.
-        per_bin = budget / (eff / n) if eff > 0 else float(n)
+        # (eff / n, not eff: the mean can round to 0.0 when eff is a subnormal; per_bin >= 1, as
+        # every item counts at most the budget.)
+        per_bin = budget / (eff / n) if eff / n > 0 else float(n)
         fill = min(0.999, max(0.5, 1.0 - 0.5 / per_bin))
         nsteps = max(1, math.ceil(eff / (w * budget * fill))) if eff > 0 else 1
         nsteps = min(nsteps, max(1, n // w))  # a step needs >= w items, or a rank goes empty
@@ -941,7 +1001,12 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
             given = s.rank_indices(r)
             allowed = np.zeros(n, dtype=bool)
             allowed[given] = True
-            out = self.batch_fn(given.tolist())  # type: ignore[misc]
+            try:
+                out = self.batch_fn(given.tolist())  # type: ignore[misc]
+            except Exception as exc:  # noqa: BLE001 - re-raised with the rank, never swallowed
+                raise ConfigError(
+                    f"batch_fn raised {type(exc).__name__} on rank {r}'s {given.shape[0]} indices: {exc}"
+                ) from exc
             if isinstance(out, (str, bytes)) or not isinstance(out, Iterable):
                 raise ConfigError(
                     f"batch_fn returned {type(out).__name__} for rank {r}; "
@@ -949,7 +1014,10 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
                 )
             batches = []
             for j, batch in enumerate(out):
-                arr = np.asarray(batch)
+                try:
+                    arr = np.asarray(batch)
+                except ValueError:  # ragged: a batch holding lists
+                    arr = np.empty((0, 0))
                 if arr.ndim != 1 or arr.size == 0:
                     raise ConfigError(
                         f"batch_fn returned an empty or malformed batch (batch {j}, rank {r}): {batch!r}; "
@@ -1005,6 +1073,7 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         self.epoch = self.sampler.epoch
         start = self._start(self.sampler.shuffle)
         self._delivered = start
+        self._counted_epoch = self.epoch
         # Each batch's list is made when it is asked for, from a memoryview slice (no numpy call
         # per batch): the epoch's int objects never all live at once.
         slots = plan.slots(self.rank)
@@ -1037,7 +1106,7 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
             epoch: epoch number.
         """
         self.sampler.set_epoch(epoch)
-        self.epoch = int(epoch)
+        self.epoch = self.sampler.epoch
         if self._resume is not None and self._resume[0] != self.epoch:
             self._resume = None
 
@@ -1077,7 +1146,9 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         """
         s = self.sampler
         if consumed is not None:
-            pos = int(consumed)
+            pos = _as_int(consumed, "state_dict: consumed")
+        elif self._counted_epoch != s.epoch:
+            pos = 0  # this epoch has not been iterated (set_epoch was called since)
         elif self._tracked:
             pos = self._delivered
         else:
@@ -1109,7 +1180,14 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
             ConfigError: the state comes from another world size, dataset or configuration.
         """
         s = self.sampler
-        _check_state(state, type(self).__name__, self.num_replicas, s._n, s.digest)
+        _check_state(
+            state,
+            type(self).__name__,
+            self.num_replicas,
+            s._n,
+            s.digest,
+            ("mode", "max_complexity", "cost", "drop_last", "shuffle"),
+        )
         mine = {
             "mode": self.mode,
             "max_complexity": self.max_complexity,
@@ -1131,6 +1209,8 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         if not 0 <= int(state["consumed"]) <= total:
             raise ConfigError(f"load_state_dict: consumed={state['consumed']} is outside [0, {total}]")
         self._resume = (self.epoch, int(state["consumed"]))
+        self._position = self._delivered = int(state["consumed"])
+        self._counted_epoch = self.epoch
 
     # ----------------------------------------------------------------------------- diagnostics
     def plan_stats(self) -> Dict[str, Any]:
