@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import io
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -92,18 +95,68 @@ def test_fusing_twice_raises():
         fuse_optimizer(opt)
 
 
+def _exactly(msg: str) -> str:
+    return "^" + re.escape(msg) + "$"
+
+
+_PER_TENSOR = "computes per-tensor quantities ({}); flattening would change its results. Keep it unfused."
+
+
 @pytest.mark.parametrize(
-    "make,match",
+    "make,msg",
     [
-        (lambda ps: torch.optim.LBFGS(ps), "LBFGS computes per-tensor quantities"),
-        (lambda ps: torch.optim.SparseAdam(ps), "SparseAdam computes per-tensor quantities"),
+        (
+            lambda ps: torch.optim.LBFGS(ps),
+            "LBFGS is not elementwise (a quasi-Newton line search over dot products of all gradients, "
+            "re-evaluating the closure); fusing cannot speed it up. Keep it unfused.",
+        ),
+        (
+            lambda ps: torch.optim.SparseAdam(ps),
+            "SparseAdam needs sparse gradients (it raises on dense ones), while fusing works on dense "
+            "flat gradient buffers; there is nothing to fuse. Keep it unfused.",
+        ),
+        (
+            lambda ps: torch.optim.Adafactor(ps),
+            "Adafactor " + _PER_TENSOR.format("factored row and column second moments of each tensor"),
+        ),
+        (
+            lambda ps: torch.optim.Muon([p for p in ps if p.dim() == 2]),
+            "Muon " + _PER_TENSOR.format("an orthogonalisation of each 2-D gradient matrix"),
+        ),
     ],
+    ids=["LBFGS", "SparseAdam", "Adafactor", "Muon"],
 )
-def test_per_tensor_optimizers_are_refused(make, match):
+def test_non_elementwise_optimizers_are_refused_with_their_reason(make, msg):
     opt = make(make_params())
-    with pytest.raises(FuseError, match=match):
+    with pytest.raises(FuseError, match=_exactly("fuse_optimizer: " + msg)):
         fuse_optimizer(opt)
     assert not is_fused_optimizer(opt)
+    assert not hasattr(opt, "fuse_step")
+
+
+def test_subclass_of_a_refused_optimizer_names_its_base():
+    class MyFactor(torch.optim.Adafactor):
+        pass
+
+    msg = "MyFactor (a subclass of Adafactor) " + _PER_TENSOR.format(
+        "factored row and column second moments of each tensor"
+    )
+    with pytest.raises(FuseError, match=_exactly("fuse_optimizer: " + msg)):
+        fuse_optimizer(MyFactor(make_params()))
+
+
+def test_docs_list_every_fused_and_refused_optimizer():
+    """docs/optim.md's optimizer table names each optimizer fusing accepts and each one it refuses."""
+    from trainloom.optim import fused
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "optim.md").read_text()
+    start = doc.index("## Which optimizers are fused")
+    section = doc[start : doc.index("\n## ", start + 1)]
+    for cls in fused._ELEMENTWISE:
+        assert f"`{cls.__name__}`" in section, cls.__name__
+    for name in fused._REFUSED:
+        assert f"`{name}`" in section, name
+    assert "overrid" in section and "step()" in section
 
 
 def test_subclass_overriding_step_and_foreign_optimizers_are_refused():
@@ -111,15 +164,25 @@ def test_subclass_overriding_step_and_foreign_optimizers_are_refused():
         def step(self, closure=None):
             return super().step(closure)
 
-    with pytest.raises(FuseError, match="Lars computes per-tensor quantities"):
+    msg = "Lars " + _PER_TENSOR.format("a trust ratio from each tensor's norms")
+    with pytest.raises(FuseError, match=_exactly("fuse_optimizer: " + msg)):
         fuse_optimizer(Lars(make_params(), lr=0.1))
 
     class Scaled(torch.optim.SGD):
         def step(self, closure=None):
             return super().step(closure)
 
-    with pytest.raises(FuseError, match="Scaled overrides step"):
+    msg = (
+        "fuse_optimizer: Scaled overrides step() of SGD; its math may not be elementwise, so it cannot be "
+        "fused"
+    )
+    with pytest.raises(FuseError, match=_exactly(msg)):
         fuse_optimizer(Scaled(make_params(), lr=0.1))
+
+    class Plain(torch.optim.Adam):  # not overriding step(): fused like Adam
+        pass
+
+    assert is_fused_optimizer(fuse_optimizer(Plain(make_params(), lr=0.1)))
 
     class Custom(torch.optim.Optimizer):
         def __init__(self, params):
@@ -185,3 +248,70 @@ def test_calculate_mutual_groups():
         calculate_mutual_groups([[a, b], [a]])
     with pytest.raises(FuseError, match="list 0 item 1 is int, not a tensor"):
         calculate_mutual_groups([[a, 3]])
+
+
+def _flat_ranges(opt):
+    info = opt._trainloom_fused
+    return [
+        (f.data_ptr(), f.data_ptr() + f.numel() * f.element_size())
+        for b in info.buckets
+        for f in [b.flat_param, b.flat_grad, *b.state_flat.values()]
+    ]
+
+
+def _inside(t, ranges):
+    return any(lo <= t.data_ptr() < hi for lo, hi in ranges)
+
+
+@pytest.mark.parametrize("name", sorted(OPTS))
+def test_deepcopy_gives_a_fused_copy_that_continues_bit_identically(name):
+    make = OPTS[name]
+    ref = make_params(gap="fused" not in name)
+    ref_opt = make(ref)
+    _advance(ref_opt, ref, 7, 0, False)
+
+    params = make_params(gap="fused" not in name)
+    model = torch.nn.ParameterList(params)
+    opt = fuse_optimizer(make(params), check_flatten=False)
+    _advance(opt, params, 3, 0, True)
+    model2, opt2 = copy.deepcopy((model, opt))
+    params2 = list(model2)
+    assert is_fused_optimizer(opt2) and opt2 is not opt
+    assert opt2._trainloom_fused.check_flatten is False and opt2._trainloom_fused.do_flatten is True
+    assert opt2.param_groups[0]["params"] == params2  # the copied model's Parameter objects
+    ranges, ranges2 = _flat_ranges(opt), _flat_ranges(opt2)
+    for p, p2 in zip(params, params2):
+        assert p2 is not p and _inside(p2, ranges2) and not _inside(p2, ranges)
+        for k, v in opt2.state[p2].items():
+            if torch.is_tensor(v) and v.dim() > 0:
+                assert _inside(v, ranges2), k
+    assert opt2.fuse_step._ref() is opt2
+    assert_bitwise(params, params2)
+    _advance(opt2, params2, 4, 3, True)  # the copy steps on its own ...
+    assert_bitwise(ref, params2)
+    with pytest.raises(AssertionError):
+        assert_bitwise(ref, params)  # ... without touching the original
+    _advance(opt, params, 4, 3, True)
+    assert_bitwise(ref, params)
+
+
+def test_pickled_fused_optimizer_loads_unfused_and_can_be_fused_again():
+    make = OPTS["adam"]
+    ref = make_params()
+    ref_opt = make(ref)
+    _advance(ref_opt, ref, 6, 0, False)
+
+    params = make_params()
+    opt = fuse_optimizer(make(params))
+    _advance(opt, params, 3, 0, True)
+    buf = io.BytesIO()
+    torch.save(opt, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    # torch's Optimizer.__getstate__ keeps defaults, state and param groups only: a plain optimizer
+    assert type(loaded) is torch.optim.Adam
+    assert not is_fused_optimizer(loaded) and not hasattr(loaded, "fuse_step")
+    loaded = fuse_optimizer(loaded)
+    lparams = loaded.param_groups[0]["params"]
+    _advance(loaded, lparams, 3, 3, True)
+    assert_bitwise(ref, lparams)

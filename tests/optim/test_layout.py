@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -226,8 +227,27 @@ def test_fused_optimizer_is_freed_without_the_cycle_collector():
         assert ref() is None  # no reference cycle keeps the flat state alive
     finally:
         gc.enable()
-    with pytest.raises(FuseError, match="the optimizer this method was bound to no longer exists"):
+    with pytest.raises(FuseError, match=re.escape(_GONE)):
         bound()
+
+
+_GONE = (
+    "fuse_step: the optimizer this method was bound to no longer exists: the method holds it through a "
+    "weak reference, so an optimizer nothing else refers to (as in "
+    "fuse_optimizer(torch.optim.SGD(...)).fuse_step()) is freed first. Keep a reference to the "
+    "optimizer returned by fuse_optimizer: opt = fuse_optimizer(...); opt.fuse_step()"
+)
+
+
+def test_fuse_step_on_an_unreferenced_optimizer_says_to_keep_a_reference():
+    params = make_params()
+    set_grads(params, make_grads(params, 0, none_every=0))
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(FuseError, match="^" + re.escape(_GONE) + "$"):
+        fuse_optimizer(torch.optim.SGD(params, lr=0.1)).fuse_step()
+    assert_bitwise(params, before)
+    opt = fuse_optimizer(torch.optim.SGD(params, lr=0.1))  # what the message says: works
+    opt.fuse_step()
 
 
 def test_lr_scheduler_sees_fuse_step_as_a_step():
@@ -240,3 +260,107 @@ def test_lr_scheduler_sees_fuse_step_as_a_step():
         opt.fuse_step()
         sched.step()
     assert opt.param_groups[0]["lr"] == 0.05
+
+
+def _sharing(seed: int):
+    """Parameters where three share one tensor's memory (a 2-D, a flat and a row view), among
+    ordinary ones; the same layout each call."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(4, 3, generator=g)
+    plain = [torch.nn.Parameter(torch.randn(*s, generator=g)) for s in ((5,), (2, 7), (9,))]
+    p1 = torch.nn.Parameter(base)
+    p2 = torch.nn.Parameter(base.view(12))
+    p3 = torch.nn.Parameter(base[1])
+    return [plain[0], p1, plain[1], p2, p3, plain[2]]
+
+
+_SHARING_OPTS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
+    "sgd-fused": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, fused=True),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.01),
+    "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-2, centered=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_SHARING_OPTS))
+def test_params_sharing_memory_stay_out_of_the_flat_buffers_and_stay_exact(name):
+    make = _SHARING_OPTS[name]
+    params, ref = _sharing(0), _sharing(0)
+    msg = (
+        "fuse_optimizer: parameters whose memory overlaps (views of one tensor) would stop sharing it in "
+        "the flat buffers, so they stay where they are and torch updates them per tensor: param group 0 "
+        "parameter 1 (shape (4, 3)), param group 0 parameter 3 (shape (12,)), param group 0 parameter 4 "
+        "(shape (3,)). flat_buffers(optimizer, 'grad') does not hold their gradients."
+    )
+    with pytest.warns(UserWarning, match="^" + re.escape(msg) + "$"):
+        opt = fuse_optimizer(make(params))
+    opt_r = make(ref)
+    p1, p2, p3 = params[1], params[3], params[4]
+    (flat,) = flat_buffers(opt, "param")
+    assert all(_in(p, flat) for p in (params[0], params[2], params[5]))
+    assert not any(_in(p, flat) for p in (p1, p2, p3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once, at fuse time
+        for s in range(6):
+            # torch's fused SGD fails when only some params have a momentum buffer: no None grads
+            grads = make_grads(params, s, none_every=0 if name == "sgd-fused" else 4)
+            set_grads(params, grads)
+            set_grads(ref, grads)
+            opt.step() if s == 3 else opt.fuse_step()
+            opt_r.step()
+            assert_bitwise(params, ref)
+            sd, sd_r = opt.state_dict()["state"], opt_r.state_dict()["state"]
+            assert sd.keys() == sd_r.keys()
+            for k in sd:
+                assert sd[k].keys() == sd_r[k].keys()
+                assert_bitwise(
+                    [sd[k][n] for n in sorted(sd[k])], [sd_r[k][n] for n in sorted(sd[k])], "state"
+                )
+    # still one memory
+    assert p1.data_ptr() == p2.data_ptr() == p3.data_ptr() - 3 * 4
+    with torch.no_grad():
+        p2[4] = 123.0
+    assert p1[1, 1].item() == 123.0 and p3[1].item() == 123.0
+
+
+def test_same_parameter_object_twice_is_fused_without_warning():
+    w = torch.nn.Parameter(torch.randn(6, 4))
+    b = torch.nn.Parameter(torch.randn(6))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = fuse_optimizer(torch.optim.SGD([{"params": [w, b]}], lr=0.1))
+    (flat,) = flat_buffers(opt, "param")
+    assert _in(w, flat) and _in(b, flat)
+
+
+def test_do_flatten_false_steps_params_sharing_memory_in_torchs_order():
+    def build():
+        store, gstore, mstore = torch.zeros(12), torch.zeros(12), torch.zeros(12)
+        g = torch.Generator().manual_seed(3)
+        store.copy_(torch.randn(12, generator=g))
+        mstore.copy_(torch.randn(12, generator=g))
+        c = torch.nn.Parameter(store.view(3, 4))  # overlaps both a and b
+        a = torch.nn.Parameter(store[:6])
+        b = torch.nn.Parameter(store[6:])
+        opt = torch.optim.SGD([c, a, b], lr=0.1, momentum=0.9, weight_decay=0.5)
+        # adjacent params, grads and momentum buffers: a and b alone would be fused into one span
+        opt.state[a]["momentum_buffer"] = mstore[:6]
+        opt.state[b]["momentum_buffer"] = mstore[6:]
+        opt.state[c]["momentum_buffer"] = torch.randn(3, 4, generator=g)
+        a.grad, b.grad = gstore[:6], gstore[6:]
+        return opt, [c, a, b], gstore
+
+    opt, params, gstore = build()
+    opt_r, ref, gstore_r = build()
+    opt = fuse_optimizer(opt, do_flatten=False)
+    g = torch.Generator().manual_seed(4)
+    for _ in range(4):
+        gg = torch.randn(12, generator=g)
+        gc = torch.randn(3, 4, generator=g)
+        gstore.copy_(gg)
+        gstore_r.copy_(gg)
+        params[0].grad, ref[0].grad = gc.clone(), gc.clone()
+        opt.fuse_step()
+        opt_r.step()
+        assert_bitwise(params, ref)

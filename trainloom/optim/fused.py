@@ -19,6 +19,7 @@ torch's own code runs instead.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import logging
 import math
@@ -81,9 +82,27 @@ _ELEMENTWISE = tuple(
     )
     if hasattr(torch.optim, name)
 )
-# Optimizers whose update uses whole-tensor quantities (norms, factored moments, line search,
-# orthogonalisation) or sparse state: flattening would change their results.
-_REFUSED_NAMES = ("LBFGS", "SparseAdam", "Adafactor", "Muon", "LAMB", "Lamb", "LARS", "Lars", "Shampoo")
+# Optimizers refused by class name (anywhere in the class's MRO, so third-party LAMB/LARS classes
+# deriving from SGD or Adam are caught too), with the reason given to the user. Keep docs/optim.md
+# ("Which optimizers are fused") in step with this table.
+_PER_TENSOR = "computes per-tensor quantities ({}); flattening would change its results"
+_REFUSED: Dict[str, str] = {
+    "LBFGS": (
+        "is not elementwise (a quasi-Newton line search over dot products of all gradients, "
+        "re-evaluating the closure); fusing cannot speed it up"
+    ),
+    "SparseAdam": (
+        "needs sparse gradients (it raises on dense ones), while fusing works on dense flat gradient "
+        "buffers; there is nothing to fuse"
+    ),
+    "Adafactor": _PER_TENSOR.format("factored row and column second moments of each tensor"),
+    "Muon": _PER_TENSOR.format("an orthogonalisation of each 2-D gradient matrix"),
+    "LAMB": _PER_TENSOR.format("a trust ratio from each tensor's norms"),
+    "Lamb": _PER_TENSOR.format("a trust ratio from each tensor's norms"),
+    "LARS": _PER_TENSOR.format("a trust ratio from each tensor's norms"),
+    "Lars": _PER_TENSOR.format("a trust ratio from each tensor's norms"),
+    "Shampoo": _PER_TENSOR.format("preconditioner matrices of each tensor"),
+}
 
 
 # --------------------------------------------------------------------------------------------
@@ -294,6 +313,10 @@ class _FusedInfo:
         self.in_shadow = False
         # per param group: parameters that stay outside the flat buffers (0-d, complex, ...)
         self.outside: List[List[torch.Tensor]] = []
+        self.warned_shared = False
+        # id() of the parameters whose memory overlaps another's (found when the optimizer is fused
+        # or re-fused, not per step: ~6 us a parameter)
+        self.shared: set = set()
 
 
 def _dense_strides(p: torch.Tensor) -> Tuple[int, ...]:
@@ -315,11 +338,9 @@ def _info(optimizer: Any, where: str) -> _FusedInfo:
 def _check_supported(optimizer: torch.optim.Optimizer) -> None:
     cls = type(optimizer)
     for base in cls.__mro__:
-        if base.__name__ in _REFUSED_NAMES:
-            raise FuseError(
-                f"fuse_optimizer: {cls.__name__} computes per-tensor quantities (norms, factored "
-                "moments or a line search); flattening would change its results. Keep it unfused."
-            )
+        if base.__name__ in _REFUSED:
+            what = cls.__name__ if base is cls else f"{cls.__name__} (a subclass of {base.__name__})"
+            raise FuseError(f"fuse_optimizer: {what} {_REFUSED[base.__name__]}. Keep it unfused.")
     if not isinstance(optimizer, _ELEMENTWISE):
         raise FuseError(
             f"fuse_optimizer: {cls.__name__} is not one of the elementwise torch optimizers fusing "
@@ -349,9 +370,13 @@ def fuse_optimizer(
 ) -> torch.optim.Optimizer:
     """Convert an optimizer into a fused optimizer (in place) and return it.
 
+    Unlike Bagua's (which accepts any optimizer), only torch's elementwise optimizers and their
+    subclasses that do not override ``step()`` are accepted; see docs/optim.md.
+
     Args:
         optimizer: a torch elementwise optimizer (SGD, Adam, AdamW, RMSprop, Rprop, ASGD,
-            Adamax, Adadelta, Adagrad, NAdam, RAdam).
+            Adamax, Adadelta, Adagrad, NAdam, RAdam), or a subclass of one that does not
+            override ``step()``.
         do_flatten: move parameters, gradients and per-element state of each param group (per
             device and dtype) into one contiguous buffer each. With False, nothing moves and
             :func:`fuse_step` fuses only tensors that already happen to be adjacent in memory.
@@ -359,12 +384,26 @@ def fuse_optimizer(
             param groups or state changed behind the optimizer's back.
 
     Returns:
-        The same optimizer object; ``optimizer.fuse_step(closure=None)`` is bound on it.
+        The same optimizer object; ``optimizer.fuse_step(closure=None)`` is bound on it. Keep a
+        reference to it: the bound method holds the optimizer weakly.
 
     Raises:
-        FuseError: if the optimizer is already fused, is not an elementwise optimizer (LBFGS,
-            SparseAdam, Adafactor and other per-tensor-norm optimizers are refused), or its
-            parameters are not floating point.
+        FuseError: if the optimizer is already fused; is LBFGS, SparseAdam (sparse gradients),
+            Adafactor, Muon or a LAMB/LARS/Shampoo-named class (per-tensor quantities), a
+            subclass overriding ``step()``, or any other optimizer class; or its parameters
+            are not floating point.
+
+    Parameters whose memory overlaps another parameter's (e.g. ``Parameter(w)`` and
+    ``Parameter(w.view(-1))``) are not moved: they keep sharing memory, torch updates them per
+    tensor (bit-exact), their gradients are not in :func:`flat_buffers`, and a ``UserWarning``
+    names them. The same Parameter object used twice (tied weights) is fused normally.
+
+    Copies and checkpoints: ``copy.deepcopy(optimizer)`` returns a fused deep copy (torch's
+    deep copy, fused again with the same flags). Pickling the optimizer object (``torch.save(
+    optimizer)``, ``copy.copy``) gives a plain, unfused optimizer, as torch's ``__getstate__``
+    keeps only defaults, state and param groups; call ``fuse_optimizer`` on it again. To
+    checkpoint, save ``optimizer.state_dict()`` (stock torch format) and ``load_state_dict`` it
+    into a fused or unfused optimizer: training continues bit-identically.
 
     Example::
 
@@ -402,10 +441,13 @@ def fuse_optimizer(
         info.groups = list(optimizer.param_groups)
         info.group_params = [list(g["params"]) for g in optimizer.param_groups]
         info.state_obj = optimizer.state
+        info.shared = _overlapping([p for g in optimizer.param_groups for p in g["params"]])
     # A step() between two fuse_steps changes step counts and may create state: recheck then.
     info.step_hook = optimizer.register_step_post_hook(lambda *_: _invalidate(info))
     # Bound on this instance only: no class-wide patching.
     optimizer.fuse_step = _BoundFuseStep(optimizer)  # type: ignore[attr-defined]
+    # copy.deepcopy looks __deepcopy__ up on the instance: a deep copy is fused too.
+    optimizer.__deepcopy__ = _FusedDeepcopy(optimizer)  # type: ignore[attr-defined]
     return optimizer
 
 
@@ -424,11 +466,46 @@ class _BoundFuseStep:
     def __call__(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         optimizer = self._ref()
         if optimizer is None:
-            raise FuseError("fuse_step: the optimizer this method was bound to no longer exists")
+            raise FuseError(
+                "fuse_step: the optimizer this method was bound to no longer exists: the method holds it "
+                "through a weak reference, so an optimizer nothing else refers to (as in "
+                "fuse_optimizer(torch.optim.SGD(...)).fuse_step()) is freed first. Keep a reference to "
+                "the optimizer returned by fuse_optimizer: opt = fuse_optimizer(...); opt.fuse_step()"
+            )
         return fuse_step(optimizer, closure)
 
     def __repr__(self) -> str:
         return f"<bound fuse_step of {type(self._ref()).__name__} optimizer>"
+
+
+class _FusedDeepcopy:
+    """``copy.deepcopy(fused_optimizer)``: torch's deep copy of the optimizer, fused again.
+
+    Does what ``copy.deepcopy`` does for a plain optimizer (``__getstate__``: defaults, state and
+    param groups, copied with the caller's memo; hooks are not copied), then calls
+    :func:`fuse_optimizer` on the copy with the original's ``do_flatten`` and ``check_flatten``.
+    The copy's parameters are torch's deep copies of the parameters (the same objects as in a
+    model copied with the same ``deepcopy`` call), moved into the copy's own flat buffers.
+    Holds the optimizer weakly, like :class:`_BoundFuseStep`.
+    """
+
+    __slots__ = ("_ref", "__weakref__")
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self._ref = weakref.ref(optimizer)
+
+    def __call__(self, memo: Optional[Dict[int, Any]] = None) -> torch.optim.Optimizer:
+        optimizer = self._ref()
+        if optimizer is None:  # pragma: no cover - deepcopy holds the object it copies
+            raise FuseError("deepcopy: the optimizer this method was bound to no longer exists")
+        if memo is None:
+            memo = {}
+        info = _info(optimizer, "deepcopy")
+        cls = type(optimizer)
+        new = cls.__new__(cls)
+        memo[id(optimizer)] = new
+        new.__setstate__(copy.deepcopy(optimizer.__getstate__(), memo))
+        return fuse_optimizer(new, info.do_flatten, info.check_flatten)
 
 
 def _invalidate(info: _FusedInfo) -> None:
@@ -448,7 +525,10 @@ def _build(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> None:
     for b in info.buckets:
         b.remove_hooks()
     info.buckets = []
-    seen: set = set()
+    shared = info.shared = _overlapping([p for g in optimizer.param_groups for p in g["params"]])
+    if shared:
+        _warn_shared(optimizer, info, shared)
+    seen: set = set(shared)
     for gi, group in enumerate(optimizer.param_groups):
         by_key: Dict[Tuple[Any, Any], List[torch.Tensor]] = {}
         for p in group["params"]:
@@ -478,6 +558,59 @@ def _build(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> None:
     info.state_obj = optimizer.state
     bucketed = {id(p) for b in info.buckets for p in b.params}
     info.outside = [[p for p in g["params"] if id(p) not in bucketed] for g in optimizer.param_groups]
+
+
+def _overlapping(params: Sequence[torch.Tensor]) -> set:
+    """``id()`` of every parameter whose memory overlaps another parameter's.
+
+    Conservative: each tensor counts as the whole byte range from its first to its last element,
+    so interleaved views (``w[::2]`` and ``w[1::2]``) count as overlapping too. Distinct Parameter
+    objects only (the same Parameter listed twice is not sharing); meta tensors have no memory.
+    """
+    spans: List[Tuple[Any, int, int, int]] = []
+    unique: set = set()
+    for p in params:
+        if id(p) in unique:
+            continue
+        unique.add(id(p))
+        if p.numel() == 0 or p.layout != torch.strided or p.device.type == "meta":
+            continue
+        # torch strides are never negative: the last element is at sum((size - 1) * stride)
+        extent = 1 + sum((n - 1) * st for n, st in zip(p.shape, p.stride()))
+        start = p.data_ptr()
+        spans.append((str(p.device), start, start + extent * p.element_size(), id(p)))
+    spans.sort()
+    out: set = set()
+    max_end = -1
+    for k, (dev, start, end, pid) in enumerate(spans):
+        if k and spans[k - 1][0] != dev:
+            max_end = -1
+        if start < max_end:  # overlaps one that starts earlier
+            out.add(pid)
+        if k + 1 < len(spans) and spans[k + 1][0] == dev and spans[k + 1][1] < end:
+            out.add(pid)  # overlaps the next one to start
+        max_end = max(max_end, end)
+    return out
+
+
+def _warn_shared(optimizer: torch.optim.Optimizer, info: _FusedInfo, shared: set) -> None:
+    """Once per optimizer: which parameters stay out of the flat buffers because they share memory."""
+    if info.warned_shared:
+        return
+    info.warned_shared = True
+    names = [
+        f"param group {gi} parameter {pi} (shape {tuple(p.shape)})"
+        for gi, g in enumerate(optimizer.param_groups)
+        for pi, p in enumerate(g["params"])
+        if id(p) in shared
+    ]
+    more = f" and {len(names) - 8} more" if len(names) > 8 else ""
+    warnings.warn(
+        "fuse_optimizer: parameters whose memory overlaps (views of one tensor) would stop sharing it "
+        f"in the flat buffers, so they stay where they are and torch updates them per tensor: "
+        f"{', '.join(names[:8])}{more}. flat_buffers(optimizer, 'grad') does not hold their gradients.",
+        stacklevel=4,
+    )
 
 
 def _outside_with_grad(info: _FusedInfo) -> Dict[int, List[torch.Tensor]]:
@@ -585,6 +718,7 @@ def _sync(optimizer: torch.optim.Optimizer, info: _FusedInfo, moved: Optional[st
         info.groups = list(groups)
         info.group_params = [list(g["params"]) for g in groups]
         info.state_obj = optimizer.state
+        info.shared = _overlapping([p for g in groups for p in g["params"]])
     return True
 
 
@@ -951,7 +1085,8 @@ def _step_adjacent(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> None:
     shadow_states: List[Tuple[torch.Tensor, List[torch.Tensor], Dict[Any, Any]]] = []
     for g in saved_groups:
         with_grad = [p for p in g["params"] if p.grad is not None]
-        ready = [p for p in with_grad if state.get(p) and _fusable_param(p)]
+        # Parameters sharing memory keep their relative order in torch's step (the spans go first).
+        ready = [p for p in with_grad if state.get(p) and _fusable_param(p) and id(p) not in info.shared]
         keys = sorted({k for p in ready for k, v in state[p].items() if _per_element(v, p)}, key=repr)
         ready = [p for p in ready if all(_per_element(state[p].get(k), p) for k in keys)]
         lists = [ready, [p.grad for p in ready]] + [[state[p][k] for p in ready] for k in keys]
