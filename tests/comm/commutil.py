@@ -292,10 +292,7 @@ def features(rank: int, ws: int, engine: str) -> Dict[str, Any]:
         C.allreduce_inplace(t, comm=c)
         out["subgroup"] = (c.rank(), c.nranks(), t.tolist())
     else:
-        try:
-            sub.get_global_communicator()
-        except CommError as exc:
-            out["subgroup"] = str(exc)
+        out["subgroup"] = sub.get_global_communicator() is C.NON_COMM_MEMBER
     tg = dist.new_group([0, 1])
     if rank in (0, 1):
         g = C.from_torch_group(tg)
@@ -309,7 +306,7 @@ def features(rank: int, ws: int, engine: str) -> Dict[str, Any]:
     inter = pg.get_inter_node_communicator()
     out["intra"] = (intra.rank(), intra.nranks(), intra.global_ranks, intra.cpu_engine_kind())
     out["inter"] = (
-        None if inter is None else (inter.rank(), inter.nranks(), inter.global_ranks, inter.cpu_engine_kind())
+        inter if not inter else (inter.rank(), inter.nranks(), inter.global_ranks, inter.cpu_engine_kind())
     )
     out["global_engine"] = pg.get_global_communicator().cpu_engine_kind()
     for op in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.AVG):
@@ -688,6 +685,28 @@ def validation_two_ranks(rank: int, ws: int) -> Dict[str, Any]:
     C.broadcast(t, root=1)
     early["broadcast(t, root=1)"] = t.tolist()
     out["early"] = early
+    # numpy integers are ranks (as in torch.distributed); receive ranges may not overlap
+    import numpy as np
+
+    t = torch.full((2,), float(rank + 1))
+    C.broadcast(t, np.int64(1))
+    out["broadcast_np_src"] = t.tolist()
+    out["recv_overlap"] = _expect(
+        C.alltoall_v, ValueError, torch.ones(4), [2, 2], [0, 2], torch.zeros(4), [2, 2], [0, 0]
+    )
+    out["recv_overlap_partial"] = _expect(
+        C.alltoall_v, ValueError, torch.ones(4), [2, 2], [0, 2], torch.zeros(5), [2, 2], [1, 0]
+    )
+    out["inplace_overlap"] = _expect(C.alltoall_v_inplace, ValueError, torch.ones(4), [2, 2], [1, 0])
+    # ranges that only touch, and empty ranges anywhere, are fine (neighbor ops use recv_displs=0 for
+    # ranks they receive nothing from)
+    send = torch.arange(4.0) + 10 * rank
+    recv = torch.zeros(4)
+    C.alltoall_v(send, [2, 2], [0, 2], recv, [2, 2], [2, 0])
+    out["touching"] = recv.tolist()
+    recv = torch.zeros(2)
+    C.alltoall_v(send, [1, 1], [0, 1], recv, [1, 1], [1, 0])
+    out["swapped"] = recv.tolist()
     C.destroy_process_group()
     return out
 
@@ -854,3 +873,162 @@ def absent_at_init(rank: int, ws: int) -> Dict[str, Any]:
     if rank == 0:  # keep hosting the store until rank 1 is done with it
         store.wait(["done/1"], datetime.timedelta(seconds=20))
     return out
+
+
+# --------------------------------------------------------------------------- review fixes (2 ranks)
+def op_numbering(rank: int, ws: int) -> Dict[str, Any]:
+    """torch.distributed.ReduceOp and trainloom's ReduceOp share integers with other meanings
+    (torch MIN=3 = Bagua MAX): each must keep its own meaning whichever one a process used first."""
+    from trainloom.comm import collectives
+
+    collectives._OP_CACHE.clear()
+    C.init_process_group(timeout=20)
+    out: Dict[str, Any] = {}
+    x = torch.tensor([1.0, 5.0]) if rank == 0 else torch.tensor([3.0, 2.0])
+    seq = [
+        ("dist.MIN", dist.ReduceOp.MIN),
+        ("MAX", ReduceOp.MAX),  # 3, torch's MIN
+        ("MIN", ReduceOp.MIN),  # 2, torch's PRODUCT
+        ("dist.PRODUCT", dist.ReduceOp.PRODUCT),
+        ("dist.AVG", dist.ReduceOp.AVG),  # 1, Bagua's PRODUCT
+        ("PRODUCT", ReduceOp.PRODUCT),
+    ]
+    for label, op in seq:
+        t = x.clone()
+        C.allreduce_inplace(t, op)
+        out[label] = t.tolist()
+    i = torch.tensor([0b0110, 0b0011]) if rank == 0 else torch.tensor([0b0101, 0b0011])
+    for label, op in (("BOR", ReduceOp.BOR), ("dist.BXOR", dist.ReduceOp.BXOR)):  # both 7
+        t = i.clone()
+        C.allreduce_inplace(t, op)
+        out[label] = t.tolist()
+    C.destroy_process_group()
+    return out
+
+
+EVERY_COLLECTIVE = [
+    "allreduce",
+    "allreduce(early positional)",
+    "allreduce_inplace",
+    "reduce",
+    "reduce_inplace",
+    "broadcast",
+    "allgather",
+    "allgather_inplace",
+    "gather",
+    "gather_inplace",
+    "scatter",
+    "scatter_inplace",
+    "reduce_scatter",
+    "reduce_scatter_inplace",
+    "alltoall",
+    "alltoall_inplace",
+    "alltoall_v",
+    "alltoall_v_inplace",
+    "send",
+    "recv",
+    "barrier",
+]
+
+
+def _run_every_collective(comm: Any) -> Dict[str, Any]:
+    """Every collective with ``comm``, on tensors filled with 7: what each returned, whether any tensor
+    changed, how long it took. (On a real communicator several of these calls would block: send/recv
+    with no peer, barrier and the collectives with no other rank joining.)"""
+    calls = {
+        "allreduce": lambda a, b: C.allreduce(a, b, ReduceOp.MAX, comm),
+        "allreduce(early positional)": lambda a, b: C.allreduce(a, ReduceOp.MAX, comm),
+        "allreduce_inplace": lambda a, b: C.allreduce_inplace(a, comm=comm),
+        "reduce": lambda a, b: C.reduce(a, b, 0, comm=comm),
+        "reduce_inplace": lambda a, b: C.reduce_inplace(a, 0, comm=comm),
+        "broadcast": lambda a, b: C.broadcast(a, 0, comm),
+        "allgather": lambda a, b: C.allgather(a, b, comm),
+        "allgather_inplace": lambda a, b: C.allgather_inplace(a, comm),
+        "gather": lambda a, b: C.gather(a, b, 0, comm),
+        "gather_inplace": lambda a, b: C.gather_inplace(a, 4, 0, comm),
+        "scatter": lambda a, b: C.scatter(a, b, 0, comm),
+        "scatter_inplace": lambda a, b: C.scatter_inplace(a, 4, 0, comm),
+        "reduce_scatter": lambda a, b: C.reduce_scatter(a, b, comm=comm),
+        "reduce_scatter_inplace": lambda a, b: C.reduce_scatter_inplace(a, comm=comm),
+        "alltoall": lambda a, b: C.alltoall(a, b, comm),
+        "alltoall_inplace": lambda a, b: C.alltoall_inplace(a, comm),
+        "alltoall_v": lambda a, b: C.alltoall_v(a, [4], [0], b, [4], [0], comm),
+        "alltoall_v_inplace": lambda a, b: C.alltoall_v_inplace(a, [4], [0], comm),
+        "send": lambda a, b: C.send(a, 1, comm),
+        "recv": lambda a, b: C.recv(a, 1, comm),
+        "barrier": lambda a, b: C.barrier(comm),
+    }
+    got: Dict[str, Any] = {}
+    for name in EVERY_COLLECTIVE:
+        a, b = torch.full((4,), 7.0), torch.full((4,), 7.0)
+        before = (a.clone(), b.clone())
+        t0 = time.monotonic()
+        try:
+            res = calls[name](a, b)
+        except Exception as exc:  # noqa: BLE001 - reported to the parent
+            res = f"{type(exc).__name__}: {exc}"
+        unchanged = torch.equal(a, before[0]) and torch.equal(b, before[1])
+        got[name] = (res, unchanged, time.monotonic() - t0)
+    return got
+
+
+def non_members(rank: int, ws: int) -> Dict[str, Any]:
+    """Rank 1 is not in the inter-node communicator (one node: rank 0 leads it) nor in new_group([0]):
+    its getters give NON_COMM_MEMBER and every collective given it returns at once, changing nothing,
+    as Bagua's _rank_not_in_comm does; the members still get their results."""
+    pg = C.init_process_group(timeout=20)
+    out: Dict[str, Any] = {}
+    inter = pg.get_inter_node_communicator()
+    out["inter"] = repr(inter) if not inter else (inter.rank(), inter.nranks(), inter.global_ranks)
+    out["inter_is_placeholder"] = inter is C.NON_COMM_MEMBER
+    if rank == 1:
+        out["every"] = _run_every_collective(inter)
+        t = torch.full((2,), 7.0)
+        w = C.allreduce_inplace(t, comm=inter, async_op=True)
+        out["async"] = (type(w).__name__, w.is_completed(), w.wait(), w.result() is t, t.tolist())
+        w = C.barrier(comm=inter, async_op=True)
+        out["async_barrier"] = (w.is_completed(), w.result())
+    # the Bagua pattern: every rank calls the collective with the inter-node communicator
+    t = torch.full((2,), float(rank + 1))
+    C.allreduce_inplace(t, comm=inter)
+    out["inter_allreduce"] = t.tolist()
+    sub = C.new_group([0])
+    comms = (
+        sub.get_global_communicator(),
+        sub.get_intra_node_communicator(),
+        sub.get_inter_node_communicator(),
+    )
+    out["sub_getters"] = [c is C.NON_COMM_MEMBER for c in comms]
+    t = torch.full((2,), float(rank + 1))
+    t0 = time.monotonic()
+    C.allreduce_inplace(t, ReduceOp.SUM, sub.get_global_communicator())
+    out["sub_allreduce"] = (t.tolist(), time.monotonic() - t0 < 2.0)
+    # extension APIs that need a member say so instead of skipping
+    out["neighbor"] = _expect(C.neighbor_allreduce, CommError, torch.ones(2), comm=sub)
+    # members and non-members are still in step: a world allreduce right after
+    t = torch.full((2,), float(rank + 1))
+    C.allreduce_inplace(t)
+    out["world_after"] = t.tolist()
+    C.destroy_process_group()
+    return out
+
+
+def agent_store(rank: int, ws: int) -> Dict[str, Any]:
+    """init_process_group under TORCHELASTIC_USE_AGENT_STORE=True: every rank is a client of the store
+    the (simulated) agent already serves on MASTER_PORT; c10d logs nothing to stderr about it."""
+    import tempfile
+
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as err:
+        os.dup2(err.fileno(), 2)
+        try:
+            C.init_process_group(timeout=20)
+            t = torch.full((2,), float(rank + 1))
+            C.allreduce_inplace(t)
+            C.destroy_process_group()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        err.seek(0)
+        stderr = err.read().decode(errors="replace")
+    return {"stderr": stderr, "allreduce": t.tolist()}

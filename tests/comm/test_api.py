@@ -7,8 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from commutil import validation_two_ranks
 from multiproc import free_port, run_ranks
 
@@ -263,6 +265,30 @@ def test_bad_arguments_raise_before_any_engine(world1):
             TypeError,
             r"allreduce: recv_tensor must be a torch.Tensor, got list",
         ),
+        (lambda: C.broadcast(f32, np.int64(1)), ValueError, r"broadcast: src=1 is outside the communicator"),
+        (lambda: C.broadcast(f32, np.True_), TypeError, r"src must be an int rank, got np.True_"),
+        (lambda: C.broadcast(f32, 0.0), TypeError, r"src must be an int rank, got 0.0"),
+        (
+            lambda: C.alltoall_v(f32, [2.0], [0], f32, [2], [0]),
+            TypeError,
+            r"^alltoall_v: send_counts must be a sequence of 1 ints, got \[2.0\] "
+            r"\(send_counts\[0\]=2.0 is a float\)$",
+        ),
+        (
+            lambda: C.alltoall_v(f32, [2], [0], f32, [2], [np.float64(1)]),
+            TypeError,
+            r"recv_displs\[0\]=np.float64\(1.0\) is a float64\)$",
+        ),
+        (
+            lambda: C.allreduce_inplace(torch.ones(2, dtype=torch.int64), dist.ReduceOp.PREMUL_SUM),
+            TypeError,
+            r"^allreduce: op=torch.distributed.ReduceOp.PREMUL_SUM has no trainloom equivalent",
+        ),
+        (
+            lambda: C.allreduce_inplace(f32, True),
+            TypeError,
+            r"op must be a trainloom.comm.ReduceOp, got True",
+        ),
     ]
     for fn, exc, pattern in cases:
         with pytest.raises(exc, match=pattern):
@@ -290,6 +316,18 @@ def test_validation_that_needs_two_ranks():
         assert e["reduce(t, 1, MAX, comm)"] == ([2.0, 2.0] if rank == 1 else [1.0, 1.0])
         assert e["reduce(t, dst=0)"] == ([3.0, 3.0] if rank == 0 else [2.0, 2.0])
         assert e["broadcast(t, root=1)"] == [2.0, 2.0]
+        assert r["broadcast_np_src"] == [2.0, 2.0]
+        assert r["recv_overlap"] == (
+            "ValueError: alltoall_v: the recv_tensor ranges of ranks 0 and 1 overlap (recv_displs[0]=0, "
+            "recv_counts[0]=2; recv_displs[1]=0, recv_counts[1]=2); each rank's data needs its own elements"
+        )
+        assert r["recv_overlap_partial"] == (
+            "ValueError: alltoall_v: the recv_tensor ranges of ranks 0 and 1 overlap (recv_displs[0]=1, "
+            "recv_counts[0]=2; recv_displs[1]=0, recv_counts[1]=2); each rank's data needs its own elements"
+        )
+        assert r["inplace_overlap"] == r["recv_overlap_partial"]
+    assert res[0]["touching"] == [10.0, 11.0, 0.0, 1.0] and res[1]["touching"] == [12.0, 13.0, 2.0, 3.0]
+    assert res[0]["swapped"] == [10.0, 0.0] and res[1]["swapped"] == [11.0, 1.0]
 
 
 def test_python_O_still_validates(tmp_path):
@@ -431,3 +469,113 @@ def test_nccl_enum_tables_match_the_installed_header():
     }
     for op, name in ops.items():
         assert nccl._OPS[int(op)] == values[name], name
+
+
+def _pairs_sharing_an_int():
+    """(torch op, trainloom op) with the same integer: torch numbers SUM=0, AVG=1, PRODUCT=2, MIN=3, ...,
+    Bagua SUM=0, PRODUCT=1, MIN=2, MAX=3, BOR=7, BAND=8, ..."""
+    torch_ops = [getattr(dist.ReduceOp, n) for n in ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR")]
+    torch_ops += [dist.ReduceOp.BXOR, dist.ReduceOp.PREMUL_SUM]
+    return [(t, o) for t in torch_ops for o in ReduceOp if int(t) == int(o)]
+
+
+def test_op_cache_keeps_torch_and_bagua_numbering_apart():
+    from trainloom.comm import collectives
+
+    pairs = _pairs_sharing_an_int()
+    names = {(t.name, o.name) for t, o in pairs}
+    assert names == {
+        ("SUM", "SUM"),
+        ("AVG", "PRODUCT"),
+        ("PRODUCT", "MIN"),
+        ("MIN", "MAX"),
+        ("BXOR", "BOR"),
+    } | {("PREMUL_SUM", "BAND")}
+    for t, o in pairs:
+        dtype = torch.int64 if o in (ReduceOp.BOR, ReduceOp.BAND) else torch.float64
+        want_t = getattr(ReduceOp, t.name, None)  # what the torch op means (None: refused)
+        for order in ((t, o), (o, t)):
+            collectives._OP_CACHE.clear()
+            for op in order + order:  # the second round is served from the cache
+                if op is t and want_t is None:
+                    with pytest.raises(TypeError, match=r"op=torch.distributed.ReduceOp.PREMUL_SUM has no"):
+                        collectives._op(op, dtype, "allreduce")
+                    continue
+                got = collectives._op(op, dtype, "allreduce")
+                assert got is (want_t if op is t else o), (t.name, o.name, order, op)
+            # plain ints and numpy ints are Bagua's numbering whatever came before
+            assert collectives._op(int(o), dtype, "allreduce") is o
+            assert collectives._op(np.int64(int(o)), dtype, "allreduce") is o
+
+
+def test_non_comm_member_placeholder(world1):
+    x = C.NON_COMM_MEMBER
+    assert x is C.CommMember.NON_COMM_MEMBER is C.communication.NON_COMM_MEMBER
+    assert isinstance(x, C.NonCommMember) and C.NonCommMember() is x
+    assert not x and x is not None
+    assert (
+        repr(x)
+        == "NON_COMM_MEMBER (this rank is not a member of the communicator; collectives on it do nothing)"
+    )
+    import copy
+    import pickle
+
+    assert pickle.loads(pickle.dumps(x)) is x and copy.deepcopy(x) is x
+    with pytest.raises(AttributeError, match=r"^NON_COMM_MEMBER has no attribute 'rank': this rank is not a"):
+        x.rank()
+    # on a world of one every rank is a member of every communicator of the default group
+    pg = C.get_default_group()
+    assert pg.get_inter_node_communicator() is pg.get_global_communicator().inter
+    # collectives given it do nothing, without looking at their arguments (as Bagua's _rank_not_in_comm)
+    t = torch.ones(3)
+    assert C.allreduce(t, "not a tensor", comm=x) is None and t.tolist() == [1.0, 1.0, 1.0]
+    w = C.broadcast(t, 5, comm=x, async_op=True)
+    assert w.is_completed() and w.wait() is True and w.result() is t
+    # the extension APIs need a member and say so
+    with pytest.raises(
+        CommError, match=r"^neighbor_allreduce: comm is NON_COMM_MEMBER \(rank 0 is not a member of that "
+    ):
+        C.neighbor_allreduce(t, comm=x)
+
+
+def test_early_tensor_keyword_is_accepted(world1):
+    # bagua-communication-early.txt: allreduce(tensor, op, comm) / reduce(tensor, dst, op, comm)
+    t = torch.full((2,), 3.0)
+    C.allreduce(tensor=t, op=ReduceOp.MAX)
+    C.reduce(tensor=t, dst=0)
+    w = C.allreduce(tensor=t, async_op=True)
+    assert w.result() is t and t.tolist() == [3.0, 3.0]
+    cases = [
+        (
+            lambda: C.allreduce(t, tensor=t),
+            r"^allreduce: got both send_tensor and tensor; tensor= is Bagua's early name for the in-place "
+            r"tensor, pass only one of them$",
+        ),
+        (
+            lambda: C.reduce(tensor=t, recv_tensor=t.clone(), dst=0),
+            r"^reduce: tensor= is Bagua's early in-place form and takes no recv_tensor; write "
+            r"send_tensor=..., recv_tensor=... instead$",
+        ),
+        (
+            lambda: C.allreduce(),
+            r"^allreduce\(\) missing its input tensor: pass send_tensor \(or tensor=, Bagua's early name\)$",
+        ),
+        (lambda: C.reduce(dst=0), r"^reduce\(\) missing its input tensor"),
+    ]
+    for fn, pattern in cases:
+        with pytest.raises(TypeError, match=pattern):
+            fn()
+
+
+def test_communication_submodule_is_an_attribute_after_importing_the_package():
+    # Bagua: `import bagua.torch_api as bagua; bagua.communication.new_group(...)`; a fresh interpreter,
+    # since this test process may have imported the submodule already
+    code = (
+        "import sys, trainloom.comm as bagua\n"
+        "print(bagua.communication.allreduce is bagua.allreduce,"
+        " bagua.communication.new_group is bagua.new_group, 'trainloom.comm.communication' in sys.modules)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True True True"

@@ -4,18 +4,24 @@ from __future__ import annotations
 
 import pytest
 from commutil import (
+    EVERY_COLLECTIVE,
     absent_at_init,
     absent_rank,
+    agent_store,
     dying_peer,
     engines,
     features,
     late_rank,
     mismatches,
     nccl_cross_checks,
+    non_members,
+    op_numbering,
     shm_segments,
     sweep,
 )
 from multiproc import run_ranks
+
+import trainloom.comm as C
 
 ENGINES = engines()
 
@@ -55,13 +61,13 @@ def test_async_views_empty_groups_hierarchical(engine):
         assert r["extra_dtypes"] == [True] * 5
         assert "used after destroy_process_group()" in r["after_destroy"]
     assert res[0]["subgroup"] == (0, 2, [2.0, 2.0, 2.0]) and res[2]["subgroup"] == (1, 2, [2.0, 2.0, 2.0])
-    assert "rank 1 is not a member of process group" in res[1]["subgroup"]
+    assert res[1]["subgroup"] is True  # NON_COMM_MEMBER, as in Bagua
     assert res[0]["from_torch"] == ([0, 1], [3.0, 3.0]) and res[1]["from_torch"] == ([0, 1], [3.0, 3.0])
     # node "a" = ranks 0, 1; node "b" = rank 2; leaders 0 and 2
     assert res[0]["intra"][:3] == (0, 2, [0, 1]) and res[1]["intra"][:3] == (1, 2, [0, 1])
     assert res[2]["intra"][:3] == (0, 1, [2])
     assert res[0]["inter"][:3] == (0, 2, [0, 2]) and res[2]["inter"][:3] == (1, 2, [0, 2])
-    assert res[1]["inter"] is None
+    assert res[1]["inter"] is C.NON_COMM_MEMBER  # pickled back as the same object
     assert res[0]["inter"][3] == "gloo" and res[0]["global_engine"] == "gloo"  # spans two "nodes"
     assert res[0]["intra"][3] == engine
 
@@ -159,3 +165,62 @@ def test_gloo_connect_failure_with_an_absent_member_is_a_timeout(monkeypatch, me
     monkeypatch.setattr(_gloo.dist, "ProcessGroupGloo", refuse)
     with pytest.raises(CommTimeoutError, match=r"connecting failed after 2s; ranks \[1\] never joined"):
         _gloo.GlooEngine(dist.HashStore(), 0, 2, prefix="g", timeout=2)
+
+
+def test_torch_and_bagua_reduce_ops_keep_their_meaning_in_a_real_allreduce():
+    # torch's MIN is 3 == Bagua's MAX (same hash): a cache keyed on the op alone made MAX mean MIN
+    res = run_ranks(op_numbering, 2, timeout=60)
+    for r in res:
+        assert r == {
+            "dist.MIN": [1.0, 2.0],
+            "MAX": [3.0, 5.0],
+            "MIN": [1.0, 2.0],
+            "dist.PRODUCT": [3.0, 10.0],
+            "dist.AVG": [2.0, 3.5],
+            "PRODUCT": [3.0, 10.0],
+            "BOR": [7, 3],
+            "dist.BXOR": [3, 0],
+        }
+
+
+def test_non_members_get_a_placeholder_and_every_collective_returns_at_once():
+    res = run_ranks(non_members, 2, timeout=90)
+    r0, r1 = res
+    # rank 0 leads the (single-node) inter-node communicator; rank 1 gets Bagua's placeholder
+    assert r0["inter"] == (0, 1, [0]) and r0["inter_is_placeholder"] is False
+    assert r1["inter"] == (
+        "NON_COMM_MEMBER (this rank is not a member of the communicator; collectives on it do nothing)"
+    )
+    assert r1["inter_is_placeholder"] is True
+    assert list(r1["every"]) == EVERY_COLLECTIVE
+    for name, (returned, unchanged, seconds) in r1["every"].items():
+        assert returned is None, (name, returned)
+        assert unchanged is True, name
+        assert seconds < 1.0, (name, seconds)  # not the 20 s timeout of a collective nobody joins
+    assert r1["async"] == ("CompletedWork", True, True, True, [7.0, 7.0])
+    assert r1["async_barrier"] == (True, None)
+    # members get their result, the non-member's tensor is left alone
+    assert r0["inter_allreduce"] == [1.0, 1.0] and r1["inter_allreduce"] == [2.0, 2.0]
+    assert r0["sub_getters"] == [False, False, False] and r1["sub_getters"] == [True, True, True]
+    assert r0["sub_allreduce"] == ([1.0, 1.0], True) and r1["sub_allreduce"] == ([2.0, 2.0], True)
+    assert r0["neighbor"] == "no error"
+    assert r1["neighbor"] == (
+        "CommError: neighbor_allreduce: rank 1 is not a member of process group gb6589fc6ab.0 (ranks [0])"
+    )
+    assert r0["world_after"] == r1["world_after"] == [3.0, 3.0]
+
+
+def test_init_under_torchrun_connects_to_the_agent_store():
+    # torchrun's agent serves a TCPStore on MASTER_PORT and sets TORCHELASTIC_USE_AGENT_STORE=True;
+    # rank 0 hosting a second server there made c10d log "failed to bind ... ignoring the error".
+    import datetime
+
+    import torch.distributed as dist
+
+    agent = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=30), wait_for_workers=False)
+    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_PORT": str(agent.port)}
+    res = run_ranks(agent_store, 2, timeout=60, env=env)
+    for r in res:
+        assert r["allreduce"] == [3.0, 3.0]
+        assert "TCPStore" not in r["stderr"] and "failed to bind" not in r["stderr"], r["stderr"]
+    assert agent.check(["tl/1/node/0", "tl/1/node/1"])  # both ranks wrote to the agent's store

@@ -9,6 +9,9 @@ Importing this package loads neither libnccl nor the shared-memory engine's segm
 dlopen'ed at the first CUDA collective (see :mod:`trainloom.comm.nccl`).
 """
 
+# ``bagua.torch_api.communication`` is an attribute of Bagua's package after ``import bagua.torch_api``;
+# the same holds here (the module only re-exports names loaded below: a cheap import).
+from trainloom.comm import communication as communication
 from trainloom.comm.collectives import (
     SUPPORTED_DTYPES,
     ReduceOp,
@@ -41,8 +44,11 @@ from trainloom.comm.env import (
     get_world_size,
 )
 from trainloom.comm.group import (
+    NON_COMM_MEMBER,
     BaguaProcessGroup,
+    CommMember,
     Communicator,
+    NonCommMember,
     ProcessGroup,
     RepeatedInitializationError,
     destroy_process_group,
@@ -92,7 +98,10 @@ __all__ = [
     "get_rank",
     "get_world_size",
     "BaguaProcessGroup",
+    "CommMember",
     "Communicator",
+    "NON_COMM_MEMBER",
+    "NonCommMember",
     "ProcessGroup",
     "RepeatedInitializationError",
     "destroy_process_group",

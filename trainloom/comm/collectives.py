@@ -9,16 +9,21 @@ are staged through a contiguous copy and the result is copied back into the call
 Every collective takes ``async_op``: with ``True`` it returns a :class:`~trainloom.comm.work.Work`
 (``wait(timeout=None)``, ``is_completed()``, ``result()``); otherwise it returns ``None`` once the
 result is in place (CPU) or ordered before the current stream (CUDA).
+
+Given ``comm=NON_COMM_MEMBER`` (what the group getters return on ranks outside a communicator, as
+in Bagua), every collective returns at once: no argument check, no tensor touched, and with
+``async_op=True`` an already completed Work.
 """
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
-from trainloom.comm.group import _STATE, Communicator
+from trainloom.comm.group import _STATE, NON_COMM_MEMBER, Communicator, NonCommMember
 from trainloom.comm.ops import ReduceOp
 from trainloom.comm.work import CompletedWork, Work
 from trainloom.errors import CommError
@@ -49,6 +54,9 @@ __all__ = [
 ]
 
 
+#: torch.distributed.ReduceOp values (torch's numbering: SUM=0, AVG=1, PRODUCT=2, MIN=3, MAX=4, BAND=5,
+#: BOR=6, BXOR=7) -> ours (Bagua's numbering). The two numberings overlap, and a torch value compares
+#: equal to (and hashes like) its integer, so lookups must never mix torch values with ints.
 _TORCH_TO_OURS = {
     dist.ReduceOp.SUM: ReduceOp.SUM,
     dist.ReduceOp.PRODUCT: ReduceOp.PRODUCT,
@@ -77,9 +85,47 @@ SUPPORTED_DTYPES = (
 )
 _SUPPORTED_SET = frozenset(SUPPORTED_DTYPES)
 _BITWISE = (ReduceOp.BOR, ReduceOp.BAND, ReduceOp.BXOR)
+_TORCH_OP_TYPE = type(dist.ReduceOp.SUM)  # torch's ReduceOp.RedOpType: not an int subclass
+_TORCH_BY_INT = {int(k): v for k, v in _TORCH_TO_OURS.items()}
+
+#: The type of the ``comm`` argument of every collective.
+CommArg = Union[None, Communicator, NonCommMember]
 
 
 # --------------------------------------------------------------------------- validation
+def _not_member(opname: str, async_op: bool, result: Any) -> Optional[Work]:
+    """What a collective returns on a rank given ``NON_COMM_MEMBER``: nothing ran, nothing changed."""
+    if not async_op:
+        return None
+    return CompletedWork(opname, result if isinstance(result, torch.Tensor) else None)
+
+
+def _early_tensor(opname: str, send_tensor: Any, recv_tensor: Any, tensor: Any) -> Any:
+    """``send_tensor``, or Bagua's early keyword ``tensor=`` (in place) standing for it."""
+    if tensor is None:
+        if send_tensor is None:
+            raise TypeError(
+                f"{opname}() missing its input tensor: pass send_tensor (or tensor=, Bagua's early name)"
+            )
+        return send_tensor
+    if send_tensor is not None:
+        raise TypeError(
+            f"{opname}: got both send_tensor and tensor; tensor= is Bagua's early name for the in-place "
+            "tensor, pass only one of them"
+        )
+    if recv_tensor is not None:
+        raise TypeError(
+            f"{opname}: tensor= is Bagua's early in-place form and takes no recv_tensor; "
+            "write send_tensor=..., recv_tensor=... instead"
+        )
+    return tensor
+
+
+def _is_comm(x: Any) -> bool:
+    """Whether ``x`` is a communicator argument (Bagua's early positional ``comm``)."""
+    return isinstance(x, Communicator) or x is NON_COMM_MEMBER
+
+
 def _comm(comm: Optional[Communicator], opname: str) -> Communicator:
     if comm is None:
         pg = _STATE.default
@@ -127,9 +173,18 @@ def _numel(t: torch.Tensor, want: int, arg: str, opname: str, why: str) -> None:
         raise ValueError(f"{opname}: {arg} has {t.numel()} elements, expected {want} ({why})")
 
 
+def _integral(value: Any) -> bool:
+    """An int, numpy integer or other ``numbers.Integral``, but not a bool."""
+    kind = type(value)
+    if kind is int:  # the common case, without the ABC check
+        return True
+    return kind is not bool and isinstance(value, numbers.Integral)
+
+
 def _rank_arg(value: Any, arg: str, comm: Communicator, opname: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not _integral(value):
         raise TypeError(f"{opname}: {arg} must be an int rank, got {value!r}")
+    value = int(value)
     if not 0 <= value < comm.nranks():
         raise ValueError(
             f"{opname}: {arg}={value} is outside the communicator's ranks 0..{comm.nranks() - 1} "
@@ -139,36 +194,44 @@ def _rank_arg(value: Any, arg: str, comm: Communicator, opname: str) -> int:
 
 
 def _count_arg(value: Any, arg: str, opname: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not _integral(value):
         raise TypeError(f"{opname}: {arg} must be an int, got {value!r}")
+    value = int(value)
     if value < 0:
         raise ValueError(f"{opname}: {arg}={value} must be >= 0")
     return value
 
 
-_OP_CACHE: Dict[Tuple[Any, torch.dtype], ReduceOp] = {}
+# Keyed on the op's type too: torch's ReduceOp.MIN == 3 == ReduceOp.MAX (same hash), so an
+# (op, dtype) key would let whichever came first decide the meaning of the other for good.
+_OP_CACHE: Dict[Tuple[type, Any, torch.dtype], ReduceOp] = {}
 
 
 def _op(op: Any, dtype: torch.dtype, opname: str) -> ReduceOp:
-    if type(op) is not bool:  # True == 1 would hit PRODUCT's cache entry
-        try:
-            return _OP_CACHE[(op, dtype)]
-        except (KeyError, TypeError):
-            pass
-    value = _check_op(op, dtype, opname)
+    key = (type(op), op, dtype)
     try:
-        _OP_CACHE[(op, dtype)] = value
-    except TypeError:  # an unhashable op object was accepted by mapping: do not cache it
+        return _OP_CACHE[key]
+    except (KeyError, TypeError):  # TypeError: an unhashable op, rejected below
         pass
+    value = _check_op(op, dtype, opname)
+    _OP_CACHE[key] = value  # only the types accepted above get here, all hashable
     return value
 
 
 def _check_op(op: Any, dtype: torch.dtype, opname: str) -> ReduceOp:
     if isinstance(op, ReduceOp):
         value = op
-    elif isinstance(op, int) and not isinstance(op, bool):
+    elif isinstance(op, _TORCH_OP_TYPE):  # by type first: its int is torch's numbering, not Bagua's
+        mapped = _TORCH_BY_INT.get(int(op))
+        if mapped is None:
+            raise TypeError(
+                f"{opname}: op=torch.distributed.ReduceOp.{op.name} has no trainloom equivalent "
+                "(use a trainloom.comm.ReduceOp)"
+            )
+        value = mapped
+    elif _integral(op):
         try:
-            value = ReduceOp(op)
+            value = ReduceOp(int(op))
         except ValueError:
             raise ValueError(
                 f"{opname}: op={op} is not a ReduceOp ("
@@ -176,14 +239,7 @@ def _check_op(op: Any, dtype: torch.dtype, opname: str) -> ReduceOp:
                 + ")"
             ) from None
     else:
-        mapped = None
-        try:
-            mapped = _TORCH_TO_OURS.get(op)
-        except TypeError:  # unhashable
-            mapped = None
-        if mapped is None:
-            raise TypeError(f"{opname}: op must be a trainloom.comm.ReduceOp, got {op!r}")
-        value = mapped
+        raise TypeError(f"{opname}: op must be a trainloom.comm.ReduceOp, got {op!r}")
     is_int = not dtype.is_floating_point and not dtype.is_complex
     if value in _BITWISE and not is_int:
         raise TypeError(f"{opname}: op={value.name} needs an integer or bool dtype, got {dtype}")
@@ -198,19 +254,21 @@ def _check_op(op: Any, dtype: torch.dtype, opname: str) -> ReduceOp:
 
 def _op_like(x: Any) -> bool:
     """Whether ``x`` can only be a reduce op (Bagua's early positional ``op``), not a tensor."""
-    if isinstance(x, (ReduceOp, int)):
-        return not isinstance(x, bool)
-    try:
-        return x in _TORCH_TO_OURS
-    except TypeError:  # unhashable
-        return False
+    return isinstance(x, (ReduceOp, _TORCH_OP_TYPE)) or _integral(x)
 
 
 def _counts(v: Any, arg: str, n: int, opname: str) -> List[int]:
     try:
-        out = [int(x) for x in v]
-    except (TypeError, ValueError):
+        items = list(v)
+    except TypeError:
         raise TypeError(f"{opname}: {arg} must be a sequence of {n} ints, got {v!r}") from None
+    for i, x in enumerate(items):
+        if not _integral(x):
+            raise TypeError(
+                f"{opname}: {arg} must be a sequence of {n} ints, got {v!r} "
+                f"({arg}[{i}]={x!r} is a {type(x).__name__})"
+            )
+    out = [int(x) for x in items]
     if len(out) != n:
         raise ValueError(f"{opname}: {arg} has {len(out)} entries, expected {n} (one per rank)")
     if any(x < 0 for x in out):
@@ -219,11 +277,32 @@ def _counts(v: Any, arg: str, n: int, opname: str) -> List[int]:
 
 
 def _check_v(
-    counts: List[int], displs: List[int], size: int, carg: str, darg: str, targ: str, opname: str
+    counts: List[int],
+    displs: List[int],
+    size: int,
+    carg: str,
+    darg: str,
+    targ: str,
+    opname: str,
+    disjoint: bool = False,
 ) -> None:
+    """Every range ``[displs[i], displs[i] + counts[i])`` lies in the tensor; with ``disjoint`` (the
+    receive side, where two ranks writing one element would make the result depend on timing) no two
+    non-empty ranges share an element."""
     for i, (c, d) in enumerate(zip(counts, displs)):
         if d + c > size:
             raise ValueError(f"{opname}: {darg}[{i}]={d} + {carg}[{i}]={c} exceeds {targ}'s {size} elements")
+    if not disjoint:
+        return
+    ranges = sorted((d, d + c, i) for i, (c, d) in enumerate(zip(counts, displs)) if c > 0)
+    for (_, a_end, i), (b_start, _, j) in zip(ranges, ranges[1:]):
+        if b_start < a_end:
+            i, j = min(i, j), max(i, j)
+            raise ValueError(
+                f"{opname}: the {targ} ranges of ranks {i} and {j} overlap "
+                f"({darg}[{i}]={displs[i]}, {carg}[{i}]={counts[i]}; {darg}[{j}]={displs[j]}, "
+                f"{carg}[{j}]={counts[j]}); each rank's data needs its own elements"
+            )
 
 
 class _Staged:
@@ -296,12 +375,14 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 # --------------------------------------------------------------------------- reductions
 def allreduce(
-    send_tensor: torch.Tensor,
+    send_tensor: Optional[torch.Tensor] = None,
     recv_tensor: Optional[torch.Tensor] = None,
     op: ReduceOp = ReduceOp.SUM,
-    comm: Optional[Communicator] = None,
+    comm: CommArg = None,
     async_op: bool = False,
     hierarchical: bool = False,
+    *,
+    tensor: Optional[torch.Tensor] = None,
 ) -> Optional[Work]:
     """Reduce ``send_tensor`` over all ranks into ``recv_tensor`` (bitwise identical on every rank).
 
@@ -315,6 +396,8 @@ def allreduce(
         async_op: return a Work instead of blocking.
         hierarchical: reduce inside each node, allreduce between node leaders, then broadcast inside
             the node (``comm`` must be a global communicator).
+        tensor: Bagua's early keyword for the in-place tensor (``allreduce(tensor=t)``): the same as
+            ``send_tensor`` with no ``recv_tensor``. Giving it with either of them is a TypeError.
 
     Returns:
         None, or a Work when ``async_op``.
@@ -331,13 +414,16 @@ def allreduce(
         allreduce(send, recv)            # recv == [4, 6] on both of 2 ranks
     """
     name = "allreduce"
+    send_tensor = _early_tensor(name, send_tensor, recv_tensor, tensor)
     if not isinstance(recv_tensor, torch.Tensor) and (recv_tensor is None or _op_like(recv_tensor)):
         # Bagua's early API: allreduce(tensor, op=SUM, comm=None), in place.
         if recv_tensor is not None:
-            if isinstance(op, Communicator) and comm is None:
+            if _is_comm(op) and comm is None:
                 comm = op
             op = recv_tensor
         recv_tensor = send_tensor
+    if comm is NON_COMM_MEMBER:
+        return _not_member(name, async_op, recv_tensor)
     c = _comm(comm, name)
     s = _tensor(send_tensor, "send_tensor", name)
     r = _tensor(recv_tensor, "recv_tensor", name)
@@ -365,7 +451,7 @@ def allreduce(
 def allreduce_inplace(
     tensor: torch.Tensor,
     op: ReduceOp = ReduceOp.SUM,
-    comm: Optional[Communicator] = None,
+    comm: CommArg = None,
     async_op: bool = False,
     hierarchical: bool = False,
 ) -> Optional[Work]:
@@ -425,12 +511,14 @@ def _hierarchical(
 
 
 def reduce(
-    send_tensor: torch.Tensor,
+    send_tensor: Optional[torch.Tensor] = None,
     recv_tensor: Optional[torch.Tensor] = None,
     dst: Optional[int] = None,
     op: ReduceOp = ReduceOp.SUM,
-    comm: Optional[Communicator] = None,
+    comm: CommArg = None,
     async_op: bool = False,
+    *,
+    tensor: Optional[torch.Tensor] = None,
 ) -> Optional[Work]:
     """Reduce over all ranks; only rank ``dst`` receives the result, in ``recv_tensor``.
 
@@ -442,6 +530,8 @@ def reduce(
         op: a :class:`ReduceOp`.
         comm: the communicator; None means the default group's global communicator.
         async_op: return a :class:`~trainloom.comm.work.Work` instead of blocking.
+        tensor: Bagua's early keyword for the in-place tensor (``reduce(tensor=t, dst=0)``): the same
+            as ``send_tensor`` with no ``recv_tensor``. Giving it with either of them is a TypeError.
 
     Returns:
         None, or a Work when ``async_op`` (its ``result()`` is the output tensor).
@@ -456,11 +546,12 @@ def reduce(
         reduce(torch.ones(4), out, dst=0)  # rank 0: [world] * 4; others: unchanged
     """
     name = "reduce"
+    send_tensor = _early_tensor(name, send_tensor, recv_tensor, tensor)
     if not isinstance(recv_tensor, torch.Tensor):
-        if isinstance(recv_tensor, int) and not isinstance(recv_tensor, bool):
+        if _integral(recv_tensor):
             # Bagua's early API, positionally: reduce(tensor, dst, op=SUM, comm=None), in place.
             if dst is not None:
-                if isinstance(op, Communicator) and comm is None:
+                if _is_comm(op) and comm is None:
                     comm = op
                 op = dst
             dst, recv_tensor = recv_tensor, send_tensor
@@ -468,6 +559,8 @@ def reduce(
             recv_tensor = send_tensor
     if dst is None:
         raise TypeError("reduce: dst (the destination rank) is required")
+    if comm is NON_COMM_MEMBER:
+        return _not_member(name, async_op, recv_tensor)
     c = _comm(comm, name)
     s = _tensor(send_tensor, "send_tensor", name)
     r = _tensor(recv_tensor, "recv_tensor", name)
@@ -497,7 +590,7 @@ def reduce_inplace(
     tensor: torch.Tensor,
     dst: int,
     op: ReduceOp = ReduceOp.SUM,
-    comm: Optional[Communicator] = None,
+    comm: CommArg = None,
     async_op: bool = False,
 ) -> Optional[Work]:
     """The in-place version of :func:`reduce` (the tensor of non-``dst`` ranks is left unchanged).
@@ -528,7 +621,7 @@ def reduce_scatter(
     send_tensor: torch.Tensor,
     recv_tensor: torch.Tensor,
     op: ReduceOp = ReduceOp.SUM,
-    comm: Optional[Communicator] = None,
+    comm: CommArg = None,
     async_op: bool = False,
 ) -> Optional[Work]:
     """Reduce ``send_tensor`` over all ranks and give rank ``i`` the ``i``-th chunk, in ``recv_tensor``.
@@ -553,6 +646,8 @@ def reduce_scatter(
         reduce_scatter(torch.ones(2 * get_world_size()), out)  # [world, world]
     """
     name = "reduce_scatter"
+    if comm is NON_COMM_MEMBER:
+        return _not_member(name, async_op, recv_tensor)
     c = _comm(comm, name)
     s = _tensor(send_tensor, "send_tensor", name)
     r = _tensor(recv_tensor, "recv_tensor", name)
@@ -573,7 +668,7 @@ def reduce_scatter(
 def reduce_scatter_inplace(
     tensor: torch.Tensor,
     op: ReduceOp = ReduceOp.SUM,
-    comm: Optional[Communicator] = None,
+    comm: CommArg = None,
     async_op: bool = False,
 ) -> Optional[Work]:
     """In-place :func:`reduce_scatter`: rank ``i``'s result lands in chunk ``i`` of ``tensor``.
@@ -596,6 +691,8 @@ def reduce_scatter_inplace(
         reduce_scatter_inplace(t)  # t[2*rank : 2*rank+2] == world
     """
     name = "reduce_scatter_inplace"
+    if comm is NON_COMM_MEMBER:
+        return _not_member(name, async_op, tensor)
     c = _comm(comm, name)
     t = _tensor(tensor, "tensor", name)
     n = c.nranks()
@@ -652,7 +749,7 @@ class _ChainedWork(Work):
 def broadcast(
     tensor: torch.Tensor,
     src: int = 0,
-    comm: Optional[Communicator] = None,
+    comm: CommArg = None,
     async_op: bool = False,
     *,
     root: Optional[int] = None,
@@ -681,6 +778,8 @@ def broadcast(
     name = "broadcast"
     if root is not None:
         src = root
+    if comm is NON_COMM_MEMBER:
+        return _not_member(name, async_op, tensor)
     c = _comm(comm, name)
     t = _tensor(tensor, "tensor", name)
     s = _rank_arg(src, "src", c, name)
@@ -694,7 +793,7 @@ def broadcast(
 def allgather(
     send_tensor: torch.Tensor,
     recv_tensor: torch.Tensor,
-    comm: Optional[Communicator] = None,
+    comm: CommArg = None,
     async_op: bool = False,
 ) -> Optional[Work]:
     """Gather every rank's ``send_tensor`` into ``recv_tensor`` (in rank order) on every rank.
@@ -718,6 +817,8 @@ def allgather(
         allgather(torch.full((3,), float(get_rank())), out)  # [0,0,0, 1,1,1, ...]
     """
     name = "allgather"
+    if comm is NON_COMM_MEMBER:
+        return _not_member(name, async_op, recv_tensor)
     c = _comm(comm, name)
     s = _tensor(send_tensor, "send_tensor", name)
     r = _tensor(recv_tensor, "recv_tensor", name)
@@ -743,9 +844,7 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
-def allgather_inplace(
-    tensor: torch.Tensor, comm: Optional[Communicator] = None, async_op: bool = False
-) -> Optional[Work]:
+def allgather_inplace(tensor: torch.Tensor, comm: CommArg = None, async_op: bool = False) -> Optional[Work]:
     """In-place :func:`allgather`: rank ``i``'s input is chunk ``i`` of ``tensor``.
 
     Args:
@@ -766,6 +865,8 @@ def allgather_inplace(
         allgather_inplace(t)
     """
     name = "allgather_inplace"
+    if comm is NON_COMM_MEMBER:
+        return _not_member(name, async_op, tensor)
     c = _comm(comm, name)
     t = _tensor(tensor, "tensor", name)
     n = c.nranks()
@@ -780,7 +881,7 @@ def gather(
     send_tensor: torch.Tensor,
     recv_tensor: torch.Tensor,
     dst: int,
-    comm: Optional[Communicator] = None,
+    comm: CommArg = None,
     async_op: bool = False,
 ) -> Optional[Work]:
     """Gather every rank's ``send_tensor`` into ``recv_tensor`` on rank ``dst``.
@@ -805,6 +906,8 @@ def gather(
         gather(torch.tensor([float(get_rank())]), out, dst=0)  # rank 0: [0, 1, ...]
     """
     name = "gather"
+    if comm is NON_COMM_MEMBER:
+        return _not_member(name, async_op, recv_tensor)
     c = _comm(comm, name)
     s = _tensor(send_tensor, "send_tensor", name)
     d = _rank_arg(dst, "dst", c, name)
@@ -827,7 +930,7 @@ def gather(
 
 
 def gather_inplace(
-    tensor: torch.Tensor, count: int, dst: int, comm: Optional[Communicator] = None, async_op: bool = False
+    tensor: torch.Tensor, count: int, dst: int, comm: CommArg = None, async_op: bool = False
 ) -> Optional[Work]:
     """In-place :func:`gather`.
 
@@ -852,6 +955,8 @@ def gather_inplace(
         gather_inplace(t, count=2, dst=0)
     """
     name = "gather_inplace"
+    if comm is NON_COMM_MEMBER:
+        return _not_member(name, async_op, tensor)
     c = _comm(comm, name)
     t = _tensor(tensor, "tensor", name)
     k = _count_arg(count, "count", name)
@@ -869,7 +974,7 @@ def scatter(
     send_tensor: torch.Tensor,
     recv_tensor: torch.Tensor,
     src: int,
-    comm: Optional[Communicator] = None,
+    comm: CommArg = None,
     async_op: bool = False,
 ) -> Optional[Work]:
     """Give rank ``i`` chunk ``i`` of ``send_tensor`` on rank ``src``.
@@ -894,6 +999,8 @@ def scatter(
         scatter(torch.arange(2.0 * get_world_size()), out, src=0)  # rank r: [2r, 2r+1]
     """
     name = "scatter"
+    if comm is NON_COMM_MEMBER:
+        return _not_member(name, async_op, recv_tensor)
     c = _comm(comm, name)
     r = _tensor(recv_tensor, "recv_tensor", name)
     sr = _rank_arg(src, "src", c, name)
@@ -915,7 +1022,7 @@ def scatter(
 
 
 def scatter_inplace(
-    tensor: torch.Tensor, count: int, src: int, comm: Optional[Communicator] = None, async_op: bool = False
+    tensor: torch.Tensor, count: int, src: int, comm: CommArg = None, async_op: bool = False
 ) -> Optional[Work]:
     """In-place :func:`scatter`.
 
@@ -940,6 +1047,8 @@ def scatter_inplace(
         scatter_inplace(t, count=2, src=0)
     """
     name = "scatter_inplace"
+    if comm is NON_COMM_MEMBER:
+        return _not_member(name, async_op, tensor)
     c = _comm(comm, name)
     t = _tensor(tensor, "tensor", name)
     k = _count_arg(count, "count", name)
@@ -956,7 +1065,7 @@ def scatter_inplace(
 def alltoall(
     send_tensor: torch.Tensor,
     recv_tensor: torch.Tensor,
-    comm: Optional[Communicator] = None,
+    comm: CommArg = None,
     async_op: bool = False,
 ) -> Optional[Work]:
     """Send chunk ``j`` of ``send_tensor`` to rank ``j``; receive from rank ``i`` into chunk ``i``.
@@ -980,6 +1089,8 @@ def alltoall(
         alltoall(torch.full((get_world_size(),), float(get_rank())), out)  # [0, 1, ...]
     """
     name = "alltoall"
+    if comm is NON_COMM_MEMBER:
+        return _not_member(name, async_op, recv_tensor)
     c = _comm(comm, name)
     s = _tensor(send_tensor, "send_tensor", name)
     r = _tensor(recv_tensor, "recv_tensor", name)
@@ -998,9 +1109,7 @@ def alltoall(
     return _go(c, name, _where(s), lambda e: e.alltoall(sc, rc), async_op, r, st, (sc, rc), (s,))
 
 
-def alltoall_inplace(
-    tensor: torch.Tensor, comm: Optional[Communicator] = None, async_op: bool = False
-) -> Optional[Work]:
+def alltoall_inplace(tensor: torch.Tensor, comm: CommArg = None, async_op: bool = False) -> Optional[Work]:
     """The in-place version of :func:`alltoall`.
 
     Args:
@@ -1020,6 +1129,8 @@ def alltoall_inplace(
         t = torch.full((get_world_size(),), float(get_rank()))
         alltoall_inplace(t)
     """
+    if comm is NON_COMM_MEMBER:
+        return _not_member("alltoall_inplace", async_op, tensor)
     _tensor(tensor, "tensor", "alltoall_inplace")
     return alltoall(tensor.detach().clone(), tensor, comm, async_op)
 
@@ -1031,7 +1142,7 @@ def alltoall_v(
     recv_tensor: torch.Tensor,
     recv_counts: Sequence[int],
     recv_displs: Sequence[int],
-    comm: Optional[Communicator] = None,
+    comm: CommArg = None,
     async_op: bool = False,
 ) -> Optional[Work]:
     """All-to-all with per-rank counts and displacements (in elements).
@@ -1061,6 +1172,8 @@ def alltoall_v(
         alltoall_v(send, sc, [0, sc[0]], recv, rc, [0, rc[0]])
     """
     name = "alltoall_v"
+    if comm is NON_COMM_MEMBER:
+        return _not_member(name, async_op, recv_tensor)
     c = _comm(comm, name)
     s = _tensor(send_tensor, "send_tensor", name)
     r = _tensor(recv_tensor, "recv_tensor", name)
@@ -1071,7 +1184,7 @@ def alltoall_v(
     rc_ = _counts(recv_counts, "recv_counts", n, name)
     rd_ = _counts(recv_displs, "recv_displs", n, name)
     _check_v(sc_, sd_, s.numel(), "send_counts", "send_displs", "send_tensor", name)
-    _check_v(rc_, rd_, r.numel(), "recv_counts", "recv_displs", "recv_tensor", name)
+    _check_v(rc_, rd_, r.numel(), "recv_counts", "recv_displs", "recv_tensor", name, disjoint=True)
     if n == 1:
         if sc_[0] != rc_[0]:
             raise ValueError(f"{name}: send_counts[0]={sc_[0]} != recv_counts[0]={rc_[0]} with one rank")
@@ -1106,7 +1219,7 @@ def alltoall_v_inplace(
     tensor: torch.Tensor,
     counts: Sequence[int],
     displs: Sequence[int],
-    comm: Optional[Communicator] = None,
+    comm: CommArg = None,
     async_op: bool = False,
 ) -> Optional[Work]:
     """The in-place version of :func:`alltoall_v` (the same counts and displacements both ways).
@@ -1129,14 +1242,14 @@ def alltoall_v_inplace(
 
         alltoall_v_inplace(t, [2] * get_world_size(), [2 * j for j in range(get_world_size())])
     """
+    if comm is NON_COMM_MEMBER:
+        return _not_member("alltoall_v_inplace", async_op, tensor)
     _tensor(tensor, "tensor", "alltoall_v_inplace")
     return alltoall_v(tensor.detach().clone(), counts, displs, tensor, counts, displs, comm, async_op)
 
 
 # --------------------------------------------------------------------------- point to point, barrier
-def send(
-    tensor: torch.Tensor, dst: int, comm: Optional[Communicator] = None, async_op: bool = False
-) -> Optional[Work]:
+def send(tensor: torch.Tensor, dst: int, comm: CommArg = None, async_op: bool = False) -> Optional[Work]:
     """Send ``tensor`` to rank ``dst``, which must call :func:`recv` with the same dtype and size.
 
     Args:
@@ -1159,6 +1272,8 @@ def send(
             recv(buf, src=0)
     """
     name = "send"
+    if comm is NON_COMM_MEMBER:
+        return _not_member(name, async_op, None)
     c = _comm(comm, name)
     t = _tensor(tensor, "tensor", name)
     d = _rank_arg(dst, "dst", c, name)
@@ -1169,9 +1284,7 @@ def send(
     return _go(c, name, _where(t), lambda e: e.send(tc, d), async_op, None, st, (tc,))
 
 
-def recv(
-    tensor: torch.Tensor, src: int, comm: Optional[Communicator] = None, async_op: bool = False
-) -> Optional[Work]:
+def recv(tensor: torch.Tensor, src: int, comm: CommArg = None, async_op: bool = False) -> Optional[Work]:
     """Receive into ``tensor`` from rank ``src``.
 
     Args:
@@ -1192,6 +1305,8 @@ def recv(
         recv(buf, src=0)
     """
     name = "recv"
+    if comm is NON_COMM_MEMBER:
+        return _not_member(name, async_op, tensor)
     c = _comm(comm, name)
     t = _tensor(tensor, "tensor", name)
     s = _rank_arg(src, "src", c, name)
@@ -1202,7 +1317,7 @@ def recv(
     return _go(c, name, _where(t), lambda e: e.recv(tc, s), async_op, t, st, (tc,))
 
 
-def barrier(comm: Optional[Communicator] = None, async_op: bool = False) -> Optional[Work]:
+def barrier(comm: CommArg = None, async_op: bool = False) -> Optional[Work]:
     """Block until every rank of the communicator reached the barrier (runs on the CPU engine).
 
     Args:
@@ -1221,6 +1336,8 @@ def barrier(comm: Optional[Communicator] = None, async_op: bool = False) -> Opti
         barrier()
     """
     name = "barrier"
+    if comm is NON_COMM_MEMBER:
+        return _not_member(name, async_op, None)
     c = _comm(comm, name)
     if c.nranks() == 1:
         return _local(async_op, None, lambda: None)

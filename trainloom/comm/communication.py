@@ -29,7 +29,9 @@ from trainloom.comm.collectives import (
     send,
 )
 from trainloom.comm.group import (
+    NON_COMM_MEMBER,
     BaguaProcessGroup,
+    CommMember,
     ProcessGroup,
     RepeatedInitializationError,
     destroy_process_group,
@@ -62,6 +64,8 @@ __all__ = [
     "scatter_inplace",
     "send",
     "BaguaProcessGroup",
+    "CommMember",
+    "NON_COMM_MEMBER",
     "ProcessGroup",
     "RepeatedInitializationError",
     "destroy_process_group",

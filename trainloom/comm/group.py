@@ -1,8 +1,10 @@
 """Process groups and communicators (Bagua's ``BaguaProcessGroup`` / ``BaguaSingleCommunicatorPy``).
 
 A :class:`ProcessGroup` holds three :class:`Communicator` objects: global (every member), intra-node
-(the members on this rank's node) and inter-node (one leader per node; ``None`` on other ranks). A
-communicator chooses its engine per tensor device, at the first operation on that device:
+(the members on this rank's node) and inter-node (one leader per node). On a rank that is not a
+member of one of them, the getter returns :data:`NON_COMM_MEMBER` instead (Bagua's
+``CommMember.NON_COMM_MEMBER``), and every collective given it returns at once without doing
+anything. A communicator chooses its engine per tensor device, at the first operation on that device:
 
 * CUDA tensors -> :class:`trainloom.comm.nccl.NcclEngine` (one per CUDA device);
 * CPU tensors, every member on one node -> ``trainloom.comm.shm.ShmCommunicator`` when that module
@@ -38,6 +40,9 @@ logger = logging.getLogger("trainloom.comm")
 
 __all__ = [
     "Communicator",
+    "CommMember",
+    "NON_COMM_MEMBER",
+    "NonCommMember",
     "ProcessGroup",
     "BaguaProcessGroup",
     "RepeatedInitializationError",
@@ -129,6 +134,62 @@ def cpu_engine_name(same_node: bool) -> str:
             raise ConfigError("TRAINLOOM_CPU_ENGINE=shm but this communicator spans several nodes")
         return "shm"
     return "shm" if same_node and why is None else "gloo"
+
+
+class NonCommMember:
+    """The placeholder communicator of a rank that is not a member (Bagua's ``CommMember.NON_COMM_MEMBER``).
+
+    There is one instance, :data:`NON_COMM_MEMBER`. The communicator getters of a
+    :class:`ProcessGroup` return it on ranks outside that communicator (every getter on a rank outside
+    the group; :meth:`ProcessGroup.get_inter_node_communicator` on members that are not node leaders).
+    Every collective of :mod:`trainloom.comm` given it as ``comm`` returns immediately without
+    checking its arguments or touching any tensor (``None``, or a completed Work when
+    ``async_op=True``), so code written for Bagua can call a collective on every rank with
+    ``comm=group.get_inter_node_communicator()``. It is falsy (``if comm:`` tells members apart), and
+    it is never ``None``: ``comm=None`` still means the default group's global communicator.
+
+    Example::
+
+        inter = get_default_group().get_inter_node_communicator()
+        allreduce_inplace(t, comm=inter)   # node leaders reduce; the other ranks return at once
+        if inter:                          # or: inter is not NON_COMM_MEMBER
+            leader_rank = inter.rank()
+    """
+
+    __slots__ = ()
+    _instance: Optional[NonCommMember] = None
+
+    def __new__(cls) -> NonCommMember:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return "NON_COMM_MEMBER (this rank is not a member of the communicator; collectives on it do nothing)"
+
+    def __reduce__(self) -> str:
+        return "NON_COMM_MEMBER"  # pickling and copying keep the single instance
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(
+            f"NON_COMM_MEMBER has no attribute {name!r}: this rank is not a member of the communicator "
+            "(collectives given it return at once; test membership with `if comm:`)"
+        )
+
+
+#: The single :class:`NonCommMember` (Bagua's ``CommMember.NON_COMM_MEMBER``).
+NON_COMM_MEMBER = NonCommMember()
+
+
+class CommMember:
+    """Bagua's ``CommMember`` namespace: ``CommMember.NON_COMM_MEMBER is NON_COMM_MEMBER``."""
+
+    NON_COMM_MEMBER = NON_COMM_MEMBER
 
 
 class Communicator:
@@ -443,31 +504,31 @@ class ProcessGroup:
         self._global.inter = self._inter
         self._global.is_inter_leader = me in leaders
 
-    def _member(self, what: str) -> None:
-        if not self.is_member:
-            raise CommError(
-                f"{what}: rank {_STATE.launch.rank if _STATE.launch else '?'} is not a member of process "
-                f"group {self.group_name} (ranks {self.ranks})"
-            )
+    def get_global_communicator(self) -> Union[Communicator, NonCommMember]:
+        """The communicator over every member.
 
-    def get_global_communicator(self) -> Communicator:
-        """The communicator over every member."""
-        self._member("get_global_communicator")
-        return self._global  # type: ignore[return-value]
+        Returns:
+            The communicator on members; :data:`NON_COMM_MEMBER` on ranks outside the group (as in
+            Bagua: collectives given it return at once).
+        """
+        return self._global if self._global is not None else NON_COMM_MEMBER
 
-    def get_intra_node_communicator(self) -> Communicator:
-        """The communicator over the members on this rank's node."""
-        self._member("get_intra_node_communicator")
-        return self._intra  # type: ignore[return-value]
+    def get_intra_node_communicator(self) -> Union[Communicator, NonCommMember]:
+        """The communicator over the members on this rank's node.
 
-    def get_inter_node_communicator(self) -> Optional[Communicator]:
+        Returns:
+            The communicator on members; :data:`NON_COMM_MEMBER` on ranks outside the group.
+        """
+        return self._intra if self._intra is not None else NON_COMM_MEMBER
+
+    def get_inter_node_communicator(self) -> Union[Communicator, NonCommMember]:
         """The communicator over one leader per node (the first member on each node).
 
         Returns:
-            The communicator on leaders, ``None`` on the other ranks (as in Bagua).
+            The communicator on node leaders; :data:`NON_COMM_MEMBER` on the other members and on
+            ranks outside the group (as in Bagua: collectives given it return at once).
         """
-        self._member("get_inter_node_communicator")
-        return self._inter
+        return self._inter if self._inter is not None else NON_COMM_MEMBER
 
     def destroy(self) -> None:
         for c in (self._global, self._intra, self._inter):
@@ -503,6 +564,11 @@ def _seconds(timeout: Union[None, float, int, datetime.timedelta]) -> float:
     return value
 
 
+def _use_agent_store() -> bool:
+    """Whether torchrun's agent hosts the store on MASTER_PORT (torch's own test, in its rendezvous)."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+
+
 def init_process_group(
     store: Optional[Any] = None,
     timeout: Union[None, float, datetime.timedelta] = None,
@@ -518,7 +584,9 @@ def init_process_group(
 
     Args:
         store: a ``torch.distributed.Store`` shared by all ranks; None creates a TCPStore on
-            MASTER_ADDR:MASTER_PORT (hosted by rank 0).
+            MASTER_ADDR:MASTER_PORT, hosted by rank 0, or, under torchrun
+            (``TORCHELASTIC_USE_AGENT_STORE=True``), connects every rank to the store torchrun's agent
+            already serves there.
         timeout: seconds (or a timedelta) after which a collective raises CommTimeoutError; default
             ``$TRAINLOOM_COMM_TIMEOUT`` or 300.
         rank: overrides RANK.
@@ -561,12 +629,17 @@ def init_process_group(
         elif launch.world_size == 1:
             base = dist.HashStore()
         else:
+            # Under torchrun the agent already serves a TCPStore on MASTER_PORT and says so with
+            # TORCHELASTIC_USE_AGENT_STORE=True: every rank connects to it as a client, as torch's own
+            # env:// rendezvous does (rank 0 hosting a second server there fails to bind, and c10d logs
+            # an error line for it).
+            host = launch.rank == 0 and not _use_agent_store()
             try:
                 base = dist.TCPStore(
-                    launch.master_addr, launch.master_port, launch.world_size, launch.rank == 0, timeout=td
+                    launch.master_addr, launch.master_port, launch.world_size, host, timeout=td
                 )
             except (RuntimeError, TimeoutError) as exc:  # DistNetworkError/DistStoreError are RuntimeErrors
-                role = "host" if launch.rank == 0 else "reach"
+                role = "host" if host else "reach"
                 raise CommTimeoutError(
                     f"init_process_group (rank {launch.rank} of {launch.world_size}): could not {role} the "
                     f"TCPStore at {launch.master_addr}:{launch.master_port} within {t:g}s "
@@ -672,8 +745,9 @@ def new_group(ranks: Optional[Sequence[int]] = None, stream: Optional[Any] = Non
 
     .. warning::
         Every member must call ``new_group`` for the same rank lists in the same order (Bagua asks
-        every rank of the job to call it; non-members may, and get a group they cannot use).
-        Communicators connect lazily, at their first collective.
+        every rank of the job to call it; non-members may, and get a group whose communicator
+        getters return :data:`NON_COMM_MEMBER`). Communicators connect lazily, at their first
+        collective.
 
     Args:
         ranks: global ranks of the members (duplicates are an error; the order is normalised).
@@ -689,8 +763,7 @@ def new_group(ranks: Optional[Sequence[int]] = None, stream: Optional[Any] = Non
     Example::
 
         pg = new_group([0, 1])
-        if get_rank() in (0, 1):
-            allreduce_inplace(t, comm=pg.get_global_communicator())
+        allreduce_inplace(t, comm=pg.get_global_communicator())  # a no-op on ranks 2, 3, ...
     """
     st = _STATE
     if st.default is None or st.launch is None:

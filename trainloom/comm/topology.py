@@ -28,8 +28,9 @@ import os
 import weakref
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
-from trainloom.comm.group import Communicator, ProcessGroup, get_default_group
-from trainloom.errors import ConfigError
+from trainloom.comm.env import get_rank
+from trainloom.comm.group import NON_COMM_MEMBER, Communicator, ProcessGroup, get_default_group
+from trainloom.errors import CommError, ConfigError
 
 __all__ = [
     "Topology",
@@ -321,13 +322,25 @@ def resolve_comm(comm: Union[None, Communicator, ProcessGroup], opname: str) -> 
     """``comm`` as a Communicator: None is the default group's global one; a ProcessGroup its global one.
 
     Raises:
-        CommError: not initialized / used after destroy_process_group().
+        CommError: not initialized / used after destroy_process_group(), or this rank is not a member
+            (``comm`` is :data:`~trainloom.comm.group.NON_COMM_MEMBER` or a group without this rank).
         TypeError: ``comm`` is something else.
     """
     if comm is None:
         comm = get_default_group().get_global_communicator()
     elif isinstance(comm, ProcessGroup):
-        comm = comm.get_global_communicator()
+        group = comm
+        comm = group.get_global_communicator()
+        if comm is NON_COMM_MEMBER:
+            raise CommError(
+                f"{opname}: rank {get_rank()} is not a member of process group {group.group_name} "
+                f"(ranks {group.ranks})"
+            )
+    if comm is NON_COMM_MEMBER:
+        raise CommError(
+            f"{opname}: comm is NON_COMM_MEMBER (rank {get_rank()} is not a member of that communicator); "
+            "unlike Bagua's collectives, this operation needs a member"
+        )
     if not isinstance(comm, Communicator):
         raise TypeError(
             f"{opname}: comm must be a trainloom Communicator or ProcessGroup (None: the default group), "
