@@ -248,6 +248,12 @@ def test_calculate_mutual_groups():
         calculate_mutual_groups([[a, b], [a]])
     with pytest.raises(FuseError, match="list 0 item 1 is int, not a tensor"):
         calculate_mutual_groups([[a, 3]])
+    with pytest.raises(
+        FuseError,
+        match=r"^calculate_mutual_groups: item 0 is a tensor, not a list of tensors; pass a list of lists, "
+        r"e\.g\. \[params, grads\]$",
+    ):
+        calculate_mutual_groups([a, b])  # a flat list of tensors: it iterated their elements
 
 
 def _flat_ranges(opt):

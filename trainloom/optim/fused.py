@@ -150,6 +150,12 @@ def calculate_mutual_groups(tensor_lists: Sequence[Sequence[torch.Tensor]]) -> L
         >>> calculate_mutual_groups([[a, b, c]])
         [[0, 1]]
     """
+    for li, lst in enumerate(tensor_lists):
+        if isinstance(lst, torch.Tensor):  # list(tensor) would iterate its elements
+            raise FuseError(
+                f"calculate_mutual_groups: item {li} is a tensor, not a list of tensors; pass a list of "
+                "lists, e.g. [params, grads]"
+            )
     lists = [list(lst) for lst in tensor_lists]
     if not lists:
         return []
