@@ -34,7 +34,8 @@ from cpython.buffer cimport PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.ref cimport Py_INCREF
 from cpython.mem cimport PyMem_Calloc, PyMem_Free, PyMem_RawFree, PyMem_RawMalloc, PyMem_Realloc
-from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
+from cpython.exc cimport PyErr_Clear, PyErr_ExceptionMatches
+from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdio cimport snprintf
 from libc.string cimport memcpy, memset
@@ -50,8 +51,15 @@ cdef enum:
     NOGIL_MIN = 65536
     # Nesting depth guard: a self-referencing list would otherwise recurse until the C stack overflows.
     MAX_DEPTH = 200
+    # First tensor dtype code stored as the integer of its width (see _RAW_VIEW_DTYPES).
+    FIRST_RAW_VIEW = 15
 
 cdef bytes MAGIC = b"TLC\x01"
+
+cdef extern from "Python.h":
+    # Without Cython's exception check: NULL (UnicodeEncodeError set) for a str holding a lone
+    # surrogate, which encode() then pickles instead (pickle writes such strings with surrogatepass).
+    const char* _utf8_and_size "PyUnicode_AsUTF8AndSize"(object, Py_ssize_t*) noexcept
 
 cdef enum Tag:
     T_NONE = 0
@@ -89,7 +97,7 @@ _NP_CODE = {dt: i for i, dt in enumerate(_NP_DTYPES)}
 _TORCH_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
                  torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128,
                  torch.uint16, torch.uint32, torch.uint64, torch.bfloat16]
-_TORCH_CODE = {dt: i for i, dt in enumerate(_TORCH_DTYPES)}
+_TORCH_NAMES = [str(dt).replace("torch.", "") for dt in _TORCH_DTYPES]
 _TORCH_ITEMSIZE = [torch.empty((), dtype=dt).element_size() for dt in _TORCH_DTYPES]
 # Decoded arrays are made with numpy's C API over the decoder's own block (0.1 us, against 0.3 us for
 # np.ndarray(shape, dtype, buffer=...) and 2.5 us for torch.frombuffer(...).view(shape)); a tensor is
@@ -99,7 +107,41 @@ _TORCH_ITEMSIZE = [torch.empty((), dtype=dt).element_size() for dt in _TORCH_DTY
 _TORCH_AS_NP = [np.dtype(x) for x in (
     "bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64",
     "complex64", "complex128", "uint16", "uint32", "uint64", "int16")]
-_TORCH_NEEDS_VIEW = [torch.from_numpy(np.zeros(1, dt)).dtype != tdt
+# Codes from FIRST_RAW_VIEW on: dtypes numpy lacks whose torch pickle cannot be loaded back (float8,
+# float4, the bits types, complex32, the sub-byte shells), stored raw like bfloat16 as the integer of
+# their width. (name, bytes per element), appended in code order. A dtype this torch lacks, or sizes
+# differently, has no entry (None): encoding it goes to pickle, decoding it raises CodecError.
+_RAW_VIEW_DTYPES = (
+    ("float8_e4m3fn", 1), ("float8_e5m2", 1), ("float8_e4m3fnuz", 1), ("float8_e5m2fnuz", 1),
+    ("float8_e8m0fnu", 1), ("float4_e2m1fn_x2", 1), ("bits8", 1), ("bits16", 2), ("bits1x8", 1),
+    ("bits2x4", 1), ("bits4x2", 1), ("complex32", 4),
+    ("uint1", 1), ("uint2", 1), ("uint3", 1), ("uint4", 1), ("uint5", 1), ("uint6", 1), ("uint7", 1),
+    ("int1", 1), ("int2", 1), ("int3", 1), ("int4", 1), ("int5", 1), ("int6", 1), ("int7", 1))
+_RAW_NP = {1: np.dtype("uint8"), 2: np.dtype("int16"), 4: np.dtype("int32")}
+_RAW_TORCH = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+# The torch dtype a tensor of a raw-view code is reinterpreted as to be made contiguous (torch cannot
+# copy some of them, e.g. uint1).
+_TORCH_STORE_AS = [None] * len(_TORCH_DTYPES)
+
+
+def _raw_view_dtype(name, width):
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        return None
+    # dtype.itemsize, not torch.empty(): creating a complex32 tensor warns that it is experimental.
+    if getattr(dt, "itemsize", None) != width:
+        return None
+    return dt
+
+
+for _name, _width in _RAW_VIEW_DTYPES:
+    _TORCH_DTYPES.append(_raw_view_dtype(_name, _width))
+    _TORCH_NAMES.append(_name)
+    _TORCH_ITEMSIZE.append(_width)
+    _TORCH_AS_NP.append(_RAW_NP[_width])
+    _TORCH_STORE_AS.append(_RAW_TORCH[_width])
+_TORCH_CODE = {dt: i for i, dt in enumerate(_TORCH_DTYPES) if dt is not None}
+_TORCH_NEEDS_VIEW = [tdt is not None and torch.from_numpy(np.zeros(1, dt)).dtype != tdt
                      for dt, tdt in zip(_TORCH_AS_NP, _TORCH_DTYPES)]
 _NP_TYPENUM = [dt.num for dt in _NP_DTYPES]
 _TORCH_TYPENUM = [dt.num for dt in _TORCH_AS_NP]
@@ -499,22 +541,34 @@ cdef class _Encoder:
             self._u64(<uint64_t>d)
         return 0
 
-    cdef int _tensor(self, object t) except -1:
-        """Descriptor of a strided CPU tensor: dtype code, ndim, shape, data offset, nbytes."""
+    cdef int _tensor(self, object obj) except -1:
+        """A T_TENSOR node: tag, dtype code, ndim, shape, data offset (nbytes follow from them)."""
         cdef uint64_t nbytes, off
-        code = _TORCH_CODE.get(t.dtype)
-        if code is None:
-            raise CodecError(f"tensor dtype {t.dtype} is not supported by the codec")
-        if t.requires_grad:
-            t = t.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        t = t.resolve_conj().resolve_neg()
-        if not t.is_contiguous():
-            t = t.contiguous()  # copies only the elements the view covers
+        cdef int code = _TORCH_CODE[obj.dtype]   # the caller checked the dtype is in the table
+        t = obj
+        try:
+            if t.requires_grad:
+                t = t.detach()
+            if t.device.type != "cpu":
+                if t.device.type == "meta":
+                    raise CodecError(_META_TENSOR)
+                t = t.cpu()
+            t = t.resolve_conj().resolve_neg()
+            if not t.is_contiguous():
+                if code >= FIRST_RAW_VIEW:
+                    t = t.view(_TORCH_STORE_AS[code])   # same width; torch cannot copy e.g. uint1
+                t = t.contiguous()  # copies only the elements the view covers
+            shape = tuple(t.shape)
+        except RuntimeError:
+            # A nested tensor reports the strided layout but has no single shape: torch's own
+            # pickling handles it (its buffers still go raw through persistent_id).
+            if obj.is_nested:
+                return self._pickle(obj)
+            raise
         nbytes = <uint64_t>t.numel() * <uint64_t>_TORCH_ITEMSIZE[code]
+        self._u8(T_TENSOR)
         self._u8(<uint8_t>code)
-        self._shape(tuple(t.shape))
+        self._shape(shape)
         off = self._add_array(<const uint8_t*><size_t>t.data_ptr(), nbytes, t) if nbytes else 0
         self._u64(off)
         return 0
@@ -559,7 +613,12 @@ cdef class _Encoder:
             self._u8(T_FLOAT)
             return self._put(&fv, 8)
         if t is str:
-            s = PyUnicode_AsUTF8AndSize(obj, &n)
+            s = _utf8_and_size(obj, &n)
+            if s == NULL:
+                if not PyErr_ExceptionMatches(UnicodeEncodeError):
+                    return -1
+                PyErr_Clear()
+                return self._pickle(obj)   # a lone surrogate (os.listdir of undecodable names)
             self._u8(T_STR)
             self._u64(<uint64_t>n)
             return self._put(s, <size_t>n)
@@ -584,7 +643,6 @@ cdef class _Encoder:
             return 0
         if isinstance(obj, _Tensor):
             if obj.layout is _strided and type(obj) in (_Tensor, torch.nn.Parameter) and obj.dtype in _TORCH_CODE:
-                self._u8(T_TENSOR)
                 return self._tensor(obj)
             return self._pickle(obj)
         if isinstance(obj, _ndarray):
@@ -612,8 +670,12 @@ cdef class _Encoder:
             p.dump(obj)
         except CodecError:
             raise
-        except (pickle.PicklingError, TypeError, AttributeError, RecursionError) as exc:
-            raise CodecError(f"cannot serialize a value of type {type(obj).__name__}: {exc}") from exc
+        except (pickle.PicklingError, TypeError, AttributeError, RecursionError, RuntimeError, ValueError,
+                KeyError) as exc:
+            # RuntimeError/NotImplementedError/KeyError: torch refusing to pickle a tensor kind.
+            raise CodecError(
+                f"cannot serialize a value of type {type(obj).__name__}: {type(exc).__name__}: {exc}"
+            ) from exc
         payload = out.getbuffer()
         self._u8(T_PICKLE)
         self._u32(<uint32_t>len(refs))
@@ -646,12 +708,17 @@ cdef class _Encoder:
         cdef Py_buffer view
         if type(obj) is _Tensor and obj.layout is _strided:
             code = _TORCH_CODE.get(obj.dtype)
-            if code is None:
+            if code is None or obj.is_nested:
                 return 0
             t = obj.detach()
             if t.device.type != "cpu":
+                if t.device.type == "meta":
+                    raise CodecError(_META_TENSOR)
                 t = t.cpu()
-            t = t.resolve_conj().resolve_neg().contiguous()
+            t = t.resolve_conj().resolve_neg()
+            if code >= FIRST_RAW_VIEW:
+                t = t.view(_TORCH_STORE_AS[code])
+            t = t.contiguous()
             nbytes = <uint64_t>t.numel() * <uint64_t>_TORCH_ITEMSIZE[code]
             off = self._add_array(<const uint8_t*><size_t>t.data_ptr(), nbytes, t) if nbytes else 0
             refs.append((K_TENSOR, code, tuple(t.shape), off))
@@ -711,6 +778,9 @@ cdef class _Encoder:
                 memset(d + pos, 0, <size_t>(self.arrays[i].offset - pos))
             memcpy(d + self.arrays[i].offset, self.arrays[i].ptr, <size_t>self.arrays[i].nbytes)
             pos = self.arrays[i].offset + self.arrays[i].nbytes
+
+
+_META_TENSOR = "a tensor on the meta device holds no data and cannot be stored"
 
 
 class _Pickler(pickle.Pickler):
@@ -902,6 +972,12 @@ cdef class _Block:
             self.ptr = NULL
 
 
+cdef int _dtype_unavailable(int code) except -1:
+    # Out of line: the f-string's temporaries would otherwise cost every decoded tensor (~40 ns).
+    raise CodecError(
+        f"tensor dtype {_TORCH_NAMES[code]} (code {code}) is not available in torch {torch.__version__}")
+
+
 cdef class _Decoder:
     cdef object arena          # the _Block the arrays view (or the caller's writable buffer)
     cdef char* base            # arena's memory when it is our own _Block, else NULL
@@ -942,6 +1018,8 @@ cdef class _Decoder:
             if code >= len(_TORCH_DTYPES):
                 raise CodecError(f"unknown tensor dtype code {code}")
             dt = _TORCH_DTYPES[code]
+            if dt is None:
+                _dtype_unavailable(code)
             itemsize = _TORCH_ITEMSIZE[code]
         else:
             if code >= len(_NP_DTYPES):
@@ -1058,7 +1136,17 @@ cdef class _Decoder:
         payload = PyBytes_FromStringAndSize(<const char*>c.p, <Py_ssize_t>n)
         c.p += n
         up = _Unpickler(io.BytesIO(payload), objs, buffers)
-        return up.load()
+        try:
+            return up.load()
+        except (MemoryError, RecursionError):
+            raise
+        except Exception as exc:
+            # Unpickling runs the classes' own code: a renamed module or class, a torch that cannot load
+            # what it pickled... The value is unusable as stored; the cache recomputes it.
+            raise CodecError(
+                f"cannot unpickle an object in the encoded value ({type(exc).__name__}: {exc}); "
+                "was it written by another version of its code?"
+            ) from exc
 
 
 class _Unpickler(pickle.Unpickler):
@@ -1322,10 +1410,11 @@ cdef inline uint64_t _stored(const uint8_t* p) noexcept nogil:
     return v
 
 
-cdef tuple _decode_batch(object get, list items):
-    """``([decode(v) or None for v in values], total bytes)`` where the values are ``items`` (get is
-    None) or ``get(k) for k in items``. Every buffer is held until the batch is done (LMDB buffers: call
-    inside the read transaction). Raises on the first damaged value, in order."""
+cdef tuple _decode_batch(object get, list items, object missing):
+    """``([decode(v) or missing for v in values], total bytes)`` where the values are ``items`` (get is
+    None) or ``get(k) for k in items``, and a value of None (no entry) gives ``missing``. Every buffer is
+    held until the batch is done (LMDB buffers: call inside the read transaction). Raises on the first
+    damaged value, in order."""
     global _threads_started
     cdef Py_ssize_t n = len(items), i, k, nj = 0, nbytes = 0
     cdef Py_buffer* views = NULL
@@ -1339,7 +1428,7 @@ cdef tuple _decode_batch(object get, list items):
     cdef uint64_t data_len, stored, data_start, total, large_bytes = 0
     cdef _Decoder dec
     cdef Cursor c
-    cdef list out = [None] * n
+    cdef list out = [missing] * n
     cdef list decs = [None] * n
     cdef list vals = [None] * n     # keeps every fetched value alive until its buffer is released
     memset(&q, 0, sizeof(q))
@@ -1430,20 +1519,22 @@ cdef tuple _decode_batch(object get, list items):
         PyMem_Free(job_item)
 
 
-def decode_many_get(get, keys):
-    """``[decode(get(k)) or None for k in keys]`` and the total bytes read.
+def decode_many_get(get, keys, missing=None):
+    """``[decode(get(k)) for k in keys]`` and the total bytes read; ``missing`` where ``get(k)`` is
+    None (no entry), so that a stored None (decoded None) can be told from an absent key.
 
     ``get`` is e.g. an LMDB transaction's ``get`` with ``buffers=True`` (buffers valid inside the
     read transaction only: call this inside it). The large values' checksum+copy passes run on up to
     :func:`get_decode_threads` threads. Raises CodecError/ChecksumError on the first damaged value;
     the caller then retries item by item.
     """
-    return _decode_batch(get, list(keys))
+    return _decode_batch(get, list(keys), missing)
 
 
-def decode_list(values):
-    """``[decode(v) or None for v in values]`` and the total bytes (Redis MGET results)."""
-    return _decode_batch(None, list(values))
+def decode_list(values, missing=None):
+    """``[decode(v) for v in values]`` (``missing`` for None values) and the total bytes (Redis MGET
+    results)."""
+    return _decode_batch(None, list(values), missing)
 
 
 def int_keys(bytes prefix, indices, Py_ssize_t n):
@@ -1471,12 +1562,13 @@ def int_keys(bytes prefix, indices, Py_ssize_t n):
     return out
 
 
-def missing_positions(list values, sentinel):
-    """Positions of ``values`` that are None or ``sentinel`` (identity checks only)."""
+def missing_positions(list values, missing, corrupt):
+    """Positions of ``values`` that are ``missing`` or ``corrupt`` (identity checks only; a None value
+    is a stored None, not a miss)."""
     cdef list out = []
     cdef Py_ssize_t i
     for i in range(len(values)):
         v = values[i]
-        if v is None or v is sentinel:
+        if v is missing or v is corrupt:
             out.append(i)
     return out

@@ -6,6 +6,7 @@ import collections
 import pickle
 import struct
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from trainloom.data import _codec
 from trainloom.data.codec import ChecksumError, CodecError, checksum, decode, encode, hash64, is_encoded
 
 Point = collections.namedtuple("Point", "x y")
@@ -265,3 +267,105 @@ def test_avx2_and_portable_checksums_agree():
         _codec._select_kernel(True)
     assert "sse2" in results
     assert len({tuple(v) for v in results.values()}) == 1
+
+
+# -- dtypes numpy lacks whose torch pickle does not load back: stored raw ----------------------------
+
+RAW_VIEW = [(name, width) for name, width in _codec._RAW_VIEW_DTYPES if hasattr(torch, name)]
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+def test_raw_view_dtype_codes_are_pinned():
+    # Codes are part of the on-disk format: appended after bfloat16 (14), never renumbered.
+    names = [n for n, _ in _codec._RAW_VIEW_DTYPES]
+    assert names[:7] == [
+        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+        "float4_e2m1fn_x2", "bits8",
+    ]  # fmt: skip
+    assert _codec._TORCH_NAMES[15:] == names
+    assert _codec._TORCH_CODE[torch.bfloat16] == 14 and _codec._TORCH_CODE[torch.float8_e4m3fn] == 15
+
+
+@pytest.mark.parametrize("name,width", RAW_VIEW, ids=[n for n, _ in RAW_VIEW])
+def test_raw_view_dtypes_round_trip_bit_exactly(name, width):
+    dt = getattr(torch, name)
+    raw = _INT_OF_WIDTH[width]
+    bits = torch.randint(
+        -(2**31), 2**31 - 1, (6, 8), dtype=torch.int64, generator=torch.Generator().manual_seed(1)
+    )
+    x = bits.to(raw).view(dt)  # every bit pattern, NaN encodings included
+    assert dt in _codec._TORCH_CODE and len(encode(x)) < 64 + 64 + x.numel() * width  # raw, not pickled
+    for v in (x, x[:, 1::3], x.t(), x[2, 5], x[:0]):
+        out = decode(encode(v))
+        assert out.dtype == dt and out.shape == v.shape
+        assert torch.equal(out.view(raw), v.view(raw).contiguous())
+    # Inside an object that goes through pickle (persistent_id), and inside containers.
+    p = decode(encode(Point(x[:, ::2], {"k": x})))
+    assert (
+        type(p) is Point and p.x.dtype == dt and torch.equal(p.x.view(raw), x.view(raw)[:, ::2].contiguous())
+    )
+    assert torch.equal(p.y["k"].view(raw), x.view(raw))
+
+
+def test_a_raw_view_dtype_this_torch_lacks_raises_codec_error():
+    b = encode(torch.zeros(4, dtype=torch.uint8).view(torch.float8_e5m2))
+    saved = _codec._TORCH_DTYPES[16]
+    _codec._TORCH_DTYPES[16] = None  # as if this torch had no float8_e5m2
+    try:
+        with pytest.raises(
+            CodecError, match=r"tensor dtype float8_e5m2 \(code 16\) is not available in torch"
+        ):
+            decode(b)
+    finally:
+        _codec._TORCH_DTYPES[16] = saved
+
+
+def test_strings_with_lone_surrogates_round_trip():
+    name = b"/data/img_\xff.png".decode("utf-8", "surrogateescape")  # what os.listdir returns
+    x = (name, {name: [name, "\ud800"]}, "plain")
+    assert decode(encode(x)) == x
+    assert decode(encode(name)) == name
+
+
+def test_nested_tensors_round_trip_and_meta_tensors_raise():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "the PyTorch API of nested tensors is in prototype stage"
+        n = torch.nested.nested_tensor([torch.arange(2.0), torch.arange(3.0)])
+    for v in (n, Point(n, 1)):
+        out = decode(encode(v))
+        out = out.x if isinstance(out, Point) else out
+        assert out.is_nested and [t.tolist() for t in out.unbind()] == [[0.0, 1.0], [0.0, 1.0, 2.0]]
+    meta = torch.empty(3, device="meta")
+    for v in (meta, [1, meta], Point(meta, 1)):
+        with pytest.raises(
+            CodecError, match="a tensor on the meta device holds no data and cannot be stored"
+        ):
+            encode(v)
+
+
+def _gone():
+    raise AttributeError("Can't get attribute 'OldName' on <module 'mymodule'>")
+
+
+class _Unloadable:
+    def __reduce__(self):
+        return (_gone, ())
+
+
+def test_objects_that_cannot_be_unpickled_raise_codec_error():
+    b = encode({"x": _Unloadable(), "t": torch.ones(2)})
+    with pytest.raises(
+        CodecError, match=r"cannot unpickle an object in the encoded value \(AttributeError: Can't"
+    ):
+        decode(b)
+
+
+def test_torch_refusing_to_pickle_is_a_codec_error():
+    class Refuses:
+        def __reduce__(self):
+            raise RuntimeError("torch says no")
+
+    with pytest.raises(
+        CodecError, match="cannot serialize a value of type Refuses: RuntimeError: torch says no"
+    ):
+        encode([Refuses()])

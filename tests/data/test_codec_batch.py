@@ -65,6 +65,20 @@ def test_batch_equals_one_by_one_on_any_number_of_threads(threads, n_threads):
     assert same(out[1], decode(values[1]))
 
 
+def test_missing_marker_tells_absent_keys_from_stored_none():
+    miss = object()
+    values = [encode(None), None, encode(image(1)), encode([None])]
+    out, nbytes = _codec.decode_list(values, miss)
+    assert out[0] is None and out[1] is miss and same(out[2], image(1)) and out[3] == [None]
+    table = {b"a": values[0], b"c": values[2]}
+    out2, _ = _codec.decode_many_get(table.get, [b"a", b"b", b"c"], miss)
+    assert out2[0] is None and out2[1] is miss and same(out2[2], image(1))
+    assert _codec.decode_list([None, encode(None)])[0] == [None, None]  # default marker: None
+    assert _codec.missing_positions([None, miss, 3, miss], miss, None) == [0, 1, 3]
+    corrupt = object()
+    assert _codec.missing_positions([None, miss, corrupt, 0], miss, corrupt) == [1, 2]
+
+
 def test_small_batches_stay_on_the_calling_thread(threads):
     threads(2)
     started = _codec.threads_started()

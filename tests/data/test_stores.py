@@ -10,10 +10,13 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from trainloom._locate import find_redis_server
-from trainloom.data.stores import ClusterStore, LmdbStore, StoreError, StoreFullError, shard_of
+from trainloom.data.cache import CacheLoader
+from trainloom.data.stores import ClusterStore, LmdbStore, Store, StoreError, StoreFullError, shard_of
 from trainloom.data.stores.base import StoreOutOfMemoryError, StoreUnavailableError
+from trainloom.errors import ConfigError
 
 requires_redis = pytest.mark.skipif(find_redis_server() is None, reason="needs a redis-server binary")
 
@@ -309,3 +312,148 @@ def test_lmdb_readonly_and_writer_in_one_process(tmp_path):
         LmdbStore(tmp_path, namespace="zz", readonly=True).num_keys()
     ro.close()
     LmdbStore(tmp_path, namespace="a").set("k", b"w")
+
+
+# -- argument checks ------------------------------------------------------------------------------
+
+
+def test_mset_takes_a_mapping(tmp_path):
+    msg = r"LmdbStore.mset takes a mapping of key -> value \(e.g. dict\(pairs\)\), got list"
+    with pytest.raises(TypeError, match=msg):
+        LmdbStore(tmp_path).mset([("k", b"v")])
+    with pytest.raises(TypeError, match=r"ClusterStore.mset takes a mapping of key -> value .*got tuple"):
+        ClusterStore([LmdbStore(tmp_path / "a"), LmdbStore(tmp_path / "b")]).mset((("k", b"v"),))
+
+
+def test_lmdb_keys_are_checked_against_the_limit(tmp_path):
+    s = LmdbStore(tmp_path, namespace="ns")
+    with pytest.raises(ConfigError, match=r"LmdbStore \(namespace 'ns'\): LMDB keys cannot be empty"):
+        s.set("", b"v")
+    with pytest.raises(ConfigError, match=r"LMDB keys cannot be empty"):
+        s.get("")  # MDB_BAD_VALSIZE on a read is explained too
+    with pytest.raises(
+        ConfigError,
+        match=r"the key 'k+\.\.\. is 600 bytes; LMDB keys are limited to 511 bytes\. Hash long keys",
+    ):
+        s.mset({"ok": b"1", "k" * 600: b"v"})
+    assert s.num_keys() == 0  # nothing of the refused batch was written
+    s.set("k" * 511, b"v")
+    assert s.get("k" * 511) == b"v" and s.get("k" * 600) is None  # too long to exist: missing
+    assert s.max_key_size == 511
+
+
+def test_lmdb_path_that_is_a_file_or_cannot_be_created(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(ConfigError, match=r"LmdbStore: path '.*/file' exists and is not a directory"):
+        LmdbStore(f)
+    with pytest.raises(
+        StoreError, match=r"LmdbStore: cannot create the directory '.*/file/sub' .*NotADirectoryError"
+    ):
+        LmdbStore(f / "sub").set("k", b"v")
+
+
+# -- stores written to Bagua's interface ------------------------------------------------------------
+
+
+class BaguaDictStore(Store):
+    """Exactly Bagua's eight methods (``get, set, mget, mset, num_keys, clear, status, shutdown``);
+    values kept as given, or as ``str`` when ``as_str`` (Bagua allows ``Union[str, bytes]``)."""
+
+    def __init__(self, as_str: bool = False) -> None:
+        self.d: dict = {}
+        self.as_str = as_str
+        self.shut = False
+
+    def _out(self, v):
+        return v.decode("latin-1") if self.as_str and v is not None else v
+
+    def get(self, key):
+        return self._out(self.d.get(key))
+
+    def set(self, key, value):
+        self.d[key] = bytes(value)
+
+    def mget(self, keys):
+        return [self._out(self.d.get(k)) for k in keys]
+
+    def mset(self, dictionary):
+        for k, v in dictionary.items():
+            self.set(k, v)
+
+    def num_keys(self):
+        return len(self.d)
+
+    def clear(self):
+        self.d.clear()
+
+    def status(self):
+        return True
+
+    def shutdown(self):
+        self.shut = True
+
+
+def test_a_bagua_style_store_works_with_the_cache():
+    store = BaguaDictStore()
+    loader = CacheLoader(store, "bagua", fingerprint="v1")
+    assert loader.get(1, lambda k: (k, torch.ones(2))) is not None
+    assert loader.get_many([1, 2, 3], lambda k: None if k == 3 else k)[1:] == [2, None]
+    x, t = loader.get(1, lambda k: pytest.fail("recomputed"))
+    assert x == 1 and torch.equal(t, torch.ones(2))
+    assert loader.get(3, lambda k: pytest.fail("recomputed")) is None  # a stored None is a hit
+    assert loader.contains_many([1, 4]) == [True, False] and loader.num_keys() == 3
+    loader.close()  # Store.close defaults to a no-op: it must not shut a Bagua store down
+    assert not store.shut
+    store.shutdown()
+    assert store.shut
+    # The fingerprint is recognised again: nothing dropped.
+    assert CacheLoader(store, "bagua", fingerprint="v1").num_keys() == 3
+
+
+def test_str_values_from_a_bagua_store_in_a_cluster():
+    shards = [BaguaDictStore(as_str=True), BaguaDictStore(as_str=True)]
+    cluster = ClusterStore(shards)
+    cluster.mset({f"k{i}": f"v{i}".encode() for i in range(20)})
+    assert cluster.mget([f"k{i}" for i in range(20)] + ["nope"]) == [f"v{i}".encode() for i in range(20)] + [
+        None
+    ]
+    assert cluster.get("k3") == b"v3" and min(s.num_keys() for s in shards) > 2
+    # str values that held encoded samples come back as UTF-8 bytes: not the value, so recomputed.
+    loader = CacheLoader(cluster, "c")
+    loader.get(1, lambda k: "one")
+    assert loader.get(1, lambda k: "again") == "again" and loader.stats()["corrupt"] == 1
+
+
+def test_a_store_must_define_mget_or_mget_apply():
+    class Nothing(Store):
+        def mset(self, dictionary):
+            pass
+
+        def num_keys(self):
+            return 0
+
+        def clear(self):
+            pass
+
+        def status(self):
+            return True
+
+    with pytest.raises(
+        NotImplementedError, match=r"Nothing must implement mget_apply\(keys, fn\) or mget\(keys\)"
+    ):
+        Nothing().get("k")
+
+
+def test_an_older_mget_decode_override_still_tells_none_from_missing(tmp_path):
+    class Counting(LmdbStore):  # written for a trainloom whose mget_decode took keys only
+        calls = 0
+
+        def mget_decode(self, keys):
+            Counting.calls += 1
+            return super().mget_decode(keys)
+
+    loader = CacheLoader(Counting(tmp_path, namespace="old"), "old")
+    assert loader.get_many([1, 2], lambda k: None) == [None, None]
+    assert loader.get_many([1, 2], lambda k: pytest.fail("recomputed")) == [None, None]
+    assert loader.stats()["hits"] == 2 and Counting.calls == 2  # the override is still used

@@ -13,6 +13,9 @@ What is guaranteed:
   ``multiprocessing.util.Finalize``, which runs in forked, spawned and forkserver workers, where
   ``atexit`` does not);
 * a damaged value is detected by its checksum, counted (``stats()["corrupt"]``) and recomputed;
+  so is any value that no longer decodes (e.g. a pickled class that was renamed since);
+* a stored ``None`` is a hit like any other value;
+* a closed loader raises :class:`CacheClosedError` instead of silently reopening its store;
 * a failing store raises :class:`~trainloom.errors.StoreError`, or with ``on_error="bypass"`` is
   skipped with one warning, counted, and retried every ``retry_interval`` seconds while writes wait
   in a buffer bounded by ``max_buffer_bytes``;
@@ -25,27 +28,43 @@ import logging
 import multiprocessing.util
 import operator
 import os
+import sys
 import threading
 import time
 import warnings
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+import numpy as np
+import torch
 from torch.utils.data import Dataset
 
 from trainloom._build_check import import_compiled
 from trainloom.data.codec import ChecksumError, CodecError
-from trainloom.data.stores.base import Store, StoreError, StoreOutOfMemoryError
+from trainloom.data.stores.base import (
+    Store,
+    StoreError,
+    StoreFullError,
+    StoreOutOfMemoryError,
+    StoreUnavailableError,
+    mget_decode_missing,
+)
+from trainloom.errors import ConfigError
 
 _codec = import_compiled("trainloom.data._codec")
 
-__all__ = ["CacheLoader", "CachedDataset", "CodecError", "ChecksumError", "make_store"]
+__all__ = ["CacheLoader", "CachedDataset", "CacheClosedError", "CodecError", "ChecksumError", "make_store"]
 
 log = logging.getLogger("trainloom.data")
 
 #: Key of the entry holding a namespace's fingerprint (cannot collide: cache keys never start with NUL).
 META_KEY = b"\x00trainloom-meta"
+#: Markers in the list of values read: no entry in the store; an entry that does not decode. (A decoded
+#: ``None`` is a stored None, a hit.)
+_MISSING = object()
 _CORRUPT = object()
+#: What _decode_one returns for a stored None (mget_apply reports absent keys as None).
+_STORED_NONE = object()
 _STAT_NAMES = (
     "hits",
     "misses",
@@ -59,6 +78,18 @@ _STAT_NAMES = (
     "oom",
     "flushes",
 )
+
+
+class CacheClosedError(StoreError, ValueError):
+    """A :class:`CacheLoader` (or the :class:`CachedDataset` over it) was used after :meth:`close`.
+
+    A ``ValueError`` like I/O on a closed file, and a :class:`~trainloom.errors.StoreError`.
+    """
+
+
+def _short_repr(key: Any, limit: int = 80) -> str:
+    r = repr(key)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
 def make_store(backend: Any, namespace: str, **store_kwargs: Any) -> Store:
@@ -151,6 +182,9 @@ class CacheLoader:
         self.store = make_store(backend, dataset_name, **store_kwargs)
         self.backend = self.store.backend
         self._prefix = (dataset_name + "_").encode("utf-8")
+        limit = getattr(self.store, "max_key_size", None)
+        self._max_key = int(limit) if limit else sys.maxsize
+        self._closed = False
         self._reset_process_state()
         self._has_meta = False
         if fingerprint is not None:
@@ -167,16 +201,23 @@ class CacheLoader:
         self._down_until = 0.0
         self._warned: set = set()
         self._writes_disabled = False
-        self._closed = False
+        # The first decode error since the last "did not decode" warning (named in that warning).
+        self._decode_failure: Optional[BaseException] = None
 
     def _check_pid(self) -> None:
+        if self._closed:
+            raise CacheClosedError(
+                f"CacheLoader({self.dataset_name!r}) is closed: close() flushed its values and released the "
+                "store; create a new CacheLoader to use the cache again",
+                backend=self.backend,
+            )
         if self._pid != os.getpid():
             # A forked child: the parent flushes its own buffer; the child starts empty.
             self._reset_process_state()
 
     def __getstate__(self) -> Dict[str, Any]:
         with self._lock:
-            if self._pid == os.getpid():
+            if self._pid == os.getpid() and not self._closed:
                 self.flush()
             state = dict(self.__dict__)
         for k in ("_buffer", "_lock", "_finalizer", "_stats", "_warned"):
@@ -211,10 +252,24 @@ class CacheLoader:
 
     # -- helpers ----------------------------------------------------------------------------------
     def key(self, key: Any) -> bytes:
-        """The store key of ``key``: ``"{dataset_name}_{key}"`` as UTF-8."""
+        """The store key of ``key``: ``"{dataset_name}_{key}"`` as UTF-8 (lone surrogates, as in names
+        ``os.listdir`` could not decode, are kept with ``surrogatepass``).
+
+        Raises:
+            ConfigError: the key is longer than the store allows (LMDB: 511 bytes, prefix included).
+        """
         if type(key) is int:
-            return b"%b%d" % (self._prefix, key)
-        return self._prefix + str(key).encode("utf-8")
+            k = b"%b%d" % (self._prefix, key)
+        else:
+            k = self._prefix + str(key).encode("utf-8", "surrogatepass")
+        if len(k) > self._max_key:
+            raise ConfigError(
+                f"CacheLoader({self.dataset_name!r}): the key {_short_repr(key)} is {len(k)} bytes in the "
+                f"store (with the {self._prefix.decode('utf-8', 'replace')!r} prefix); keys of the "
+                f"{self.backend} store are limited to {self._max_key} bytes. Hash long keys, e.g. "
+                "hashlib.sha1(key.encode()).hexdigest()"
+            )
+        return k
 
     def _warn_once(self, what: str, message: str) -> None:
         if what not in self._warned:
@@ -238,40 +293,64 @@ class CacheLoader:
         return self._down_until > 0.0 and time.monotonic() < self._down_until
 
     def _decode_one(self, buf: Any) -> Any:
-        self._stats["bytes_read"] += len(buf)
+        """Decode one stored value; _CORRUPT for a value that does not decode, _STORED_NONE for None."""
         try:
-            return _codec.decode(buf, True)
-        except (_codec.CodecError, UnicodeDecodeError):
+            self._stats["bytes_read"] += len(buf)
+            v = _codec.decode(buf, True)
+        except Exception as exc:  # noqa: BLE001 - any failure to decode stored bytes means a bad entry
+            # Only decoding runs here (no load_fn, no store call): whatever it raises (CodecError,
+            # UnicodeDecodeError, a bytes-like check, an unpickled class's own error) is about the
+            # stored value. The caller counts it, logs it with this cause and recomputes the value.
+            if self._decode_failure is None:
+                self._decode_failure = exc
             return _CORRUPT
+        return _STORED_NONE if v is None else v
 
     def _read(self, keys: List[bytes]) -> List[Any]:
-        """Values (or None / _CORRUPT) for store keys; counts; honours bypass."""
+        """Values (or _MISSING / _CORRUPT) for store keys; counts; honours bypass."""
         if self._is_down():
             self._stats["bypassed"] += len(keys)
-            return [None] * len(keys)
+            return [_MISSING] * len(keys)
         stats = self._stats
         try:
             try:
-                out, nbytes = self.store.mget_decode(keys)
+                out, nbytes = mget_decode_missing(self.store, keys, _MISSING)
                 stats["bytes_read"] += nbytes
-            except (_codec.CodecError, UnicodeDecodeError):
-                # Some value is damaged: redo the batch item by item, marking only the bad ones.
-                out = self.store.mget_apply(keys, self._decode_one)
+            except StoreError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - retried item by item below, which re-raises store bugs
+                # Some value does not decode (damaged, or its pickled class changed): redo the batch
+                # item by item, marking only the bad ones. A failure of the store itself raises again
+                # from mget_apply; only decoding errors are turned into _CORRUPT, by _decode_one.
+                log.debug(
+                    "CacheLoader(%r): batched decode failed (%r); decoding one by one", self.dataset_name, exc
+                )
+                raw = self.store.mget_apply(keys, self._decode_one)
+                out = [_MISSING if v is None else (None if v is _STORED_NONE else v) for v in raw]
         except StoreError as exc:
             self._store_failed(exc, "a read")
             stats["bypassed"] += len(keys)
-            return [None] * len(keys)
+            return [_MISSING] * len(keys)
         if self._buffer:
             buf = self._buffer
             for i, k in enumerate(keys):
-                if out[i] is None and k in buf:
+                if out[i] is _MISSING and k in buf:
                     out[i] = _codec.decode(buf[k], True)
         return out
+
+    def _report_corrupt(self, n: int, what: str) -> None:
+        """Count ``n`` values that did not decode and log one warning naming the first cause."""
+        self._stats["corrupt"] += n
+        cause, self._decode_failure = self._decode_failure, None
+        detail = f" ({type(cause).__name__}: {cause})" if cause is not None else ""
+        log.warning(
+            "CacheLoader(%r): %s did not decode%s; recomputed and rewritten", self.dataset_name, what, detail
+        )
 
     def _encode(self, value: Any, what: str) -> bytes:
         try:
             return _codec.encode(value)
-        except (_codec.CodecError, RecursionError) as exc:
+        except (_codec.CodecError, RecursionError, UnicodeEncodeError) as exc:
             raise CodecError(
                 f"CacheLoader({self.dataset_name!r}): {what} cannot be serialized for the cache: {exc}. "
                 "Return tensors, numpy arrays, numbers, str, bytes or picklable objects."
@@ -333,12 +412,11 @@ class CacheLoader:
         self._check_pid()
         k = self.key(key)
         v = self._read([k])[0]
-        if v is not None and v is not _CORRUPT:
+        if v is not _MISSING and v is not _CORRUPT:
             self._stats["hits"] += 1
             return v
         if v is _CORRUPT:
-            self._stats["corrupt"] += 1
-            log.warning("CacheLoader(%r): damaged value for key %r recomputed", self.dataset_name, key)
+            self._report_corrupt(1, f"the stored value for key {_short_repr(key)}")
         self._stats["misses"] += 1
         value = load_fn(key)
         self._put(k, self._encode(value, f"the value for key {key!r}"))
@@ -361,13 +439,13 @@ class CacheLoader:
         if ks is None:
             ks = [self.key(k) for k in keys]
         vals = self._read(ks)
-        missing = _codec.missing_positions(vals, _CORRUPT)
+        missing = _codec.missing_positions(vals, _MISSING, _CORRUPT)
         self._stats["hits"] += len(ks) - len(missing)
         if missing:
-            bad = sum(1 for i in missing if vals[i] is _CORRUPT)
+            bad = [i for i in missing if vals[i] is _CORRUPT]
             if bad:
-                self._stats["corrupt"] += bad
-                log.warning("CacheLoader(%r): %d damaged values recomputed", self.dataset_name, bad)
+                first = _short_repr(keys[bad[0]])
+                self._report_corrupt(len(bad), f"{len(bad)} stored value(s) ({what} {first} first)")
             self._stats["misses"] += len(missing)
             todo = [keys[i] for i in missing]
             computed = load_many(todo) if load_many is not None else [load_fn(k) for k in todo]
@@ -393,11 +471,18 @@ class CacheLoader:
         self.flush()
         n = self.store.num_keys()
         if self._has_meta and n:
-            n -= 1
+            n -= self.store.copies(META_KEY)  # one fingerprint entry per shard of a Redis cluster
         return n
 
     def flush(self) -> None:
-        """Write the buffered values to the store now."""
+        """Write the buffered values to the store now.
+
+        When a batch fails with a plain :class:`StoreError` (not an unreachable, full or out-of-memory
+        store) its values are written one by one, so one value the store refuses (a bad key, a value
+        over its size limit) cannot block the others: the refused values are dropped (counted in
+        ``stats()["dropped"]``) and reported like any store failure (raised, or one warning with
+        ``on_error="bypass"``). When every value fails, the store is failing: the values stay buffered.
+        """
         self._check_pid()
         with self._lock:
             if not self._buffer:
@@ -411,21 +496,14 @@ class CacheLoader:
             try:
                 self.store.mset(items)
             except StoreOutOfMemoryError as exc:
-                self._stats["oom"] += 1
-                self._stats["dropped"] += len(items)
-                self._writes_disabled = True
-                self._buffer = {}
-                self._buffer_bytes = 0
-                self._warn_once(
-                    "oom",
-                    f"CacheLoader({self.dataset_name!r}): the store is out of memory ({exc}); no new values "
-                    "will be written by this process (reads continue). Raise capacity_per_node= or clear "
-                    "old caches.",
-                )
+                self._out_of_memory(exc)
                 return
-            except StoreError as exc:
+            except (StoreUnavailableError, StoreFullError) as exc:
                 self._trim_buffer()
                 self._store_failed(exc, "a write")
+                return
+            except (StoreError, ConfigError) as exc:
+                self._flush_one_by_one(exc)
                 return
             self._stats["writes"] += len(items)
             self._stats["bytes_written"] += self._buffer_bytes
@@ -434,11 +512,75 @@ class CacheLoader:
             self._buffer_bytes = 0
             self._down_until = 0.0
 
+    def _out_of_memory(self, exc: StoreOutOfMemoryError) -> None:
+        self._stats["oom"] += 1
+        self._stats["dropped"] += len(self._buffer)
+        self._writes_disabled = True
+        self._buffer = {}
+        self._buffer_bytes = 0
+        self._warn_once(
+            "oom",
+            f"CacheLoader({self.dataset_name!r}): the store is out of memory ({exc}); no new values "
+            "will be written by this process (reads continue). Raise capacity_per_node= or clear "
+            "old caches.",
+        )
+
+    def _flush_one_by_one(self, first: Exception) -> None:
+        """After a failed batch: write each buffered value alone; drop those the store refuses."""
+        refused: Dict[bytes, Exception] = {}
+        written = 0
+        for k in list(self._buffer):
+            v = self._buffer[k]
+            try:
+                self.store.mset({k: v})
+            except StoreOutOfMemoryError as exc:
+                self._out_of_memory(exc)
+                return
+            except (StoreUnavailableError, StoreFullError) as exc:
+                self._trim_buffer()
+                self._store_failed(exc, "a write")
+                return
+            except (StoreError, ConfigError) as exc:  # ConfigError: the key is invalid for this store
+                refused[k] = exc
+                continue
+            del self._buffer[k]
+            self._buffer_bytes -= len(v)
+            self._stats["writes"] += 1
+            self._stats["bytes_written"] += len(v)
+            written += 1
+        if written:
+            self._stats["flushes"] += 1
+            self._down_until = 0.0
+        item_specific = {k: e for k, e in refused.items() if written or isinstance(e, ConfigError)}
+        if refused and not item_specific:
+            # Every value failed alone too: the store is failing, not a value. Keep them buffered.
+            self._trim_buffer()
+            failure = next(e for e in (first, *refused.values()) if isinstance(e, StoreError))
+            self._store_failed(failure, "a write")
+            return
+        if not item_specific:
+            return
+        for k in item_specific:
+            self._buffer_bytes -= len(self._buffer.pop(k))
+        self._stats["dropped"] += len(item_specific)
+        self._stats["errors"] += 1
+        k0, e0 = next(iter(item_specific.items()))
+        message = (
+            f"CacheLoader({self.dataset_name!r}): the {self.backend} store refused {len(item_specific)} "
+            f"value(s), dropped (not cached; recomputed when next read): key {_short_repr(k0)}: {e0}. "
+            f"The other {written} buffered value(s) were written."
+        )
+        if self.on_error == "raise":
+            raise StoreError(message, backend=self.backend, key=k0.decode("utf-8", "replace")) from e0
+        self._warn_once("refused", message + " on_error='bypass': further refusals are only counted.")
+
     def stats(self) -> Dict[str, int]:
         """Counters of this process: hits, misses, writes, bytes_read, bytes_written, errors,
         corrupt (damaged values recomputed), bypassed (reads skipped in bypass mode), dropped
-        (values not written: buffer bound, OOM), oom, flushes, and buffered (values waiting)."""
-        self._check_pid()
+        (values not written: buffer bound, OOM, refused by the store), oom, flushes, and buffered
+        (values waiting). Still readable after :meth:`close` (the final counts)."""
+        if self._pid != os.getpid():
+            self._reset_process_state()
         out = dict(self._stats)
         out["buffered"] = len(self._buffer)
         out["buffered_bytes"] = self._buffer_bytes
@@ -454,7 +596,11 @@ class CacheLoader:
             self._has_meta = False
 
     def close(self) -> None:
-        """Flush, then release this process's store handles (idempotent)."""
+        """Flush, then release this process's store handles (idempotent).
+
+        Every later call but :meth:`stats`, :meth:`key` and :meth:`close` raises
+        :class:`CacheClosedError`; the store is never silently reopened (writes made after ``close``
+        would not be flushed at exit)."""
         if self._closed:
             return
         self._check_pid()
@@ -474,7 +620,8 @@ class CacheLoader:
         self.close()
 
     def __repr__(self) -> str:
-        return f"CacheLoader(store={self.store!r}, dataset_name={self.dataset_name!r})"
+        closed = ", closed" if self._closed else ""
+        return f"CacheLoader(store={self.store!r}, dataset_name={self.dataset_name!r}{closed})"
 
 
 class _Warm(Dataset):
@@ -548,6 +695,11 @@ class CachedDataset(Dataset):
 
     def _index(self, index: Any) -> int:
         try:
+            if type(index) is not int and (
+                isinstance(index, (bool, np.bool_))
+                or (isinstance(index, torch.Tensor) and index.dtype == torch.bool)
+            ):
+                raise TypeError  # operator.index accepts True as 1: almost always a mask or a bug
             i = operator.index(index)
         except TypeError:
             raise TypeError(

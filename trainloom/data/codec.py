@@ -5,7 +5,10 @@ numpy scalars, ``int``, ``float``, ``bool``, ``None``, ``str`` and ``bytes``. :f
 into one ``bytes`` value: a 32-byte header, a small metadata section describing the tree, and the raw
 C-contiguous bytes of every array (only the elements a view covers, never its whole storage).
 Anything else is pickled with protocol 5, but tensors and arrays inside such objects are still
-pulled out and stored raw, so tensors never go through pickle.
+pulled out and stored raw, so tensors never go through pickle. Tensors of dtypes numpy lacks
+(bfloat16, float8, float4, the bits types, complex32, the sub-byte ints) are stored as the integers of
+their width, bit for bit. A ``str`` holding a lone surrogate (a file name ``os.listdir`` could not
+decode) and nested tensors are pickled; meta tensors, which hold no data, raise :class:`CodecError`.
 
 :func:`decode` verifies the checksum, then copies the array bytes once into a fresh buffer (fused
 with the checksum pass) and returns tensors/arrays that view it. A damaged value raises
@@ -89,7 +92,8 @@ def decode(buf: BytesLike, copy: bool = True) -> Any:
 
     Raises:
         ChecksumError: the value is damaged.
-        CodecError: ``buf`` is not an encoded value.
+        CodecError: ``buf`` is not an encoded value, or a pickled object in it cannot be unpickled
+            any more (its class was renamed, ...), or it holds a tensor dtype this torch lacks.
     """
     try:
         return _codec.decode(buf, copy)

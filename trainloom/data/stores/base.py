@@ -8,6 +8,7 @@ LMDB file or one Redis server never see or delete each other's entries.
 from __future__ import annotations
 
 import abc
+import inspect
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union
 
 from trainloom.errors import StoreError
@@ -48,6 +49,21 @@ def key_bytes(key: Key) -> bytes:
     raise TypeError(f"store keys must be str or bytes, got {type(key).__name__} ({key!r})")
 
 
+def as_bytes(value: Any) -> bytes:
+    """A stored value as ``bytes``; a ``str`` value (Bagua's stores may return them) as its UTF-8."""
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    return bytes(value)
+
+
+def check_mapping(dictionary: Any, who: str) -> None:
+    """Raise TypeError unless ``dictionary`` is a mapping (``mset`` takes ``{key: value}``)."""
+    if not isinstance(dictionary, Mapping):
+        raise TypeError(
+            f"{who}.mset takes a mapping of key -> value (e.g. dict(pairs)), got {type(dictionary).__name__}"
+        )
+
+
 def value_bytes(key: Key, value: Value) -> Union[bytes, bytearray, memoryview]:
     if isinstance(value, str):
         return value.encode("utf-8")
@@ -60,21 +76,50 @@ class Store(abc.ABC):
     """Base class of key-value stores: ``get``/``set``/``mget``/``mset``, ``num_keys``, ``clear``,
     ``status``, ``shutdown``, ``close`` and use as a context manager.
 
-    Subclasses implement :meth:`mget_apply`, :meth:`mset`, :meth:`num_keys`, :meth:`clear`,
-    :meth:`status` and :meth:`close`; the rest is derived.
+    Subclasses implement :meth:`mset`, :meth:`num_keys`, :meth:`clear` and :meth:`status`, and
+    either :meth:`mget_apply` (trainloom's stores: no copy of the values) or :meth:`mget` (Bagua's
+    interface; ``get`` alone also works). :meth:`close` is a no-op unless overridden; the rest is
+    derived. A store written to Bagua's ``Store`` (``get, set, mget, mset, num_keys, clear, status,
+    shutdown``) works as is, also when its values come back as ``str``.
+
+    Example::
+
+        >>> class DictStore(Store):   # Bagua's interface
+        ...     def __init__(self): self.d = {}
+        ...     def mget(self, keys): return [self.d.get(k) for k in keys]
+        ...     def mset(self, dictionary): self.d.update(dictionary)
+        ...     def num_keys(self): return len(self.d)
+        ...     def clear(self): self.d.clear()
+        ...     def status(self): return True
+        >>> CacheLoader(DictStore(), "ds").get(1, lambda k: k + 1)
+        2
     """
 
     #: short backend name used in errors and stats ("lmdb", "redis", "cluster").
     backend: str = "store"
+    #: longest key in bytes the store accepts, or None (no limit the cache must check).
+    max_key_size: Optional[int] = None
 
     # -- required -----------------------------------------------------------------------------
-    @abc.abstractmethod
     def mget_apply(self, keys: Sequence[Key], fn: Callable[[Any], T]) -> List[Optional[T]]:
         """For each key, ``fn(value_buffer)`` or ``None`` when the key is missing.
 
         ``value_buffer`` may be a buffer that is only valid during the call to ``fn`` (LMDB hands out
         views of its memory map inside the read transaction): ``fn`` must copy what it keeps.
+
+        The default is built on the subclass's :meth:`mget` (or :meth:`get`), with ``str`` values
+        passed to ``fn`` as UTF-8 bytes.
         """
+        cls = type(self)
+        if cls.mget is not Store.mget:
+            values = self.mget(keys)
+        elif cls.get is not Store.get:
+            values = [self.get(k) for k in keys]
+        else:
+            raise NotImplementedError(
+                f"{cls.__name__} must implement mget_apply(keys, fn) or mget(keys) (or get(key))"
+            )
+        return [None if v is None else fn(v.encode("utf-8") if isinstance(v, str) else v) for v in values]
 
     @abc.abstractmethod
     def mset(self, dictionary: Mapping[Key, Value]) -> None:
@@ -92,21 +137,25 @@ class Store(abc.ABC):
     def status(self) -> bool:
         """``True`` when the store is alive and answers."""
 
-    @abc.abstractmethod
     def close(self) -> None:
-        """Release this process's handles (idempotent). The data stays; see :meth:`shutdown`."""
+        """Release this process's handles (idempotent). The data stays; see :meth:`shutdown`.
+
+        The default does nothing (a store with no handles, or one written to Bagua's interface,
+        which has no ``close``)."""
+        return None
 
     # -- derived ------------------------------------------------------------------------------
-    def mget_decode(self, keys: Sequence[Key]) -> Tuple[List[Any], int]:
-        """Values of ``keys`` decoded with :func:`trainloom.data.codec.decode` (``None`` when missing),
-        and the number of bytes read. Backends override this with a batched loop in C.
+    def mget_decode(self, keys: Sequence[Key], missing: Any = None) -> Tuple[List[Any], int]:
+        """Values of ``keys`` decoded with :func:`trainloom.data.codec.decode` (``missing`` when a key
+        has no entry, so that a stored ``None`` can be told apart), and the number of bytes read.
+        Backends override this with a batched loop in C.
 
         Raises:
             CodecError: a value is damaged or not an encoded value (the caller retries per item).
         """
         from trainloom.data.codec import _codec
 
-        return _codec.decode_list(self.mget_apply(keys, bytes))
+        return _codec.decode_list(self.mget_apply(keys, as_bytes), missing)
 
     def get(self, key: Key) -> Optional[bytes]:
         """The value of ``key`` as ``bytes``, or ``None`` if it does not exist."""
@@ -114,7 +163,7 @@ class Store(abc.ABC):
 
     def mget(self, keys: Sequence[Key]) -> List[Optional[bytes]]:
         """The values of ``keys`` (``None`` for missing keys), in the same order."""
-        return self.mget_apply(keys, bytes)
+        return self.mget_apply(keys, as_bytes)
 
     def set(self, key: Key, value: Value) -> None:
         """Set ``key`` to ``value``."""
@@ -130,13 +179,20 @@ class Store(abc.ABC):
             True when entries were dropped.
         """
         cur = self.get(key)
-        if cur is not None and cur == value:
+        if cur is not None and as_bytes(cur) == value:
             return False
         dropped = self.num_keys() > 0
         if dropped:
             self.clear()
         self.set(key, value)
         return dropped
+
+    def copies(self, key: Key) -> int:
+        """How many entries ``key`` has in this store: 0 or 1 (a cluster counts one per shard holding it).
+
+        :meth:`num_keys` counts them all; the cache subtracts its fingerprint entries with this.
+        """
+        return int(self.get(key) is not None)
 
     def shutdown(self) -> None:
         """Stop the servers this store started (none for embedded stores) and close it."""
@@ -147,6 +203,46 @@ class Store(abc.ABC):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _takes_missing(store: Store) -> bool:
+    fn = type(store).mget_decode
+    cached = _TAKES_MISSING.get(fn)
+    if cached is None:
+        try:
+            params = inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            params = {}
+        cached = _TAKES_MISSING[fn] = "missing" in params or any(
+            p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()
+        )
+    return cached
+
+
+_TAKES_MISSING: dict = {}
+
+
+def mget_decode_missing(store: Store, keys: Sequence[Key], missing: Any) -> Tuple[List[Any], int]:
+    """``store.mget_decode(keys, missing=missing)``, also for a subclass that overrides
+    ``mget_decode(keys)`` without ``missing`` (written for an older trainloom): its None results (absent
+    key or stored None) are read again through ``mget_apply``, which tells the two apart."""
+    if _takes_missing(store):
+        return store.mget_decode(keys, missing=missing)
+    from trainloom.data.codec import _codec
+
+    out, nbytes = store.mget_decode(keys)
+    again = [i for i, v in enumerate(out) if v is None]
+    if again:
+
+        def one(buf: Any) -> Any:
+            nonlocal nbytes
+            b = as_bytes(buf) if isinstance(buf, str) else buf
+            nbytes += len(b)
+            return (_codec.decode(b, True),)  # boxed: a decoded None is not "absent"
+
+        for i, v in zip(again, store.mget_apply([keys[i] for i in again], one)):
+            out[i] = missing if v is None else v[0]
+    return out, nbytes
 
 
 def check_namespace(namespace: str) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar
 
 from trainloom.data.codec import hash64
-from trainloom.data.stores.base import Key, Store, Value, key_bytes
+from trainloom.data.stores.base import Key, Store, Value, check_mapping, key_bytes, mget_decode_missing
 
 __all__ = ["ClusterStore", "shard_of"]
 
@@ -59,22 +59,29 @@ class ClusterStore(Store):
                 out[i] = v
         return out
 
-    def mget_decode(self, keys: Sequence[Key]) -> Tuple[List[Any], int]:
+    @property
+    def max_key_size(self) -> Optional[int]:  # type: ignore[override]
+        """The smallest key limit of the shards (None: none has one)."""
+        limits = [s.max_key_size for s in self.stores if s.max_key_size]
+        return min(limits) if limits else None
+
+    def mget_decode(self, keys: Sequence[Key], missing: Any = None) -> Tuple[List[Any], int]:
         if len(self.stores) == 1:
-            return self.stores[0].mget_decode(keys)
+            return mget_decode_missing(self.stores[0], keys, missing)
         groups: Dict[int, List[int]] = {}
         for i, k in enumerate(keys):
             groups.setdefault(self._shard(k), []).append(i)
-        out: List[Any] = [None] * len(keys)
+        out: List[Any] = [missing] * len(keys)
         total = 0
         for shard, idx in groups.items():
-            vals, n = self.stores[shard].mget_decode([keys[i] for i in idx])
+            vals, n = mget_decode_missing(self.stores[shard], [keys[i] for i in idx], missing)
             total += n
             for i, v in zip(idx, vals):
                 out[i] = v
         return out, total
 
     def mset(self, dictionary: Mapping[Key, Value]) -> None:
+        check_mapping(dictionary, type(self).__name__)
         if len(self.stores) == 1:
             self.stores[0].mset(dictionary)
             return
@@ -86,6 +93,10 @@ class ClusterStore(Store):
 
     def num_keys(self) -> int:
         return sum(s.num_keys() for s in self.stores)
+
+    def copies(self, key: Key) -> int:
+        # reset_if_changed puts the fingerprint on every shard, not only on key's own shard.
+        return sum(s.copies(key) for s in self.stores)
 
     def clear(self) -> None:
         for s in self.stores:

@@ -20,10 +20,12 @@ from trainloom.data.stores.base import (
     StoreError,
     StoreFullError,
     Value,
+    check_mapping,
     check_namespace,
     key_bytes,
     value_bytes,
 )
+from trainloom.errors import ConfigError
 
 __all__ = ["LmdbStore", "default_cache_dir", "CACHE_DIR_ENV"]
 
@@ -34,6 +36,8 @@ T = TypeVar("T")
 CACHE_DIR_ENV = "TRAINLOOM_CACHE_DIR"
 _DB_PREFIX = b"tl:"
 _GIB = 1 << 30
+#: LMDB's MDB_MAXKEYSIZE as py-lmdb builds it (the store reads the real value when it opens).
+_DEFAULT_MAX_KEY = 511
 
 
 def default_cache_dir() -> Path:
@@ -132,6 +136,8 @@ class LmdbStore(Store):
         max_readers: reader slots, shared by every process on the node (ranks x DataLoader workers x
             threads). Slots left by killed processes are reclaimed with ``reader_check()``.
         max_dbs: how many namespaces the environment can hold.
+        (keys) LMDB keys are 1 to ``max_key_size`` (511) bytes; writing an empty or longer key raises
+        :class:`~trainloom.errors.ConfigError` naming it (hash long keys).
         sync: fsync on every commit. Off by default: a cache survives a process crash either way,
             only an operating-system crash may lose (or, rarely, damage) the last writes.
         readonly: open read-only (``trainloom cache info``).
@@ -149,6 +155,8 @@ class LmdbStore(Store):
     """
 
     backend = "lmdb"
+    #: longest key LMDB accepts, in bytes (updated from ``env.max_key_size()`` when the store opens).
+    max_key_size: int = _DEFAULT_MAX_KEY
 
     def __init__(
         self,
@@ -170,6 +178,11 @@ class LmdbStore(Store):
                 f"LmdbStore: max_map_size ({max_map_size}) is smaller than map_size ({map_size})"
             )
         self.path = Path(path) if path is not None else default_cache_dir() / "lmdb"
+        if self.path.exists() and not self.path.is_dir():
+            raise ConfigError(
+                f"LmdbStore: path {str(self.path)!r} exists and is not a directory; an LMDB environment "
+                "is a directory (data.mdb, lock.mdb): pass a directory path"
+            )
         # namespace=None (read-only only): no named database, for namespaces() / inspection.
         self.namespace = None if (namespace is None and readonly) else check_namespace(namespace)
         self.map_size = int(map_size)
@@ -201,10 +214,18 @@ class LmdbStore(Store):
     def _open(self) -> None:
         lmdb = _import_lmdb()
         if not self.readonly:
-            self.path.mkdir(parents=True, exist_ok=True)
+            try:
+                self.path.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:  # a regular file on the path, no permission...
+                raise StoreError(
+                    f"LmdbStore: cannot create the directory {str(self.path)!r} for the LMDB environment: "
+                    f"{type(exc).__name__}: {exc}",
+                    backend="lmdb",
+                ) from exc
         elif not (self.path / "data.mdb").exists():
             raise StoreError(f"LmdbStore: no LMDB environment at {self.path}", backend="lmdb")
         env = _acquire_env(self)
+        self.max_key_size = env.max_key_size()
         try:
             if self.namespace is None:
                 self._env, self._pid = env, os.getpid()
@@ -296,6 +317,30 @@ class LmdbStore(Store):
                 ) from exc
         raise StoreError(f"LmdbStore.{what}: map resized repeatedly by other processes", backend="lmdb")
 
+    # -- keys ---------------------------------------------------------------------------------------
+    def _bad_key(self, k: bytes, key: Any) -> ConfigError:
+        r = repr(key)
+        r = r if len(r) <= 80 else r[:77] + "..."
+        if not k:
+            return ConfigError(f"LmdbStore (namespace {self.namespace!r}): LMDB keys cannot be empty")
+        return ConfigError(
+            f"LmdbStore (namespace {self.namespace!r}): the key {r} is {len(k)} bytes; LMDB keys are "
+            f"limited to {self.max_key_size} bytes. Hash long keys, e.g. hashlib.sha1(key).hexdigest()"
+        )
+
+    def _write_key(self, key: Key) -> bytes:
+        k = key_bytes(key)
+        if not 0 < len(k) <= self.max_key_size:
+            raise self._bad_key(k, key)
+        return k
+
+    def _check_read_keys(self, kb: List[bytes], keys: Sequence[Key]) -> None:
+        """After MDB_BAD_VALSIZE on a read: the error naming the bad key (an empty one: a key too long
+        to exist reads as missing)."""
+        for k, key in zip(kb, keys):
+            if not 0 < len(k) <= self.max_key_size:
+                raise self._bad_key(k, key)
+
     # -- the Store API ----------------------------------------------------------------------------
     def mget_apply(self, keys: Sequence[Key], fn: Callable[[Any], T]) -> List[Optional[T]]:
         kb = [k if type(k) is bytes else key_bytes(k) for k in keys]
@@ -310,9 +355,9 @@ class LmdbStore(Store):
                     out.append(None if v is None else fn(v))
                 return out
 
-        return self._call("mget", run)
+        return self._read_call(run, kb, keys)
 
-    def mget_decode(self, keys: Sequence[Key]) -> Tuple[List[Any], int]:
+    def mget_decode(self, keys: Sequence[Key], missing: Any = None) -> Tuple[List[Any], int]:
         from trainloom.data.codec import _codec
 
         kb = [k if type(k) is bytes else key_bytes(k) for k in keys]
@@ -321,14 +366,24 @@ class LmdbStore(Store):
             # One C loop inside the read transaction: each map buffer is decoded (copied) before the
             # next get, and no buffer outlives the transaction.
             with env.begin(db=self._db, buffers=True) as txn:
-                return _codec.decode_many_get(txn.get, kb)
+                return _codec.decode_many_get(txn.get, kb, missing)
 
-        return self._call("mget", run)
+        return self._read_call(run, kb, keys)
+
+    def _read_call(self, run: Callable[[Any], T], kb: List[bytes], keys: Sequence[Key]) -> T:
+        try:
+            return self._call("mget", run)
+        except StoreError as exc:
+            if isinstance(exc.__cause__, _import_lmdb().BadValsizeError):
+                self._check_read_keys(kb, keys)
+            raise
 
     def mset(self, dictionary: Mapping[Key, Value]) -> None:
         if self.readonly:
             raise StoreError(f"LmdbStore: {self.path} was opened read-only", backend="lmdb")
-        items = [(key_bytes(k), value_bytes(k, v)) for k, v in dictionary.items()]
+        check_mapping(dictionary, "LmdbStore")
+        wk = self._write_key
+        items = [(wk(k), value_bytes(k, v)) for k, v in dictionary.items()]
         if not items:
             return
 
@@ -343,7 +398,7 @@ class LmdbStore(Store):
 
     def delete(self, keys: Sequence[Key]) -> None:
         """Delete ``keys`` from this namespace (missing keys are ignored)."""
-        kb = [key_bytes(k) for k in keys]
+        kb = [self._write_key(k) for k in keys]
 
         def run(env: Any) -> None:
             with env.begin(write=True, db=self._db) as t:
@@ -373,7 +428,7 @@ class LmdbStore(Store):
         Returns:
             True when entries were dropped.
         """
-        kb = key_bytes(key)
+        kb = self._write_key(key)
 
         def run(env: Any) -> bool:
             def txn() -> bool:

@@ -26,6 +26,7 @@ from trainloom.data.stores.base import (
     StoreOutOfMemoryError,
     StoreUnavailableError,
     Value,
+    check_mapping,
     check_namespace,
     key_bytes,
     value_bytes,
@@ -198,12 +199,13 @@ class RedisNodeStore(Store):
             self._mean_size = (self._mean_size + sum(sizes) // len(sizes)) // 2
         return [None if v is None else fn(v) for v in vals]
 
-    def mget_decode(self, keys: Sequence[Key]) -> Tuple[List[Any], int]:
+    def mget_decode(self, keys: Sequence[Key], missing: Any = None) -> Tuple[List[Any], int]:
         from trainloom.data.codec import _codec
 
-        return _codec.decode_list(self.mget_apply(keys, _identity))
+        return _codec.decode_list(self.mget_apply(keys, _identity), missing)
 
     def mset(self, dictionary: Mapping[Key, Value]) -> None:
+        check_mapping(dictionary, "RedisStore")
         if not dictionary:
             return
         p = self.prefix
