@@ -28,6 +28,18 @@ def test_cache_info_and_clear_lmdb(tmp_path, capsys):
     assert CacheLoader(path=tmp_path, dataset_name="beta").num_keys() == 0
 
 
+def test_cache_info_accepts_the_cache_dir_holding_lmdb(tmp_path, capsys, monkeypatch):
+    # $TRAINLOOM_CACHE_DIR is the cache directory; the default LMDB store lives in its lmdb/.
+    monkeypatch.setenv("TRAINLOOM_CACHE_DIR", str(tmp_path))
+    loader = CacheLoader(dataset_name="gamma")
+    loader.get(1, lambda k: k)
+    loader.close()
+    assert (tmp_path / "lmdb" / "data.mdb").exists()
+    for args in (["--path", str(tmp_path)], ["--path", str(tmp_path / "lmdb")], []):
+        assert main(["cache", "info", *args]) == 0
+        assert "namespace 'gamma': 1 entries" in capsys.readouterr().out
+
+
 def test_cache_cli_errors(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("TRAINLOOM_CACHE_DIR", str(tmp_path / "none"))
     assert main(["cache", "info"]) == 1

@@ -26,7 +26,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="cache_command", metavar="{info,clear}")
     for name, help_text in (("info", "show caches and their sizes"), ("clear", "delete cached entries")):
         p = sub.add_parser(name, help=help_text)
-        p.add_argument("--path", type=Path, default=None, help="LMDB cache directory (default: %(default)s)")
+        p.add_argument(
+            "--path",
+            type=Path,
+            default=None,
+            help="LMDB cache directory, or the cache directory holding it in lmdb/ "
+            "(default: $TRAINLOOM_CACHE_DIR/lmdb or ~/.cache/trainloom/lmdb)",
+        )
         p.add_argument("--namespace", default=None, help="the dataset_name of the cache")
         p.add_argument("--redis", default=None, metavar="HOST:PORT", help="a Redis server instead of LMDB")
         p.add_argument("--password", default=None, help="the Redis server's password")
@@ -50,6 +56,17 @@ def _lmdb_namespaces(path: Path) -> List[str]:
         return store.namespaces()
 
 
+def _lmdb_path(args: argparse.Namespace) -> Path:
+    """--path, or the default LMDB directory; a cache directory ($TRAINLOOM_CACHE_DIR) holding the
+    LMDB directory ``lmdb/`` is accepted for it."""
+    if args.path is None:
+        return default_cache_dir() / "lmdb"
+    path: Path = args.path
+    if not (path / "data.mdb").exists() and (path / "lmdb" / "data.mdb").exists():
+        return path / "lmdb"
+    return path
+
+
 def _redis_store(args: argparse.Namespace) -> Any:
     from trainloom.data.stores.redis_store import RedisNodeStore
 
@@ -71,7 +88,7 @@ def _info(args: argparse.Namespace) -> int:
         print(f"  namespace {info['namespace']!r}: {info['entries']} entries")
         store.close()
         return 0
-    path = args.path or default_cache_dir() / "lmdb"
+    path = _lmdb_path(args)
     if not (path / "data.mdb").exists():
         print(f"no LMDB cache at {path}")
         return 1
@@ -114,7 +131,7 @@ def _clear(args: argparse.Namespace) -> int:
     if args.namespace is None and not args.all:
         print("trainloom cache clear: name a --namespace, or pass --all", file=sys.stderr)
         return 2
-    path = args.path or default_cache_dir() / "lmdb"
+    path = _lmdb_path(args)
     if not (path / "data.mdb").exists():
         print(f"no LMDB cache at {path}")
         return 1
