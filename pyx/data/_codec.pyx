@@ -545,19 +545,8 @@ cdef class _Encoder:
         """A T_TENSOR node: tag, dtype code, ndim, shape, data offset (nbytes follow from them)."""
         cdef uint64_t nbytes, off
         cdef int code = _TORCH_CODE[obj.dtype]   # the caller checked the dtype is in the table
-        t = obj
         try:
-            if t.requires_grad:
-                t = t.detach()
-            if t.device.type != "cpu":
-                if t.device.type == "meta":
-                    raise CodecError(_META_TENSOR)
-                t = t.cpu()
-            t = t.resolve_conj().resolve_neg()
-            if not t.is_contiguous():
-                if code >= FIRST_RAW_VIEW:
-                    t = t.view(_TORCH_STORE_AS[code])   # same width; torch cannot copy e.g. uint1
-                t = t.contiguous()  # copies only the elements the view covers
+            t = _stored_tensor(obj, code)
             shape = tuple(t.shape)
         except RuntimeError:
             # A nested tensor reports the strided layout but has no single shape: torch's own
@@ -710,15 +699,7 @@ cdef class _Encoder:
             code = _TORCH_CODE.get(obj.dtype)
             if code is None or obj.is_nested:
                 return 0
-            t = obj.detach()
-            if t.device.type != "cpu":
-                if t.device.type == "meta":
-                    raise CodecError(_META_TENSOR)
-                t = t.cpu()
-            t = t.resolve_conj().resolve_neg()
-            if code >= FIRST_RAW_VIEW:
-                t = t.view(_TORCH_STORE_AS[code])
-            t = t.contiguous()
+            t = _stored_tensor(obj, code)
             nbytes = <uint64_t>t.numel() * <uint64_t>_TORCH_ITEMSIZE[code]
             off = self._add_array(<const uint8_t*><size_t>t.data_ptr(), nbytes, t) if nbytes else 0
             refs.append((K_TENSOR, code, tuple(t.shape), off))
@@ -781,6 +762,24 @@ cdef class _Encoder:
 
 
 _META_TENSOR = "a tensor on the meta device holds no data and cannot be stored"
+
+
+cdef object _stored_tensor(object t, int code):
+    """``t`` as the encoder stores its elements: detached, on the CPU, conj/neg resolved, contiguous
+    (copying only the elements a view covers; a raw-view dtype through the integer of its width,
+    which torch can copy, e.g. uint1). CodecError for a meta tensor."""
+    if t.requires_grad:
+        t = t.detach()
+    if t.device.type != "cpu":
+        if t.device.type == "meta":
+            raise CodecError(_META_TENSOR)
+        t = t.cpu()
+    t = t.resolve_conj().resolve_neg()
+    if not t.is_contiguous():
+        if code >= FIRST_RAW_VIEW:
+            t = t.view(_TORCH_STORE_AS[code])
+        t = t.contiguous()
+    return t
 
 
 class _Pickler(pickle.Pickler):

@@ -495,15 +495,9 @@ class CacheLoader:
             items = self._buffer
             try:
                 self.store.mset(items)
-            except StoreOutOfMemoryError as exc:
-                self._out_of_memory(exc)
-                return
-            except (StoreUnavailableError, StoreFullError) as exc:
-                self._trim_buffer()
-                self._store_failed(exc, "a write")
-                return
             except (StoreError, ConfigError) as exc:
-                self._flush_one_by_one(exc)
+                if not self._store_wide_failure(exc):
+                    self._flush_one_by_one(exc)
                 return
             self._stats["writes"] += len(items)
             self._stats["bytes_written"] += self._buffer_bytes
@@ -511,6 +505,19 @@ class CacheLoader:
             self._buffer = {}
             self._buffer_bytes = 0
             self._down_until = 0.0
+
+    def _store_wide_failure(self, exc: Exception) -> bool:
+        """Handle a write failure of the whole store (out of memory: this process stops writing;
+        unreachable or full: the buffer is trimmed and the failure reported). False when the store
+        refused these values only (a bad key, a value over its limit)."""
+        if isinstance(exc, StoreOutOfMemoryError):
+            self._out_of_memory(exc)
+            return True
+        if isinstance(exc, (StoreUnavailableError, StoreFullError)):
+            self._trim_buffer()
+            self._store_failed(exc, "a write")
+            return True
+        return False
 
     def _out_of_memory(self, exc: StoreOutOfMemoryError) -> None:
         self._stats["oom"] += 1
@@ -533,14 +540,9 @@ class CacheLoader:
             v = self._buffer[k]
             try:
                 self.store.mset({k: v})
-            except StoreOutOfMemoryError as exc:
-                self._out_of_memory(exc)
-                return
-            except (StoreUnavailableError, StoreFullError) as exc:
-                self._trim_buffer()
-                self._store_failed(exc, "a write")
-                return
             except (StoreError, ConfigError) as exc:  # ConfigError: the key is invalid for this store
+                if self._store_wide_failure(exc):
+                    return
                 refused[k] = exc
                 continue
             del self._buffer[k]
