@@ -1015,20 +1015,25 @@ def non_members(rank: int, ws: int) -> Dict[str, Any]:
 
 def agent_store(rank: int, ws: int) -> Dict[str, Any]:
     """init_process_group under TORCHELASTIC_USE_AGENT_STORE=True: every rank is a client of the store
-    the (simulated) agent already serves on MASTER_PORT; c10d logs nothing to stderr about it."""
+    the (simulated) agent already serves on MASTER_PORT; c10d logs nothing to stderr about it. Twice:
+    the agent's store outlives destroy_process_group, so the second init must not read the first one's
+    keys (Bluefog scripts call init/shutdown/init; test_api runs that under a real torchrun)."""
     import tempfile
 
     saved = os.dup(2)
+    results = []
     with tempfile.TemporaryFile() as err:
         os.dup2(err.fileno(), 2)
         try:
-            C.init_process_group(timeout=20)
-            t = torch.full((2,), float(rank + 1))
-            C.allreduce_inplace(t)
-            C.destroy_process_group()
+            for k in range(2):
+                C.init_process_group(timeout=10)
+                t = torch.full((2,), float(rank + 1 + k))
+                C.allreduce_inplace(t)
+                results.append(t.tolist())
+                C.destroy_process_group()
         finally:
             os.dup2(saved, 2)
             os.close(saved)
         err.seek(0)
         stderr = err.read().decode(errors="replace")
-    return {"stderr": stderr, "allreduce": t.tolist()}
+    return {"stderr": stderr, "allreduce": results[0], "allreduce_after_reinit": results[1]}

@@ -579,3 +579,38 @@ def test_communication_submodule_is_an_attribute_after_importing_the_package():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "True True True"
+
+
+_REINIT = """
+import torch
+import trainloom.comm.bluefog as bf
+
+for k in range(2):
+    bf.init()
+    out = bf.neighbor_allreduce(torch.ones(2) * (bf.rank() + k))
+    print(f"rank {bf.rank()} round {k}: {out.tolist()}", flush=True)
+    bf.shutdown()
+"""
+
+
+def test_init_shutdown_init_under_torchrun(tmp_path):
+    # torchrun's agent store outlives shutdown(): the second init read the first one's gloo keys
+    # (rank 0 connected to stale addresses; rank 1 timed out in gloo's connectFullMesh).
+    script = tmp_path / "reinit.py"
+    script.write_text(_REINIT)
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env.update(TRAINLOOM_COMM_TIMEOUT="20", OMP_NUM_THREADS="1")
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert sorted(line for line in out.stdout.splitlines() if line.strip()) == [
+        "rank 0 round 0: [0.5, 0.5]",
+        "rank 0 round 1: [1.5, 1.5]",
+        "rank 1 round 0: [0.5, 0.5]",
+        "rank 1 round 1: [1.5, 1.5]",
+    ]

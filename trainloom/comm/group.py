@@ -655,7 +655,9 @@ def init_process_group(
         if not dist.is_initialized():
             dist.init_process_group(
                 "gloo",
-                store=dist.PrefixStore("tl/torch", base),
+                # Per generation, like tl_store: torchrun's agent store outlives destroy_process_group,
+                # and a second init must not read the first one's gloo rendezvous keys.
+                store=dist.PrefixStore(f"tl/{_STATE.generation}/torch", base),
                 rank=launch.rank,
                 world_size=launch.world_size,
                 timeout=td,
