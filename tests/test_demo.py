@@ -59,6 +59,9 @@ def test_demo_rejects_bad_options(capsys: pytest.CaptureFixture) -> None:
     assert "--nproc must be >= 1" in capsys.readouterr().err
     assert demo.run(p.parse_args(["--samples", "2", "--nproc", "3"])) == 2
     assert "--nproc must not exceed --samples" in capsys.readouterr().err
+    for bad in ("inf", "nan", "-1"):
+        assert demo.run(p.parse_args(["--cost-us", bad])) == 2
+        assert f"--cost-us must be a finite number >= 0, got {float(bad)}" in capsys.readouterr().err
 
 
 def test_dataset_is_deterministic_and_lengths_are_metadata() -> None:
@@ -70,3 +73,5 @@ def test_dataset_is_deterministic_and_lengths_are_metadata() -> None:
     assert tokens.shape == (2, int(max(ds.lengths[0], ds.lengths[1]))) and labels.shape == (2,)
     with pytest.raises(ValueError, match="num_samples must be >= 1, got 0"):
         demo.SyntheticSequences(0)
+    with pytest.raises(ValueError, match=r"^cost_us_per_token must be a finite number >= 0, got inf$"):
+        demo.SyntheticSequences(4, cost_us_per_token=float("inf"))

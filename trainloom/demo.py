@@ -63,6 +63,8 @@ class SyntheticSequences(torch.utils.data.Dataset):
         self.lengths = np.clip(lengths, 4, 384).astype(np.int64)
         self.seed = seed
         self.cost_us_per_token = float(cost_us_per_token)
+        if not (math.isfinite(self.cost_us_per_token) and self.cost_us_per_token >= 0):
+            raise ValueError(f"cost_us_per_token must be a finite number >= 0, got {cost_us_per_token}")
 
     def __len__(self) -> int:
         return int(self.lengths.shape[0])
@@ -502,6 +504,10 @@ def run(args: argparse.Namespace) -> int:
             return 2
     if args.nproc > args.samples:
         print("trainloom demo: --nproc must not exceed --samples", file=sys.stderr)
+        return 2
+    if not (math.isfinite(args.cost_us) and args.cost_us >= 0):
+        # inf would make every sample busy-wait forever (and nan never ends the wait either)
+        print(f"trainloom demo: --cost-us must be a finite number >= 0, got {args.cost_us}", file=sys.stderr)
         return 2
     root = _cache_root()
     root.mkdir(parents=True, exist_ok=True)
