@@ -50,7 +50,16 @@ def test_cache_cli_errors(tmp_path, capsys, monkeypatch):
     assert main(["cache", "clear", "--path", str(tmp_path), "--namespace", "nope"]) == 1
     assert "namespace 'nope' not found" in capsys.readouterr().err
     assert main(["cache", "info", "--redis", "localhost"]) == 1
-    assert "--redis must be HOST:PORT" in capsys.readouterr().err
+    assert (
+        "--redis must be HOST:PORT ([ADDR]:PORT for IPv6, or redis://[:PASSWORD@]HOST:PORT), got 'localhost'"
+        in (capsys.readouterr().err)
+    )
+    assert main(["cache", "info", "--redis", "127.0.0.1:99999"]) == 1
+    assert "--redis: port 99999 is outside 1..65535" in capsys.readouterr().err
+    assert main(["cache", "info", "--redis", "redis://127.0.0.1"]) == 1
+    assert "--redis must be HOST:PORT or redis://[:PASSWORD@]HOST:PORT, got 'redis://127.0.0.1'" in (
+        capsys.readouterr().err
+    )
     assert main(["cache"]) == 2
 
 
@@ -67,6 +76,24 @@ def test_cache_info_and_clear_redis(redis_server, capsys):
     assert main(["cache", "clear", "--redis", addr, *pw]) == 2
     assert main(["cache", "clear", "--redis", addr, *pw, "--namespace", "cli"]) == 0
     assert loader.num_keys() == 0
+
+
+@requires_redis
+def test_cache_cli_redis_url_ipv4_brackets_and_password_from_the_environment(
+    redis_server, capsys, monkeypatch
+):
+    loader = CacheLoader("redis", "cli2", hosts=[redis_server.address()])
+    loader.clear()
+    loader.get(1, lambda k: k)
+    loader.flush()
+    port, pw = redis_server.port, redis_server.password
+    url = f"redis://:{pw}@{redis_server.host}:{port}"
+    assert main(["cache", "info", "--redis", url, "--namespace", "cli2"]) == 0
+    assert "namespace 'cli2': 1 entries" in capsys.readouterr().out
+    monkeypatch.setenv("REDISCLI_AUTH", pw)  # redis-cli's variable: the password stays out of `ps`
+    assert main(["cache", "info", "--redis", f"[{redis_server.host}]:{port}", "--namespace", "cli2"]) == 0
+    assert "namespace 'cli2': 1 entries" in capsys.readouterr().out
+    loader.clear()
 
 
 @pytest.mark.parametrize(

@@ -10,9 +10,11 @@ trainloom cache clear --all                # drop every namespace of the LMDB ca
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import urllib.parse
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from trainloom.data.stores.base import StoreError
 from trainloom.data.stores.lmdb_store import LmdbStore, default_cache_dir
@@ -34,8 +36,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "(default: $TRAINLOOM_CACHE_DIR/lmdb or ~/.cache/trainloom/lmdb)",
         )
         p.add_argument("--namespace", default=None, help="the dataset_name of the cache")
-        p.add_argument("--redis", default=None, metavar="HOST:PORT", help="a Redis server instead of LMDB")
-        p.add_argument("--password", default=None, help="the Redis server's password")
+        p.add_argument(
+            "--redis",
+            default=None,
+            metavar="HOST:PORT",
+            help="a Redis server instead of LMDB (also [IPv6]:PORT or redis://[:PASSWORD@]HOST:PORT)",
+        )
+        p.add_argument(
+            "--password", default=None, help="the Redis server's password (default: $REDISCLI_AUTH)"
+        )
         if name == "clear":
             p.add_argument("--all", action="store_true", help="every namespace of the LMDB cache")
     parser.set_defaults(cache_command=None)
@@ -67,13 +76,39 @@ def _lmdb_path(args: argparse.Namespace) -> Path:
     return path
 
 
+def _redis_address(spec: str) -> Tuple[str, int, Optional[str]]:
+    """(host, port, password from the URL) of HOST:PORT, [IPv6]:PORT or redis://[:PW@]HOST:PORT."""
+    if spec.startswith(("redis://", "rediss://")):
+        url = urllib.parse.urlsplit(spec)
+        try:
+            port = url.port
+        except ValueError:
+            port = None
+        if not url.hostname or port is None:
+            raise ValueError(f"--redis must be HOST:PORT or redis://[:PASSWORD@]HOST:PORT, got {spec!r}")
+        password = urllib.parse.unquote(url.password) if url.password else None
+        return url.hostname, port, password
+    host, _, port_s = spec.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]  # [::1]:6379
+    if not host or not port_s.isdigit():
+        raise ValueError(
+            "--redis must be HOST:PORT ([ADDR]:PORT for IPv6, or redis://[:PASSWORD@]HOST:PORT), "
+            f"got {spec!r}"
+        )
+    port = int(port_s)
+    if not 0 < port < 65536:
+        raise ValueError(f"--redis: port {port} is outside 1..65535")
+    return host, port, None
+
+
 def _redis_store(args: argparse.Namespace) -> Any:
     from trainloom.data.stores.redis_store import RedisNodeStore
 
-    host, _, port = args.redis.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"--redis must be HOST:PORT, got {args.redis!r}")
-    return RedisNodeStore(host, int(port), args.password, namespace=args.namespace or "")
+    host, port, url_password = _redis_address(args.redis)
+    # A password on the command line shows in `ps`: REDISCLI_AUTH (redis-cli's variable) or the URL too.
+    password = args.password or url_password or os.environ.get("REDISCLI_AUTH") or None
+    return RedisNodeStore(host, port, password, namespace=args.namespace or "")
 
 
 def _info(args: argparse.Namespace) -> int:
