@@ -226,5 +226,7 @@ def test_init_under_torchrun_connects_to_the_agent_store():
     res = run_ranks(agent_store, 2, timeout=60, env=env)
     for r in res:
         assert r["allreduce"] == [3.0, 3.0]
+        assert r["allreduce_after_reinit"] == [5.0, 5.0]  # init, destroy, init again on the same store
         assert "TCPStore" not in r["stderr"] and "failed to bind" not in r["stderr"], r["stderr"]
     assert agent.check(["tl/1/node/0", "tl/1/node/1"])  # both ranks wrote to the agent's store
+    assert agent.check(["tl/2/node/0", "tl/2/node/1"])  # the second init under its own prefix
