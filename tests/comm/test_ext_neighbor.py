@@ -222,3 +222,81 @@ def test_missing_neighbor_times_out():
         assert res[rank]["error"].startswith("CommTimeoutError") or res[rank]["error"].startswith("CommError")
         assert "alltoall_v" in res[rank]["error"] or "allgather" in res[rank]["error"]
         assert res[rank]["seconds"] < 30
+
+
+def test_half_precision_non_contiguous_inputs_match_float32():
+    res = run_ranks(R.neighbor_half_strided, 2, timeout=60)
+    for r in res:
+        assert len(r) == 8
+        for key, (dtype_ok, shape_ok, equal, equal_explicit, contiguous) in r.items():
+            assert dtype_ok and shape_ok, key
+            assert equal and equal_explicit, key  # bit-identical to the float32 result rounded once
+            assert contiguous is False, key  # every case really is a strided input
+
+
+def test_topology_ranks_accept_numpy_integers_and_reject_other_types():
+    np = pytest.importorskip("numpy")
+    t = tp.Topology.from_edges(np.int64(3), [(np.int64(0), np.int64(1)), (np.int32(1), 2)])
+    assert t == tp.Topology.from_edges(3, [(0, 1), (1, 2)])
+    assert t.in_neighbors(np.int64(1)) == [0] and type(t.in_neighbors(1)[0]) is int
+    assert tp.ExponentialTwoGraph(np.int64(4)) == tp.ExponentialTwoGraph(4)
+    assert tp.RingGraph(np.int16(3)).in_neighbors(0) == [1, 2]
+    w = tp.Topology.from_edges(2, {(np.int64(0), 1): 0.5}, self_weights=[1.0, 0.5])
+    assert w.in_weights(1) == {0: 0.5}
+    with pytest.raises(
+        TypeError, match=r"^Topology.from_edges: edge '01' names rank '0', which is not an int \(str\)$"
+    ):
+        tp.Topology.from_edges(3, ["01"])
+    with pytest.raises(
+        TypeError, match=r"^Topology.from_edges: edge \(0, 1.0\) names rank 1.0, which is not an int"
+    ):
+        tp.Topology.from_edges(3, [(0, 1.0)])
+    with pytest.raises(
+        ValueError, match=r"^Topology.from_edges: edge \(0, .*\) names rank 3 outside 0\.\.2$"
+    ):
+        tp.Topology.from_edges(3, [(0, np.int64(3))])  # in range is the check, not the type
+    with pytest.raises(
+        TypeError, match=r"^Topology.from_edges: size must be an int >= 1, got 2.0 \(float\)$"
+    ):
+        tp.Topology.from_edges(2.0, [])
+    with pytest.raises(TypeError, match=r"^RingGraph: size must be an int >= 1, got '3' \(str\)$"):
+        tp.RingGraph("3")
+    with pytest.raises(TypeError, match=r"^Topology: rank must be an int, got '1' \(str\)$"):
+        tp.RingGraph(3).in_neighbors("1")
+    with pytest.raises(
+        TypeError, match=r"^Topology: rank 1 has in-neighbour '0', which is not an int rank \(str\)$"
+    ):
+        tp.Topology(2, [{}, {"0": 0.5}], [1.0, 0.5])
+
+
+def test_from_matrix_rejects_non_matrices_clearly():
+    msg = (
+        r"^Topology.from_matrix: need a square 2-D matrix \(a sequence of rows\), but row 0 is 0.5, "
+        r"not a sequence \(a 1-D input is not a matrix\)$"
+    )
+    with pytest.raises(ValueError, match=msg):
+        tp.Topology.from_matrix([0.5, 0.5])
+    with pytest.raises(ValueError, match=msg):
+        tp.Topology.from_matrix(torch.tensor([0.5, 0.5]))
+    with pytest.raises(
+        ValueError, match=r"^Topology.from_matrix: need a square 2-D matrix \(a sequence of rows\), got 1.0$"
+    ):
+        tp.Topology.from_matrix(torch.tensor(1.0))
+    with pytest.raises(
+        TypeError, match=r"^Topology.from_matrix: entry \[0\]\[1\] must be a real number, got 'x'$"
+    ):
+        tp.Topology.from_matrix([[1.0, "x"], [0.0, 1.0]])
+
+
+def test_zero_weight_edges_and_equality():
+    # a zero-weight edge is no edge, whichever builder made it
+    e = tp.Topology.from_edges(2, {(0, 1): 0.0, (1, 0): 0.5}, self_weights=[0.5, 1.0])
+    m = tp.Topology.from_matrix([[0.5, 0.0], [0.5, 1.0]])
+    assert e.in_neighbors(1) == [] and e.out_neighbors(0) == [] and e.num_edges() == 1
+    assert e == m and e.matrix() == m.matrix()
+    # equality includes whether the weights are user-chosen
+    uniform = tp.Topology.from_edges(2, [(0, 1), (1, 0)])
+    weighted = tp.Topology.from_edges(2, {(0, 1): 0.5, (1, 0): 0.5}, self_weights=[0.5, 0.5])
+    assert uniform.matrix() == weighted.matrix()
+    assert uniform != weighted and weighted == tp.Topology.from_matrix(weighted.matrix())
+    assert uniform == tp.Topology.from_edges(2, [(1, 0), (0, 1)])

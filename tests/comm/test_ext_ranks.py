@@ -320,6 +320,7 @@ def styles_suite(rank: int, ws: int, engine: str) -> Dict[str, Any]:
         out["mode_bcast"] = col.broadcast(torch.full((1,), float(rank)), ws - 1, "pair").tolist()
     out["bad_dim"] = _expect(col.all_gather, ValueError, x, 3)
     out["bad_div"] = _expect(col.reduce_scatter, ValueError, torch.ones(ws + 1), 0)
+    out["bad_0d"] = _expect(col.reduce_scatter, ValueError, torch.tensor(1.0), 0)
     out["bad_mode"] = _expect(col.all_reduce, ValueError, torch.ones(1), "tensor")
     out["bad_src"] = _expect(col.broadcast, ValueError, torch.ones(1), ws)
 
@@ -593,4 +594,160 @@ def windows_two_nodes(rank: int, ws: int) -> Dict[str, Any]:
     C.init_process_group(timeout=30)
     out = {"error": _expect(win.win_create, NotImplementedError, torch.ones(2), "w")}
     C.destroy_process_group()
+    return out
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _tlwin() -> List[str]:
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith("tlwin-"))
+
+
+def windows_mismatch(rank: int, ws: int) -> Dict[str, Any]:
+    """win_create with arguments that differ between ranks: the same CommError everywhere, nothing left."""
+    from trainloom.comm import windows as win
+
+    torch.set_num_threads(1)
+    C.init_process_group(timeout=30)
+    tp.set_topology(tp.RingGraph(ws))
+    pg = C.new_group()
+    tp.set_topology(tp.RingGraph(ws, connect_style=1 + (rank == 0)), comm=pg)  # differs on rank 0
+    nb.barrier()
+    nb.barrier(comm=pg)  # engines exist, so the fd count below compares like with like
+    fds = _fds()
+    out: Dict[str, Any] = {}
+    out["shape"] = _expect(win.win_create, CommError, torch.ones(4 if rank == 0 else 3), "a")
+    out["big"] = _expect(win.win_create, CommError, torch.ones(100 if rank == 0 else 10), "a")
+    x = torch.ones(4, dtype=torch.float32 if rank == 0 else torch.float64)
+    out["dtype"] = _expect(win.win_create, CommError, x, "a")
+    out["name"] = _expect(win.win_create, CommError, torch.ones(4), f"n{rank}")
+    # one rank's bad argument: that rank raises its own error, the others a CommError naming it
+    bad = torch.ones(4, dtype=torch.int64 if rank == 1 else torch.float32)
+    out["local"] = _expect(win.win_create, Exception, bad, "a")
+    out["topology"] = _expect(win.win_create, CommError, torch.ones(4), "a", comm=pg)
+    out["fds_leaked"] = _fds() - fds
+    out["shm_left"] = _tlwin()
+    out["live"] = win._live_windows()
+    # the communicator is still usable: a matching window works
+    y = torch.full((2,), float(rank))
+    win.win_create(y, "a")
+    win.win_put(y, "a")
+    nb.barrier()
+    out["after"] = win.win_sync("a", clone=True).tolist()
+    nb.barrier()
+    win.win_free("a")
+    C.destroy_process_group()
+    return out
+
+
+def windows_dtypes(rank: int, ws: int) -> Dict[str, Any]:
+    """Window averages in each dtype (2 ranks: each is the other's only neighbour)."""
+    from trainloom.comm import windows as win
+
+    torch.set_num_threads(1)
+    C.init_process_group(timeout=30)
+    tp.set_topology(tp.RingGraph(ws))
+    other = 1 - rank
+    out: Dict[str, Any] = {}
+    values = {
+        "float64": torch.full((3,), 2.0**40 + 1 + rank, dtype=torch.float64),
+        "float32": torch.tensor([0.1, 1.0 / 3.0, 1e-8], dtype=torch.float32) * (rank + 1),
+        "float16": torch.tensor([1000.0, 0.6, 3.0], dtype=torch.float16) * (rank + 1),
+        "bfloat16": torch.tensor([1000.0, 0.6, 3.0], dtype=torch.bfloat16) * (rank + 1),
+        "complex64": torch.full((2,), (rank + 1) * (1 + 1j), dtype=torch.complex64),
+        "complex128": torch.full((2,), (2.0**40 + rank) * (1 - 2j), dtype=torch.complex128),
+    }
+    for name, x in values.items():
+        win.win_create(x, name)
+        win.win_put(x, name)
+    nb.barrier()
+    for name in values:
+        avg = win.win_sync(name, 0.25, {other: 0.75}, clone=True)
+        own = win.win_sync(name, 1.0, {other: 0.0}, clone=True)
+        out[name] = [str(avg.dtype), avg.tolist(), own.tolist()]
+    nb.barrier()
+    win.win_free()
+    out["int64"] = _expect(win.win_create, TypeError, torch.ones(2, dtype=torch.int64), "i")
+    out["bool"] = _expect(win.win_create, TypeError, torch.ones(2, dtype=torch.bool), "b")
+    out["live"] = win._live_windows()
+    C.destroy_process_group()
+    return out
+
+
+def windows_free_after_destroy(rank: int, ws: int) -> Dict[str, Any]:
+    """win_free(name) is local: it works once the window's communicator is gone."""
+    from trainloom.comm import windows as win
+
+    torch.set_num_threads(1)
+    C.init_process_group(timeout=30)
+    out: Dict[str, Any] = {}
+    pg = C.new_group()
+    win.win_create(torch.ones(3), "w", comm=pg)
+    nb.barrier()
+    pg.destroy()  # the window's communicator is gone
+    out["use_after"] = _expect(win.win_sync, CommError, "w")
+    out["dup_before_free"] = _expect(win.win_create, ValueError, torch.ones(3), "w")
+    out["free"] = win.win_free("w")
+    out["again"] = _expect(win.win_free, ValueError, "w")
+    y = torch.full((3,), float(rank))
+    win.win_create(y, "w")  # the name is free again, on the default group
+    win.win_put(y, "w")
+    nb.barrier()
+    out["recreated"] = win.win_sync("w", clone=True).tolist()
+    nb.barrier()
+    C.destroy_process_group()
+    fds = _fds()
+    out["free_after_destroy"] = win.win_free("w")
+    out["live"] = win._live_windows()
+    out["fds_released"] = fds - _fds()  # one per rank's window file
+    out["shm_left"] = _tlwin()
+    return out
+
+
+def neighbor_half_strided(rank: int, ws: int) -> Dict[str, Any]:
+    """float16/bfloat16 inputs that are not contiguous average like their float32 values."""
+    torch.set_num_threads(1)
+    C.init_process_group(timeout=30)
+    tp.set_topology(tp.RingGraph(ws))
+    base = torch.arange(24.0).reshape(2, 3, 4) * (rank + 1) + 0.1 * rank
+    cases = {
+        "transposed": lambda t: t[0].t(),
+        "permuted": lambda t: t.permute(2, 0, 1),
+        "channels_last": lambda t: t.reshape(1, 2, 3, 4).contiguous(memory_format=torch.channels_last),
+        "sliced": lambda t: t[:, :, ::2],
+    }
+    out: Dict[str, Any] = {}
+    for dtype in (torch.float16, torch.bfloat16):
+        for name, view in cases.items():
+            x = view(base.to(dtype))
+            want = nb.neighbor_allreduce(x.float()).to(dtype)  # the same sums in float32, rounded once
+            got = nb.neighbor_allreduce(x)
+            explicit = nb.neighbor_allreduce(x, 0.25, {(rank + 1) % ws: 0.75})
+            want_e = nb.neighbor_allreduce(x.float(), 0.25, {(rank + 1) % ws: 0.75}).to(dtype)
+            key = f"{str(dtype)[6:]}/{name}"
+            out[key] = [
+                got.dtype == dtype,
+                tuple(got.shape) == tuple(x.shape),
+                torch.equal(got, want),
+                torch.equal(explicit, want_e),
+                x.is_contiguous(),
+            ]
+    C.destroy_process_group()
+    return out
+
+
+def bluefog_not_initialized(rank: int, ws: int) -> Dict[str, Any]:
+    """bf.size()/rank()/local_size()/local_rank() raise before init() and after shutdown(), as Bluefog."""
+    import trainloom.comm.bluefog as bf
+
+    def queries() -> List[str]:
+        return [_expect(f, ValueError) for f in (bf.size, bf.rank, bf.local_size, bf.local_rank)]
+
+    out: Dict[str, Any] = {"before": queries()}
+    bf.init()
+    out["during"] = [bf.size(), bf.rank(), bf.local_size(), bf.local_rank()]
+    bf.shutdown()
+    out["after"] = queries()
     return out

@@ -34,6 +34,10 @@ def test_colossal_and_classic_forms(ws, engine):
             f"ValueError: reduce_scatter: tensor.shape[0]={ws + 1} (shape ({ws + 1},)) is not divisible by "
             f"the group's {ws} ranks"
         )
+        assert r["bad_0d"] == (
+            f"ValueError: reduce_scatter: a 0-d tensor (shape ()) has 1 element, which is not divisible by "
+            f"the group's {ws} ranks"
+        )
         assert r["bad_mode"].startswith(
             "ValueError: all_reduce: parallel_mode 'tensor' is not a ProcessGroup"
         )
@@ -101,3 +105,14 @@ def test_bluefog_script_moves_over_by_changing_the_import():
         torch.testing.assert_close(
             torch.tensor(r["w"]), torch.tensor(res[0]["w"]) - 0.1 * rank * torch.ones(2), rtol=0, atol=1e-6
         )
+
+
+def test_bluefog_rank_queries_raise_before_init_and_after_shutdown():
+    res = run_ranks(R.bluefog_not_initialized, 2, timeout=60)
+    for rank, r in enumerate(res):
+        want = [
+            f"ValueError: {q}: BlueFog has not been initialized; use bf.init()."
+            for q in ("size", "rank", "local_size", "local_rank")
+        ]
+        assert r["before"] == want and r["after"] == want
+        assert r["during"] == [2, rank, 2, rank]

@@ -11,7 +11,8 @@ A Bluefog script moves over by changing its import::
 
 Everything here is a re-export of :mod:`trainloom.comm.neighbor`, :mod:`trainloom.comm.topology`,
 :mod:`trainloom.comm.state`, :mod:`trainloom.comm.optimizers` and :mod:`trainloom.comm.windows`,
-plus ``init``/``shutdown`` and the rank queries. Handles are the core
+plus ``init``/``shutdown`` and the rank queries (which, as in Bluefog, raise ``ValueError`` before
+``init()`` and after ``shutdown()``). Handles are the core
 :class:`~trainloom.comm.work.Work` objects (Bluefog returns ints). Not provided:
 ``DistributedBluefogOptimizer``, ``win_lock``/``win_mutex`` (slots are always locked); use
 :func:`DistributedNeighborAllreduceOptimizer` (see docs/comm-ext.md).
@@ -142,21 +143,47 @@ def shutdown() -> None:
     _group.destroy_process_group()
 
 
+def _initialized(what: str) -> None:
+    # Bluefog's rank queries raise ValueError before bf.init() and after bf.shutdown().
+    if not _group.is_initialized():
+        raise ValueError(f"{what}: BlueFog has not been initialized; use bf.init().")
+
+
 def size() -> int:
-    """Number of ranks."""
+    """Number of ranks.
+
+    Raises:
+        ValueError: before :func:`init` or after :func:`shutdown` (as Bluefog).
+    """
+    _initialized("size")
     return _env.get_world_size()
 
 
 def rank() -> int:
-    """This process's rank."""
+    """This process's rank.
+
+    Raises:
+        ValueError: before :func:`init` or after :func:`shutdown` (as Bluefog).
+    """
+    _initialized("rank")
     return _env.get_rank()
 
 
 def local_size() -> int:
-    """Number of ranks on this node."""
+    """Number of ranks on this node.
+
+    Raises:
+        ValueError: before :func:`init` or after :func:`shutdown` (as Bluefog).
+    """
+    _initialized("local_size")
     return _env.get_local_size()
 
 
 def local_rank() -> int:
-    """This process's rank on its node."""
+    """This process's rank on its node.
+
+    Raises:
+        ValueError: before :func:`init` or after :func:`shutdown` (as Bluefog).
+    """
+    _initialized("local_rank")
     return _env.get_local_rank()

@@ -116,7 +116,8 @@ def all_gather(tensor: torch.Tensor, dim: int, parallel_mode: Any = None, async_
 
     Raises:
         TypeError, ValueError: bad tensor, dim or group (named in the message).
-        CommError: the ranks' shapes differ.
+        CommError: the ranks' element counts or dtypes differ (shapes with the same element count
+            are not compared, as in torch.distributed).
 
     Example::
 
@@ -177,6 +178,11 @@ def reduce_scatter(
     c = _comm(parallel_mode, opname)
     n = c.nranks()
     if t.dim() == 0:
+        if n > 1:
+            raise ValueError(
+                f"{opname}: a 0-d tensor (shape ()) has 1 element, which is not divisible by the group's "
+                f"{n} ranks"
+            )
         t = t.reshape(1)
     shape = tuple(t.shape)
     if shape[d] % n:

@@ -227,7 +227,12 @@ def neighbor_allreduce_async(
     out = torch.empty(src.shape, dtype=src.dtype, device=src.device)
     acc_dtype = torch.float32 if src.dtype in _HALF else src.dtype
     # The self term is computed now: it snapshots this rank's value and overlaps the transfer.
-    acc = torch.mul(src, sw, out=out) if acc_dtype == src.dtype else src.to(acc_dtype) * sw
+    # ``out`` is contiguous; the float32 accumulator of a half tensor is made contiguous too (a
+    # transposed or channels_last input would otherwise keep its strides and defeat acc.view(-1)).
+    if acc_dtype == src.dtype:
+        acc = torch.mul(src, sw, out=out)
+    else:
+        acc = src.to(acc_dtype, memory_format=torch.contiguous_format).mul_(sw)
     numel = src.numel()
     flat = src.reshape(-1)
     if n == 1:
@@ -297,7 +302,8 @@ def neighbor_allreduce(
         TypeError: not a tensor, an integer dtype, bad weight types.
         ValueError: a weighted rank that is not an in-neighbour, negative/non-finite weights, weights
             that do not sum to 1, only one of ``self_weight`` / ``neighbor_weights``.
-        CommError: the ranks disagree on shapes or on the topology.
+        CommError: the ranks disagree on the element count, the dtype or (exchange mode) the
+            topology. Shapes with the same element count are not compared (as in torch.distributed).
         CommTimeoutError: a neighbour did not arrive in time.
 
     Example::

@@ -24,6 +24,7 @@ Example::
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import weakref
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
@@ -58,6 +59,23 @@ def _check_weight(value: Any, what: str) -> float:
     if w < 0:
         raise ValueError(f"{what} must be >= 0, got {w}")
     return w
+
+
+def _as_rank(value: Any) -> Optional[int]:
+    """``value`` as an int when it is an integer (numpy integers too, bools excluded), else None."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value)
+
+
+def _check_size(size: Any, who: str) -> int:
+    """``size`` as an int >= 1 (numpy integers accepted): TypeError for non-integers, ValueError < 1."""
+    n = _as_rank(size)
+    if n is None:
+        raise TypeError(f"{who}: size must be an int >= 1, got {size!r} ({type(size).__name__})")
+    if n < 1:
+        raise ValueError(f"{who}: size must be an int >= 1, got {n}")
+    return n
 
 
 def check_sum(self_weight: float, weights: Mapping[int, float], where: str) -> None:
@@ -99,8 +117,7 @@ class Topology:
         self_weights: Sequence[float],
         weighted: bool = True,
     ) -> None:
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"Topology: size must be an int >= 1, got {size!r}")
+        size = _check_size(size, "Topology")
         if len(in_weights) != size or len(self_weights) != size:
             raise ValueError(
                 f"Topology: in_weights and self_weights need {size} entries (one per rank), got "
@@ -112,12 +129,20 @@ class Topology:
         self._self: List[float] = []
         for j in range(size):
             row: Dict[int, float] = {}
-            for i, w in dict(in_weights[j]).items():
-                if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < size:
-                    raise ValueError(f"Topology: rank {j} has in-neighbour {i!r} outside 0..{size - 1}")
+            for key, w in dict(in_weights[j]).items():
+                i = _as_rank(key)
+                if i is None:
+                    raise TypeError(
+                        f"Topology: rank {j} has in-neighbour {key!r}, which is not an int rank "
+                        f"({type(key).__name__})"
+                    )
+                if not 0 <= i < size:
+                    raise ValueError(f"Topology: rank {j} has in-neighbour {i} outside 0..{size - 1}")
                 if i == j:
                     raise ValueError(f"Topology: rank {j} lists itself as in-neighbour; use self_weights")
-                row[i] = _check_weight(w, f"Topology: weight of edge {i} -> {j}")
+                weight = _check_weight(w, f"Topology: weight of edge {i} -> {j}")
+                if weight != 0.0:  # a zero weight is no edge (as a 0 in from_matrix)
+                    row[i] = weight
             sw = _check_weight(self_weights[j], f"Topology: self weight of rank {j}")
             check_sum(sw, row, f"Topology: rank {j}")
             self._in.append(dict(sorted(row.items())))
@@ -145,15 +170,20 @@ class Topology:
                 a mapping ``{(src, dst): weight}`` together with ``self_weights``.
             self_weights: one per rank; required with weighted edges.
 
+        An edge given weight 0 is no edge (it is dropped, as a 0 in :meth:`from_matrix`): the
+        receiver does not list the sender as an in-neighbour, also when the topology is later used
+        unweighted. Ranks may be Python or numpy integers.
+
         Raises:
-            ValueError: weighted edges without ``self_weights`` (or the reverse), bad ranks or weights.
+            ValueError: weighted edges without ``self_weights`` (or the reverse), ranks outside
+                ``0..size-1``, self loops, bad weights.
+            TypeError: a rank or the size that is not an integer.
 
         Example::
 
             Topology.from_edges(2, {(0, 1): 0.5, (1, 0): 0.25}, self_weights=[0.75, 0.5])
         """
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"Topology.from_edges: size must be an int >= 1, got {size!r}")
+        size = _check_size(size, "Topology.from_edges")
         ins: List[Dict[int, float]] = [{} for _ in range(size)]
         if isinstance(edges, Mapping):
             if self_weights is None:
@@ -180,16 +210,34 @@ class Topology:
         ``W[j][j]`` is rank ``j``'s self weight. Every column must sum to 1. Accepts nested lists,
         numpy arrays and tensors.
 
+        Raises:
+            ValueError: not a square 2-D matrix (e.g. a 1-D vector), bad weights or column sums.
+            TypeError: an entry that is not a real number.
+
         Example::
 
             Topology.from_matrix([[0.5, 0.5], [0.5, 0.5]])
         """
-        rows = [list(map(float, r)) for r in (matrix.tolist() if hasattr(matrix, "tolist") else matrix)]
+        who = "Topology.from_matrix"
+        data = matrix.tolist() if hasattr(matrix, "tolist") else matrix
+        if isinstance(data, (str, bytes)) or not isinstance(data, Iterable):
+            raise ValueError(f"{who}: need a square 2-D matrix (a sequence of rows), got {data!r}")
+        rows: List[List[float]] = []
+        for i, r in enumerate(data):
+            if isinstance(r, (str, bytes)) or not isinstance(r, Iterable):
+                raise ValueError(
+                    f"{who}: need a square 2-D matrix (a sequence of rows), but row {i} is {r!r}, not a "
+                    "sequence (a 1-D input is not a matrix)"
+                )
+            row = []
+            for j, v in enumerate(r):
+                if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                    raise TypeError(f"{who}: entry [{i}][{j}] must be a real number, got {v!r}")
+                row.append(float(v))
+            rows.append(row)
         size = len(rows)
         if size < 1 or any(len(r) != size for r in rows):
-            raise ValueError(
-                f"Topology.from_matrix: need a square matrix, got rows of lengths {[len(r) for r in rows]}"
-            )
+            raise ValueError(f"{who}: need a square matrix, got rows of lengths {[len(r) for r in rows]}")
         ins = [{i: rows[i][j] for i in range(size) if i != j and rows[i][j] != 0.0} for j in range(size)]
         return cls(size, ins, [rows[j][j] for j in range(size)], weighted=True)
 
@@ -224,14 +272,21 @@ class Topology:
         return w
 
     def _rank(self, rank: int) -> int:
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.size:
-            raise ValueError(f"Topology: rank {rank!r} is outside 0..{self.size - 1}")
-        return rank
+        if type(rank) is int and 0 <= rank < self.size:  # the common case, kept cheap
+            return rank
+        r = _as_rank(rank)
+        if r is None:
+            raise TypeError(f"Topology: rank must be an int, got {rank!r} ({type(rank).__name__})")
+        if not 0 <= r < self.size:
+            raise ValueError(f"Topology: rank {r} is outside 0..{self.size - 1}")
+        return r
 
     def __eq__(self, other: object) -> bool:
+        """Same size, edges, weights and whether the weights are user-chosen (``weighted``)."""
         return (
             isinstance(other, Topology)
             and self.size == other.size
+            and self.weighted == other.weighted
             and self._in == other._in
             and self._self == other._self
         )
@@ -246,9 +301,18 @@ def _edge(key: Any, size: int) -> Tuple[int, int]:
         src, dst = key
     except (TypeError, ValueError):
         raise ValueError(f"Topology.from_edges: an edge must be a pair (src, dst), got {key!r}") from None
+    ends = []
     for v in (src, dst):
-        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < size:
-            raise ValueError(f"Topology.from_edges: edge {key!r} names rank {v!r} outside 0..{size - 1}")
+        r = _as_rank(v)
+        if r is None:
+            raise TypeError(
+                f"Topology.from_edges: edge {key!r} names rank {v!r}, which is not an int "
+                f"({type(v).__name__})"
+            )
+        if not 0 <= r < size:
+            raise ValueError(f"Topology.from_edges: edge {key!r} names rank {r} outside 0..{size - 1}")
+        ends.append(r)
+    src, dst = ends
     if src == dst:
         raise ValueError(f"Topology.from_edges: edge {key!r} is a self loop; use self_weights")
     return src, dst
@@ -264,7 +328,7 @@ def ExponentialTwoGraph(size: int) -> Topology:  # noqa: N802 - Bluefog's name
 
         ExponentialTwoGraph(4).in_neighbors(0)      # [2, 3]
     """
-    _size(size, "ExponentialTwoGraph")
+    size = _check_size(size, "ExponentialTwoGraph")
     edges = set()
     k = 1
     while k < size:
@@ -286,7 +350,7 @@ def RingGraph(size: int, connect_style: int = 0) -> Topology:  # noqa: N802 - Bl
 
         RingGraph(4).in_neighbors(0)                # [1, 3]
     """
-    _size(size, "RingGraph")
+    size = _check_size(size, "RingGraph")
     if connect_style not in (0, 1, 2):
         raise ValueError(f"RingGraph: connect_style must be 0, 1 or 2, got {connect_style!r}")
     edges = set()
@@ -305,13 +369,8 @@ def FullyConnectedGraph(size: int) -> Topology:  # noqa: N802 - Bluefog's name
 
         FullyConnectedGraph(3).in_neighbors(1)      # [0, 2]
     """
-    _size(size, "FullyConnectedGraph")
+    size = _check_size(size, "FullyConnectedGraph")
     return Topology.from_edges(size, [(i, j) for i in range(size) for j in range(size) if i != j])
-
-
-def _size(size: Any, who: str) -> None:
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"{who}: size must be an int >= 1, got {size!r}")
 
 
 # ---------------------------------------------------------------------------- per-communicator state

@@ -13,6 +13,11 @@ business, as with MPI windows: call :func:`trainloom.comm.neighbor.barrier` betw
 and the syncs that should see them. The files are unlinked as soon as every rank has mapped them, so
 nothing is left in /dev/shm even if the job is killed.
 
+:func:`win_create` first exchanges every rank's window description (name, shape, dtype and the
+topology's edges) and raises the same ``CommError`` on every rank when they differ, before any
+file exists. Windows hold floating or complex tensors (they average): float16/bfloat16 windows
+accumulate in float32, float32/float64/complex windows in their own precision.
+
 Groups spanning several nodes and CUDA tensors raise ``NotImplementedError`` naming the alternative,
 :func:`~trainloom.comm.neighbor.neighbor_allreduce`.
 
@@ -29,18 +34,20 @@ Example::
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import json
 import mmap
 import os
 import secrets
-from typing import Dict, List, Mapping, Optional, Union
+from typing import Any, Dict, List, Mapping, Optional, Union
 
 import torch
 
 from trainloom.comm import collectives as _core
 from trainloom.comm.group import Communicator, ProcessGroup
-from trainloom.comm.state import broadcast_object
 from trainloom.comm.topology import _check_weight, check_sum, resolve_comm, topology_entry
 from trainloom.comm.work import CompletedWork, Work
+from trainloom.errors import CommError
 
 __all__ = [
     "win_create",
@@ -59,6 +66,7 @@ __all__ = [
 
 CommArg = Union[None, Communicator, ProcessGroup]
 _ALIGN = 64  # slots start on cache lines so two writers never share one
+_HALF = (torch.float16, torch.bfloat16)  # accumulate in float32
 
 
 class _Window:
@@ -72,6 +80,7 @@ class _Window:
         self.topo = topo
         self.weighted = weighted
         self.rank = comm.rank()
+        self.acc_dtype = torch.float32 if tensor.dtype in _HALF else tensor.dtype
         self.nbytes = tensor.numel() * tensor.element_size()
         self.stride = max(_ALIGN, (self.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN)
         n = comm.nranks()
@@ -80,6 +89,9 @@ class _Window:
         fd = os.open(self.paths[self.rank], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, size)
+        except BaseException:
+            os.unlink(self.paths[self.rank])
+            raise
         finally:
             os.close(fd)
         self.fds: List[int] = []
@@ -140,7 +152,7 @@ class _SlotLock:
 _WINDOWS: Dict[str, _Window] = {}
 
 
-def _get(name: str, opname: str) -> _Window:
+def _lookup(name: str, opname: str) -> _Window:
     if not isinstance(name, str):
         raise TypeError(f"{opname}: name must be a str, got {type(name).__name__}")
     w = _WINDOWS.get(name)
@@ -149,6 +161,11 @@ def _get(name: str, opname: str) -> _Window:
             f"{opname}: no window named {name!r} (it was never created with win_create, or was freed); "
             f"windows: {sorted(_WINDOWS)}"
         )
+    return w
+
+
+def _get(name: str, opname: str) -> _Window:
+    w = _lookup(name, opname)
     w.comm.check_alive(opname)
     return w
 
@@ -181,51 +198,50 @@ def _weights_for(
 def win_create(tensor: torch.Tensor, name: str, zero_init: bool = False, comm: CommArg = None) -> bool:
     """Create window ``name`` for ``tensor`` (collective over the communicator).
 
+    Every rank first sends the others its window's name, shape, dtype and the topology's edges
+    (two small allgathers); when they differ, or when a rank's arguments are bad, no window is
+    created on any rank.
+
     Args:
-        tensor: a CPU tensor, same shape and dtype on every rank; :func:`win_sync` updates it in place.
-        name: a name unique among this process's live windows.
-        zero_init: neighbour slots start at zero instead of this rank's value.
-        comm: communicator or process group (None: the default group); its topology (at creation)
-            decides the neighbours.
+        tensor: a contiguous floating or complex CPU tensor, same shape and dtype on every rank;
+            :func:`win_sync` updates it in place.
+        name: a name unique among this process's live windows, the same on every rank.
+        zero_init: neighbour slots start at zero instead of this rank's value (may differ per rank).
+        comm: communicator or process group (None: the default group); its topology (at creation,
+            the same on every rank) decides the neighbours.
 
     Returns:
         True.
 
     Raises:
         NotImplementedError: the group spans several nodes, or the tensor is on a GPU.
-        ValueError: the name is taken.
-        TypeError: not a tensor / bad name.
+        ValueError: the name is taken, or the tensor is not contiguous.
+        TypeError: not a tensor / bad name / an integer or bool tensor (windows average values).
+        CommError: (on every rank) the ranks' names, shapes, dtypes or topologies differ, naming the
+            first difference and each rank's value; or another rank's arguments were bad (raised on
+            the ranks whose own arguments were fine, naming that rank's error).
 
     Example::
 
         win_create(torch.zeros(4), "w")
     """
     opname = "win_create"
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{opname}: tensor must be a torch.Tensor, got {type(tensor).__name__}")
-    if not isinstance(name, str) or not name:
-        raise TypeError(f"{opname}: name must be a non-empty str, got {name!r}")
     c = resolve_comm(comm, opname)
-    if tensor.device.type != "cpu":
-        raise NotImplementedError(
-            f"{opname}: windows are implemented for CPU tensors on one node; for {tensor.device} tensors use "
-            "trainloom.comm.neighbor.neighbor_allreduce (or DistributedNeighborAllreduceOptimizer)"
-        )
     if not c.same_node:
         raise NotImplementedError(
             f"{opname}: communicator {c.name} spans several nodes; one-sided windows need shared memory. "
             "Use trainloom.comm.neighbor.neighbor_allreduce (or DistributedNeighborAllreduceOptimizer)"
         )
-    if name in _WINDOWS:
-        raise ValueError(f"{opname}: a window named {name!r} already exists; win_free it first")
-    if not tensor.is_contiguous():
-        raise ValueError(f"{opname}: tensor must be contiguous (win_sync writes it in place)")
-    token = broadcast_object(secrets.token_hex(8) if c.rank() == 0 else None, 0, c)
+    problem = _create_problem(tensor, name, opname)
+    token = _agree_on_window(c, tensor, name, problem, opname)
     w = _Window(name, tensor, c, token, zero_init)
     try:
         _core.barrier(comm=c)  # every file exists
         w.open_all()
         _core.barrier(comm=c)  # every rank mapped every file and initialised its slots
+    except BaseException:
+        w.close()
+        raise
     finally:
         try:
             os.unlink(w.paths[w.rank])  # mappings stay valid; nothing is left in /dev/shm
@@ -235,12 +251,117 @@ def win_create(tensor: torch.Tensor, name: str, zero_init: bool = False, comm: C
     return True
 
 
+def _create_problem(tensor: Any, name: Any, opname: str) -> Optional[Exception]:
+    """This rank's reason not to create the window (raised after every rank has heard of it)."""
+    if not isinstance(tensor, torch.Tensor):
+        return TypeError(f"{opname}: tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    if not isinstance(name, str) or not name:
+        return TypeError(f"{opname}: name must be a non-empty str, got {name!r}")
+    if not (tensor.dtype.is_floating_point or tensor.dtype.is_complex):
+        return TypeError(
+            f"{opname}: windows average their values, so the tensor must be floating point or complex, "
+            f"got {tensor.dtype}; convert it first (e.g. tensor.double())"
+        )
+    if tensor.device.type != "cpu":
+        return NotImplementedError(
+            f"{opname}: windows are implemented for CPU tensors on one node; for {tensor.device} tensors use "
+            "trainloom.comm.neighbor.neighbor_allreduce (or DistributedNeighborAllreduceOptimizer)"
+        )
+    if name in _WINDOWS:
+        return ValueError(f"{opname}: a window named {name!r} already exists; win_free it first")
+    if not tensor.is_contiguous():
+        return ValueError(f"{opname}: tensor must be contiguous (win_sync writes it in place)")
+    return None
+
+
+def _agree_on_window(
+    c: Communicator, tensor: Any, name: Any, problem: Optional[Exception], opname: str
+) -> str:
+    """Exchange every rank's window description; rank 0's file token, or the same error on every rank.
+
+    Runs before any file exists, so a failure leaves nothing behind.
+    """
+    topo, _ = topology_entry(c)
+    ok = problem is None
+    mine = {
+        "problem": None if ok else f"{type(problem).__name__}: {problem}",
+        "name": name if ok else None,
+        "shape": list(tensor.shape) if ok else None,
+        "dtype": str(tensor.dtype).replace("torch.", "") if ok else None,
+        "topology": [topo.in_neighbors(r) for r in range(topo.size)],
+        "token": secrets.token_hex(8) if c.rank() == 0 else "",
+    }
+    n = c.nranks()
+    if n == 1:
+        rows = [mine]
+    else:
+        data = json.dumps(mine).encode()
+        lengths = torch.empty(n, dtype=torch.int64)
+        _core.allgather(torch.tensor([len(data)], dtype=torch.int64), lengths, comm=c)
+        sizes = lengths.tolist()
+        width = max(sizes)
+        send = torch.zeros(width, dtype=torch.uint8)
+        send[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        recv = torch.empty(n * width, dtype=torch.uint8)
+        _core.allgather(send, recv, comm=c)
+        raw = recv.numpy().tobytes()
+        rows = [json.loads(raw[r * width : r * width + sizes[r]]) for r in range(n)]
+    if problem is not None:
+        raise problem
+    failed = [(r, row["problem"]) for r, row in enumerate(rows) if row["problem"]]
+    if failed:
+        r, why = failed[0]
+        raise CommError(
+            f"{opname}({name!r}): rank {r} could not create the window ({why}); no window was created "
+            "on any rank"
+        )
+    for field in ("name", "shape", "dtype", "topology"):
+        values = [row[field] for row in rows]
+        if any(v != values[0] for v in values):
+            raise CommError(
+                f"{opname}: the ranks disagree on the window's {field}: {_by_rank(values, field)}; every "
+                "rank must create the window with the same name, shape and dtype under the same topology "
+                "(set_topology); no window was created on any rank"
+            )
+    return rows[0]["token"]
+
+
+def _by_rank(values: List[Any], field: str) -> str:
+    """``rank 0 has (4,), ranks [1, 2] have (3,)``: the ranks grouped by value, in rank order."""
+    groups: Dict[str, List[int]] = {}
+    for r, v in enumerate(values):
+        groups.setdefault(_show(v, field), []).append(r)
+    return ", ".join(
+        f"rank {rs[0]} has {text}" if len(rs) == 1 else f"ranks {rs} have {text}"
+        for text, rs in groups.items()
+    )
+
+
+def _show(value: Any, field: str) -> str:
+    if field == "shape":
+        return str(tuple(value))
+    if field == "name":
+        return repr(value)
+    if field == "topology":
+        text = f"in-neighbours {value}"
+        if len(text) > 120:
+            digest = hashlib.sha1(json.dumps(value).encode()).hexdigest()[:10]
+            text = f"{sum(map(len, value))} edges (digest {digest})"
+        return text
+    return str(value)
+
+
 def win_free(name: Optional[str] = None) -> bool:
     """Free window ``name`` (all windows when None). Local: other ranks keep their mappings.
 
-    Later use of the name raises ``ValueError``.
+    Needs no live communicator: after ``destroy_process_group()`` it still releases the mapping and
+    the name, so a later ``win_create`` can reuse it. Later use of the name raises ``ValueError``.
+
+    Raises:
+        TypeError: ``name`` is not a str (or None).
+        ValueError: no live window has that name.
     """
-    names = list(_WINDOWS) if name is None else [_get(name, "win_free").name]
+    names = list(_WINDOWS) if name is None else [_lookup(name, "win_free").name]
     for n in names:
         _WINDOWS.pop(n).close()
     return True
@@ -368,9 +489,7 @@ def win_sync_then_collect(name: str) -> torch.Tensor:
 def _combine(w: _Window, sw: float, nw: Dict[int, float], reset: bool, clone: bool) -> torch.Tensor:
     ins = w.topo.in_neighbors(w.rank)
     with torch.no_grad():
-        acc = (
-            w.tensor.reshape(-1).to(torch.float64 if w.tensor.dtype == torch.float64 else torch.float32) * sw
-        )
+        acc = w.tensor.reshape(-1).to(w.acc_dtype) * sw  # a new contiguous tensor in every case
         for r, wt in nw.items():
             k = 1 + ins.index(r)
             with w.lock(w.rank, k):
