@@ -614,3 +614,16 @@ def test_init_shutdown_init_under_torchrun(tmp_path):
         "rank 1 round 0: [0.5, 0.5]",
         "rank 1 round 1: [1.5, 1.5]",
     ]
+
+
+def test_gloo_header_descriptions():
+    from trainloom.comm import _gloo
+
+    t = torch.ones(2, 3)
+    assert _gloo.describe(_gloo.make_header("allreduce", 5, t, op=0).tolist()) == (
+        "allreduce #5 dtype=float32 numel=6 shape=(2, 3) op=SUM"
+    )
+    # alltoall_v's counts differ per rank by design: no placeholder numel=0 beside a real shape
+    assert _gloo.describe(_gloo.make_header("alltoall_v", 7, t.double(), numel=0).tolist()) == (
+        "alltoall_v #7 dtype=float64"
+    )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -486,6 +487,9 @@ def _w_mismatch(rank, world):
             torch.ones(world), sc, list(range(world)), torch.ones(world + 1), rc, list(range(world))
         )  # fmt: skip
     )
+    dt = torch.float32 if rank == 0 else torch.float64
+    ones, displs = torch.ones(world, dtype=dt), list(range(world))
+    msgs["v_dtype"] = _catch(lambda: comm.alltoall_v(ones, sc, displs, ones.clone(), sc, displs))
     # the communicator is still in step after all of these
     t = torch.full((10,), float(rank))
     comm.allreduce(t, t, ReduceOp.SUM)
@@ -515,6 +519,11 @@ def test_mismatched_calls_raise_on_every_rank_with_both_sides():
         assert "op=SUM" in msgs["op"] and "op=MAX" in msgs["op"], msgs["op"]
         assert "root=0" in msgs["root"] and "root=1" in msgs["root"], msgs["root"]
         assert "barrier" in msgs["kind"] and "allgather" in msgs["kind"], msgs["kind"]
+        # no placeholder shape/numel/dtype after a barrier
+        assert re.search(r"has barrier[.;]", msgs["kind"]), msgs["kind"]
+        v = msgs["v_dtype"]
+        assert "alltoall_v dtype=float32" in v and "alltoall_v dtype=float64" in v, v
+        assert "numel=0" not in v and "shape=()" not in v, v
         assert "rank 0 sends 1 elements to rank 1, but rank 1 expects 2" in msgs["counts"], msgs["counts"]
         assert "alltoall_v #" in msgs["counts"]
         p2p = msgs["p2p"]

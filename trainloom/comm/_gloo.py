@@ -141,6 +141,8 @@ def describe(h: Sequence[int]) -> str:
     parts = [f"{_OPCODE_NAMES.get(int(h[2]), '?')} #{int(h[1])}"]
     if h[3] != _NO:
         parts.append(f"dtype={_CODE_DTYPES.get(int(h[3]), '?')}".replace("torch.", ""))
+    # alltoall_v's sizes differ per rank by design: its header carries numel 0, not worth printing
+    if h[3] != _NO and _OPCODE_NAMES.get(int(h[2])) != "alltoall_v":
         ndim = int(h[7])
         dims = [int(x) for x in h[8 : 8 + min(ndim, _MAX_DIMS)]]
         inner = ", ".join(map(str, dims)) + (", ..." if ndim > _MAX_DIMS else "") + ("," if ndim == 1 else "")

@@ -597,8 +597,13 @@ class ShmCommunicator:
 
     def _fmt_desc(self, d: Dict[str, Any]) -> str:
         kind = _OPKIND_NAMES.get(d["opkind"], f"op#{d['opkind']}")
-        dt = str(_DTYPE_BY_CODE.get(d["dtype"], d["dtype"])).replace("torch.", "")
-        parts = [f"{kind} shape={d['shape']} numel={d['numel']} dtype={dt}"]
+        parts = [kind]
+        # alltoall_v's sizes differ per rank by design and a barrier has none: their descriptors carry
+        # placeholders (shape (), numel 0, dtype -1), not values worth printing.
+        if d["opkind"] not in (_shm.OP_ALLTOALL_V, _shm.OP_BARRIER):
+            parts.append(f"shape={d['shape']} numel={d['numel']}")
+        if d["dtype"] >= 0:
+            parts.append("dtype=" + str(_DTYPE_BY_CODE.get(d["dtype"], d["dtype"])).replace("torch.", ""))
         if d["redop"] >= 0:
             parts.append(f"op={_OP_NAMES.get(d['redop'], d['redop'])}")
         if d["root"] >= 0:
