@@ -8,6 +8,10 @@ import torch
 from commutil import engines
 from multiproc import run_ranks
 
+import trainloom.comm as C
+from trainloom.comm import state as st
+from trainloom.errors import CommError
+
 ENGINES = engines()
 
 
@@ -51,8 +55,148 @@ def test_broadcast_parameters_and_optimizer_state(ws, engine):
         assert r["opt_layout"].startswith(
             f"CommError: broadcast_optimizer_state: ranks {list(range(1, ws))} do not have the same layout"
         )
-    assert (
-        "(rank 1: entry 0: here ('w', (4,), 'float32'), on the root ('w', (3,), 'float32'))"
-        in res[1]["layout"]
+    for r in res:  # the same message on every rank, naming the first difference on the lowest rank
+        assert r["layout"] == res[0]["layout"] and r["opt_layout"] == res[0]["opt_layout"]
+        assert (
+            "(rank 1: entry 0: here ('w', (4,), 'float32'), on the root ('w', (3,), 'float32'))"
+            in r["layout"]
+        )
+        assert "(rank 1: parameter group sizes [1], root has [2])" in r["opt_layout"]
+
+
+# ---------------------------------------------------------------------------- rank functions
+# Module level so that run_ranks can pickle them by reference.
+
+
+def object_failure_ranks(rank: int, ws: int, engine: str) -> dict:
+    """An object the root cannot pickle: every rank raises in the same call and stays in step."""
+    R._engine(engine)
+    C.init_process_group(timeout=30)
+    out: dict = {}
+    out["call1"] = R._expect(st.broadcast_object, TypeError, (lambda: 1) if rank == 0 else None, 0)
+    out["call2"] = st.broadcast_object("config-A" if rank == 0 else None, 0)
+    out["call3"] = st.broadcast_object("config-B" if rank == 0 else None, 0)
+    # broadcast_optimizer_state sends the root's state_dict() the same way
+    m = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1 * (rank + 1))
+    if rank == 0:
+        opt.param_groups[0]["schedule"] = lambda step: step
+    out["opt"] = R._expect(st.broadcast_optimizer_state, TypeError, opt, 0)
+    out["opt_lr_unchanged"] = opt.param_groups[0]["lr"]
+    out["call4"] = st.broadcast_object({"after": rank == 0} if rank == 0 else None, 0)
+    C.destroy_process_group()
+    return out
+
+
+def test_broadcast_object_unpicklable_raises_on_every_rank_in_the_same_call():
+    res = run_ranks(object_failure_ranks, 2, ENGINES[-1], timeout=60)
+    assert res[0]["call1"] == res[1]["call1"]
+    assert res[0]["call1"].startswith(
+        "TypeError: broadcast_object: root rank 0 could not pickle the object (a builtins.function): "
     )
-    assert "parameter group sizes [1], root has [2]" in res[1]["opt_layout"]
+    assert "<lambda>" in res[0]["call1"]  # the pickling error's own text names the lambda
+    assert res[0]["opt"] == res[1]["opt"]
+    assert res[0]["opt"].startswith(
+        "TypeError: broadcast_optimizer_state: root rank 0 could not pickle its optimizer state_dict(): "
+    )
+    for rank, r in enumerate(res):
+        assert r["call2"] == "config-A" and r["call3"] == "config-B"
+        assert r["opt_lr_unchanged"] == pytest.approx(0.1 * (rank + 1))
+        assert r["call4"] == {"after": True}
+
+
+class _FailingSGD(torch.optim.SGD):
+    """SGD whose next load_state_dict raises after loading (a half-loaded optimizer), if asked to."""
+
+    fail_next_load = False
+
+    def load_state_dict(self, state_dict: dict) -> None:  # noqa: D102
+        super().load_state_dict(state_dict)
+        if self.fail_next_load:
+            self.fail_next_load = False
+            raise RuntimeError("boom")
+
+
+def optimizer_mismatch_ranks(rank: int, ws: int, engine: str) -> dict:
+    """Shapes and classes that differ from the root's: CommError everywhere, nothing loaded."""
+    from trainloom.comm import optimizers as dopt
+
+    R._engine(engine)
+    C.init_process_group(timeout=30)
+    out: dict = {}
+
+    def snapshot(opt: torch.optim.Optimizer) -> dict:
+        sd = opt.state_dict()
+        return {
+            "groups": [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]],
+            "state": {
+                k: {n: torch.as_tensor(v).tolist() for n, v in s.items()} for k, s in sd["state"].items()
+            },
+        }
+
+    # same counts, different shapes (root Linear(3, 2), the other ranks Linear(2, 3)), Adam stepped
+    torch.manual_seed(rank)
+    m = torch.nn.Linear(3, 2) if rank == 0 else torch.nn.Linear(2, 3)
+    opt = torch.optim.Adam(m.parameters(), lr=0.01 * (rank + 1))
+    m(torch.ones(1, m.in_features)).sum().backward()
+    opt.step()
+    before = snapshot(opt)
+    out["shapes"] = R._expect(st.broadcast_optimizer_state, CommError, opt, 0)
+    out["shapes_unchanged"] = snapshot(opt) == before
+    opt.step()  # still a working Adam
+    # different classes: SGD with momentum on the root, Adam elsewhere
+    m = torch.nn.Linear(2, 2)
+    opt = (
+        torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        if rank == 0
+        else torch.optim.Adam(m.parameters())
+    )
+    m(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    before = snapshot(opt)
+    out["classes"] = R._expect(st.broadcast_optimizer_state, CommError, opt, 0)
+    out["classes_unchanged"] = snapshot(opt) == before
+    opt.step()  # not half-loaded: Adam still steps (before: KeyError 'betas')
+    # load_state_dict failing half-way on one rank anyway: that rank's previous state is put back
+    m = torch.nn.Linear(2, 2)
+    opt = _FailingSGD(m.parameters(), lr=0.1 * (rank + 1), momentum=0.9)
+    opt.fail_next_load = rank == 1
+    m(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    before = snapshot(opt)
+    out["load_fails"] = R._expect(st.broadcast_optimizer_state, CommError, opt, 0)
+    out["load_fails_unchanged"] = snapshot(opt) == before
+    # a wrapped optimizer compares as the class it wraps
+    m = torch.nn.Linear(2, 2)
+    base = torch.optim.SGD(m.parameters(), lr=0.1 * (rank + 1), momentum=0.9)
+    opt = dopt.DistributedAllreduceOptimizer(base) if rank == 0 else base
+    st.broadcast_optimizer_state(opt, 0)
+    out["wrapped_lr"] = opt.param_groups[0]["lr"]
+    C.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_broadcast_optimizer_state_checks_class_and_shapes_before_loading(ws):
+    res = run_ranks(optimizer_mismatch_ranks, ws, ENGINES[-1], timeout=90)
+    others = list(range(1, ws))
+    for r in res:
+        head = f"CommError: broadcast_optimizer_state: ranks {others} do not have the same layout as root "
+        tail = "; build the same model/optimizer on every rank before broadcasting"
+        assert r["shapes"] == (
+            f"{head}rank 0 (rank 1: param_groups[0] parameter 0 has shape (3, 2) here, (2, 3) on the "
+            f"root){tail}"
+        )
+        assert r["classes"] == (
+            f"{head}rank 0 (rank 1: optimizer class torch.optim.adam.Adam here, torch.optim.sgd.SGD on the "
+            f"root){tail}"
+        )
+        assert r["shapes_unchanged"] is True and r["classes_unchanged"] is True
+        assert r["wrapped_lr"] == pytest.approx(0.1)
+    # rank 1 restored its own state; the root and rank 2 (ws 3) loaded normally
+    assert [r["load_fails_unchanged"] for r in res] == [True, True, False][:ws]
+    assert [r["load_fails"] for rank, r in enumerate(res) if rank != 1] == ["no error"] * (ws - 1)
+    assert res[1]["load_fails"] == (
+        "CommError: broadcast_optimizer_state: rank 1 could not load root's optimizer state (RuntimeError: "
+        "boom); its optimizer was left unchanged"
+    )

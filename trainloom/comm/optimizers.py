@@ -10,7 +10,8 @@ grouped into buckets (``bucket_bytes``, in reverse registration order, which is 
 gradients arrive); a bucket is launched asynchronously as soon as all its gradients are final and
 every earlier bucket was launched (so every rank issues the same sequence of collectives). ``step()``
 launches what is left (parameters that got no gradient), waits, writes the results back and calls
-the wrapped optimizer's step.
+the wrapped optimizer's step. Parameters with ``requires_grad=False`` when the optimizer is wrapped
+are left out entirely (no hook, no bucket, no gradient), as a plain optimizer leaves them alone.
 
 * :func:`DistributedAllreduceOptimizer` averages gradients over all ranks (data-parallel SGD).
 * :func:`DistributedNeighborAllreduceOptimizer` averages *parameters* with the in-neighbours of the
@@ -61,19 +62,32 @@ class _Bucket:
 
 
 class _Reducer:
-    """Buckets, hooks and in-order asynchronous launches for one wrapped optimizer."""
+    """Buckets, hooks and in-order asynchronous launches for one wrapped optimizer.
+
+    Only parameters with ``requires_grad=True`` at wrap time are bucketed and hooked. In gradient
+    mode every bucket carries one presence flag per parameter after the gradients (1 if this rank
+    has a gradient for it, else 0), so every rank learns in the same collective whether a parameter
+    got a gradient anywhere.
+    """
 
     def __init__(
         self,
-        params: List[torch.nn.Parameter],
+        named: List[Tuple[str, torch.nn.Parameter]],
         comm: Communicator,
         mode: str,
         bucket_bytes: int,
         backward_passes_per_step: int,
+        who: str,
     ) -> None:
         self.comm = comm
         self.mode = mode
         self.passes = backward_passes_per_step
+        self.who = who
+        #: for messages: repr(name) from named_parameters, else the position in param_groups.
+        self.names: Dict[int, str] = {id(p): n for n, p in named}
+        params = [p for _, p in named if p.requires_grad]
+        #: parameters left out (requires_grad=False when wrapped): never reduced, never given a grad.
+        self.frozen: List[torch.nn.Parameter] = [p for _, p in named if not p.requires_grad]
         self.buckets: List[_Bucket] = []
         cur: List[torch.nn.Parameter] = []
         size = 0
@@ -89,18 +103,30 @@ class _Reducer:
         self.where: Dict[int, int] = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
         self.counts: Dict[int, int] = {id(p): 0 for p in params}
         self.next = 0
+        #: the first misuse seen during backward (raised again by the next synchronize()).
+        self.error: Optional[str] = None
         #: buckets launched from a backward hook (before step()) in the last step: the overlap.
         self.launched_in_backward = 0
         self._backward_launches = 0
         self.handles = [
-            p.register_post_accumulate_grad_hook(functools.partial(self._hook, id(p)))
-            for p in params
-            if p.requires_grad
+            p.register_post_accumulate_grad_hook(functools.partial(self._hook, id(p))) for p in params
         ]
 
     def _hook(self, key: int, _p: torch.Tensor) -> None:
-        self.counts[key] += 1
-        if self.counts[key] != self.passes:
+        n = self.counts[key] + 1
+        if n > self.passes:
+            # Horovod raises here too: the bucket was already reduced, so this gradient would be lost.
+            msg = (
+                f"{self.who}: gradients were computed more than backward_passes_per_step={self.passes} "
+                f"time(s) before step() (parameter {self.names[key]} got gradient number {n}); increase "
+                "backward_passes_per_step to accumulate gradients locally, or call step() after each "
+                "backward pass"
+            )
+            if self.error is None:
+                self.error = msg
+            raise RuntimeError(msg)
+        self.counts[key] = n
+        if n != self.passes:
             return
         self.buckets[self.where[key]].ready += 1
         while self.next < len(self.buckets) and self.buckets[self.next].ready == len(
@@ -113,44 +139,85 @@ class _Reducer:
     def _launch(self, b: _Bucket) -> None:
         with torch.no_grad():
             if self.mode == "grad":
-                parts = [
-                    (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in b.params
-                ]
-                b.flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+                parts = []
+                flags = []
+                for p in b.params:
+                    g = p.grad
+                    if g is None:
+                        parts.append(torch.zeros(p.numel(), dtype=p.dtype, device=p.device))
+                        flags.append(0.0)
+                        continue
+                    if g.is_sparse:
+                        g = g.to_dense()  # averaged densely: right in value, dense in memory
+                    parts.append(g.reshape(-1))
+                    flags.append(1.0)
+                first = b.params[0]
+                parts.append(torch.tensor(flags, dtype=first.dtype, device=first.device))
+                b.flat = torch.cat(parts)  # a copy: later changes to .grad do not race the transfer
                 b.work = _core.allreduce_inplace(b.flat, ReduceOp.AVG, comm=self.comm, async_op=True)
             else:
                 b.flat = torch.cat([p.detach().reshape(-1) for p in b.params])
                 b.work = neighbor_allreduce_async(b.flat, comm=self.comm)
 
+    def _frozen_with_grad(self) -> Optional[str]:
+        for p in self.frozen:
+            if p.grad is not None:
+                return (
+                    f"{self.who}: parameter {self.names[id(p)]} had requires_grad=False when the optimizer "
+                    "was wrapped, so it is not averaged across ranks, but it has a gradient now; set "
+                    "requires_grad before wrapping (wrap the original optimizer again after changing it)"
+                )
+        return None
+
     def synchronize(self) -> None:
-        """Launch the buckets not launched yet (in order), wait for all, write the results back."""
-        while self.next < len(self.buckets):
-            self._launch(self.buckets[self.next])
-            self.next += 1
-        with torch.no_grad():
+        """Launch the buckets not launched yet (in order), wait for all, write the results back.
+
+        Raises:
+            RuntimeError: a misuse was seen (too many backward passes, a frozen parameter with a
+                gradient). Every launched collective still completes (the ranks stay in step) and
+                nothing is written back, so the wrapped optimizer must not step.
+        """
+        problem = self.error or self._frozen_with_grad()
+        try:
+            while self.next < len(self.buckets):
+                self._launch(self.buckets[self.next])
+                self.next += 1
+            with torch.no_grad():
+                for b in self.buckets:
+                    if b.work is None:
+                        continue
+                    b.work.wait()
+                    if problem is None:
+                        self._write_back(b)
+        finally:
             for b in self.buckets:
-                if b.work is None:
-                    continue
-                b.work.wait()
-                res = b.work.tensor if self.mode == "neighbor" else b.flat
-                off = 0
-                for p in b.params:
-                    n = p.numel()
-                    chunk = res[off : off + n].view_as(p)  # type: ignore[index]
-                    if self.mode == "grad":
-                        if p.grad is None:
-                            p.grad = chunk.clone()
-                        else:
-                            p.grad.copy_(chunk)
-                    else:
-                        p.copy_(chunk)
-                    off += n
                 b.work, b.flat, b.ready = None, None, 0
-        for k in self.counts:
-            self.counts[k] = 0
-        self.launched_in_backward = self._backward_launches
-        self._backward_launches = 0
-        self.next = 0
+            for k in self.counts:
+                self.counts[k] = 0
+            self.error = None
+            self.launched_in_backward = self._backward_launches
+            self._backward_launches = 0
+            self.next = 0
+        if problem is not None:
+            raise RuntimeError(problem)
+
+    def _write_back(self, b: _Bucket) -> None:
+        res = b.work.tensor if self.mode == "neighbor" else b.flat  # type: ignore[union-attr]
+        total = sum(p.numel() for p in b.params)
+        present = res[total:].tolist() if self.mode == "grad" else [1.0] * len(b.params)  # type: ignore[index]
+        off = 0
+        for p, here in zip(b.params, present):
+            n = p.numel()
+            chunk = res[off : off + n].view_as(p)  # type: ignore[index]
+            off += n
+            if self.mode != "grad":
+                p.copy_(chunk)
+            elif here == 0:
+                continue  # no rank had a gradient: leave .grad alone (None), as a plain optimizer would
+            elif p.grad is None or p.grad.is_sparse:
+                p.grad = chunk.clone()
+            else:
+                p.grad.copy_(chunk)
 
     def remove(self) -> None:
         for h in self.handles:
@@ -177,16 +244,33 @@ class _DistributedMixin:
         return loss
 
     def remove_hooks(self) -> None:
-        """Detach the gradient hooks (the optimizer then steps locally)."""
+        """Detach the backward hooks: ``step()`` still communicates, but no longer overlaps backward.
+
+        Every bucket is then launched from ``step()`` (after the whole backward), and
+        ``backward_passes_per_step`` is no longer checked. To step without any communication, call
+        the original, unwrapped optimizer's ``step()``: it shares the parameter groups and state.
+        """
         self._tl_reducer.remove()
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Refuse pickling (``torch.save``, ``copy``): the optimizer holds hooks and a communicator."""
+        raise TypeError(
+            f"cannot pickle or copy a {type(self).__name__}: it holds gradient hooks and a communicator. "
+            "Save optimizer.state_dict() instead, and load_state_dict() it into a freshly wrapped optimizer"
+        )
 
-def _params(optimizer: Any, named_parameters: Any, who: str) -> List[torch.nn.Parameter]:
+
+def _params(optimizer: Any, named_parameters: Any, who: str) -> List[Tuple[str, torch.nn.Parameter]]:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"{who}: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(optimizer, _DistributedMixin):
         raise ValueError(f"{who}: the optimizer is already distributed; wrap the original optimizer once")
     params = [p for g in optimizer.param_groups for p in g["params"]]
+    labels = {
+        id(p): f"param_groups[{gi}]['params'][{i}]"
+        for gi, g in enumerate(optimizer.param_groups)
+        for i, p in enumerate(g["params"])
+    }
     if len({id(p) for p in params}) != len(params):
         raise ValueError(f"{who}: a parameter appears twice in the optimizer's param_groups")
     if named_parameters is not None:
@@ -204,7 +288,8 @@ def _params(optimizer: Any, named_parameters: Any, who: str) -> List[torch.nn.Pa
             )
         order = {id(p): i for i, (_, p) in enumerate(named)}
         params.sort(key=lambda p: order[id(p)])
-    return params
+        labels.update({id(p): repr(n) for n, p in named})
+    return [(labels[id(p)], p) for p in params]
 
 
 def _wrap(
@@ -216,7 +301,13 @@ def _wrap(
     backward_passes_per_step: int,
     who: str,
 ) -> torch.optim.Optimizer:
-    params = _params(optimizer, named_parameters, who)
+    named = _params(optimizer, named_parameters, who)
+    if mode == "grad" and isinstance(optimizer, torch.optim.SparseAdam):
+        raise TypeError(
+            f"{who}: SparseAdam needs sparse gradients, but gradients are averaged as dense tensors "
+            "(a sparse gradient, e.g. from nn.Embedding(sparse=True), becomes a dense average); use Adam, "
+            "or DistributedNeighborAllreduceOptimizer, which keeps the local (sparse) gradient"
+        )
     for name, v, lo in (
         ("bucket_bytes", bucket_bytes, 1),
         ("backward_passes_per_step", backward_passes_per_step, 1),
@@ -225,11 +316,12 @@ def _wrap(
             raise ValueError(f"{who}: {name} must be an int >= {lo}, got {v!r}")
     c = resolve_comm(comm, who)
     base = type(optimizer)
-    cls = type(f"{who}[{base.__name__}]", (_DistributedMixin, base), {})
+    # _tl_base: the wrapped class, compared by broadcast_optimizer_state across ranks.
+    cls = type(f"{who}[{base.__name__}]", (_DistributedMixin, base), {"_tl_base": base})
     wrapped = cls.__new__(cls)
     # Share (not copy) the original's param_groups, state, defaults and hooks.
     wrapped.__dict__.update(optimizer.__dict__)
-    wrapped._tl_reducer = _Reducer(params, c, mode, bucket_bytes, backward_passes_per_step)
+    wrapped._tl_reducer = _Reducer(named, c, mode, bucket_bytes, backward_passes_per_step, who)
     return wrapped
 
 
@@ -249,13 +341,29 @@ def DistributedAllreduceOptimizer(  # noqa: N802 - Bluefog's name
         comm: communicator or process group (None: the default group).
         bucket_bytes: gradient bytes per bucket (one collective each).
         backward_passes_per_step: backward passes accumulated locally before a bucket is reduced.
+            A parameter that gets more gradients than this before ``step()`` makes that backward
+            (and the next ``step()``) raise ``RuntimeError``, as Horovod does.
 
     Returns:
         An instance of ``type(optimizer)`` sharing its state, with ``step()`` synchronizing first.
 
+    Which gradients are averaged (the same rule on every rank, as torch DDP does):
+
+    * ``requires_grad=False`` at wrap time: never averaged, never given a gradient, never waited for.
+    * a gradient on at least one rank: every rank gets the average over *all* ranks, a rank without
+      a gradient (``.grad`` None) counting as zeros.
+    * no gradient on any rank: ``.grad`` stays None everywhere, so the wrapped optimizer skips the
+      parameter (no weight decay, no momentum), exactly as it would without the wrapper.
+    * a sparse gradient (``nn.Embedding(sparse=True)``) is averaged as a dense tensor and written back
+      dense: right in value, but it takes the dense gradient's memory.
+
     Raises:
-        TypeError: not an optimizer.
+        TypeError: not an optimizer; ``torch.optim.SparseAdam`` (it needs sparse gradients).
         ValueError: already wrapped, duplicate names, parameters missing from named_parameters, bad sizes.
+        RuntimeError: (from ``backward()``/``step()``) more than ``backward_passes_per_step`` gradients
+            for a parameter before ``step()``; a parameter frozen at wrap time has a gradient at
+            ``step()``. The step is not taken; the launched collectives still complete, so the ranks
+            stay in step.
 
     Example::
 
@@ -287,7 +395,9 @@ def DistributedNeighborAllreduceOptimizer(  # noqa: N802 - Bluefog's name
     Each bucket's parameters are sent to the out-neighbours (weights of the communicator's topology,
     see :func:`~trainloom.comm.topology.set_topology`) as soon as the bucket's gradients are ready,
     overlapping the rest of backward; ``step()`` replaces the parameters with the neighbour average
-    and applies this rank's own gradient to it.
+    and applies this rank's own gradient to it. Every parameter with ``requires_grad=True`` at wrap
+    time is averaged (also one that got no gradient); frozen ones are left alone. Gradients are not
+    communicated, so sparse gradients and ``SparseAdam`` work.
 
     Args: as for :func:`DistributedAllreduceOptimizer`.
 

@@ -7,9 +7,10 @@
   still empty (before the first step) and the root's is not, e.g. after the root loaded a checkpoint.
 
 Both first check that every rank holds the same layout (names, shapes, dtypes, or the optimizer's
-parameter groups) and raise :class:`~trainloom.errors.CommError` on every rank otherwise, naming the
-first difference. Tensors are flattened into one buffer per dtype and device, so a model costs one
-broadcast per dtype rather than one per tensor.
+class, parameter groups and parameter shapes) and raise :class:`~trainloom.errors.CommError` on every
+rank otherwise, with the same message naming the first difference; nothing is changed then.
+Tensors are flattened into one buffer per dtype and device, so a model costs one broadcast per
+dtype rather than one per tensor.
 
 Example::
 
@@ -21,6 +22,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import pickle
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -30,6 +32,8 @@ from trainloom.comm import collectives as _core
 from trainloom.comm.group import Communicator, ProcessGroup
 from trainloom.comm.topology import resolve_comm
 from trainloom.errors import CommError
+
+logger = logging.getLogger("trainloom.comm")
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object"]
 
@@ -81,9 +85,16 @@ def _named(params: Any, opname: str) -> List[Tuple[str, torch.Tensor]]:
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, comm: CommArg = None) -> Any:
-    """Return ``root_rank``'s ``obj`` (pickled) on every rank; two broadcasts (length, bytes).
+    """Return ``root_rank``'s ``obj`` (pickled) on every rank; two broadcasts (header, bytes).
 
-    Only for trusted peers: the bytes are unpickled.
+    Only for trusted peers: the bytes are unpickled. If the root cannot pickle ``obj``, it sends a
+    failure marker and the error text instead, so every rank raises the same ``TypeError`` in the
+    same call and the ranks stay in step. With one rank ``obj`` is returned as is (not pickled).
+
+    Raises:
+        TypeError: (on every rank) the root could not pickle ``obj``; the message names its type and
+            the pickling error. On the root the pickling error is chained as ``__cause__``.
+        ValueError: ``root_rank`` outside the communicator.
 
     Example::
 
@@ -91,36 +102,63 @@ def broadcast_object(obj: Any, root_rank: int = 0, comm: CommArg = None) -> Any:
     """
     c = resolve_comm(comm, "broadcast_object")
     root = _root(root_rank, c, "broadcast_object")
+    what = f"the object (a {type(obj).__module__}.{type(obj).__qualname__})"
+    return _broadcast_object(obj, root, c, "broadcast_object", what)
+
+
+def _broadcast_object(obj: Any, root: int, c: Communicator, opname: str, what: str) -> Any:
+    """:func:`broadcast_object` after argument checks; errors are reported as ``opname``'s."""
     if c.nranks() == 1:
         return obj
-    if c.rank() == root:
-        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        length = torch.tensor([len(data)], dtype=torch.int64)
+    me = c.rank()
+    cause: Optional[BaseException] = None
+    # header: [payload length, 1 if the payload is the pickled object, 0 if it is an error text]
+    if me == root:
+        try:
+            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            ok = 1
+        except Exception as exc:  # noqa: BLE001 - reported on every rank; __reduce__ may raise anything
+            cause = exc
+            data = f"{opname}: root rank {root} could not pickle {what}: {type(exc).__name__}: {exc}".encode(
+                "utf-8", "replace"
+            )
+            ok = 0
+        header = torch.tensor([len(data), ok], dtype=torch.int64)
     else:
         data = b""
-        length = torch.zeros(1, dtype=torch.int64)
-    _core.broadcast(length, root, comm=c)
+        header = torch.zeros(2, dtype=torch.int64)
+    _core.broadcast(header, root, comm=c)
+    length, ok = (int(v) for v in header.tolist())
     buf = (
         torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        if c.rank() == root
-        else torch.empty(int(length.item()), dtype=torch.uint8)
+        if me == root
+        else torch.empty(length, dtype=torch.uint8)
     )
-    _core.broadcast(buf, root, comm=c)
-    return obj if c.rank() == root else pickle.loads(buf.numpy().tobytes())
+    if length:
+        _core.broadcast(buf, root, comm=c)
+    if not ok:
+        raise TypeError(buf.numpy().tobytes().decode("utf-8", "replace")) from cause
+    return obj if me == root else pickle.loads(buf.numpy().tobytes())
 
 
 def _agree(c: Communicator, root: int, problem: Optional[str], opname: str) -> None:
-    """Every rank learns whether any rank's layout differs from the root's; all raise together."""
+    """Every rank learns whether any rank's layout differs from the root's; all raise together.
+
+    The message is the same on every rank: it names the differing ranks and the first difference
+    seen on the lowest of them.
+    """
     if c.nranks() == 1:
         return
     flags = torch.zeros(c.nranks(), dtype=torch.int64)
     _core.allgather(torch.tensor([1 if problem else 0], dtype=torch.int64), flags, comm=c)
     bad = [r for r, f in enumerate(flags.tolist()) if f]
     if bad:
-        mine = f" (rank {c.rank()}: {problem})" if problem else ""
+        first = _broadcast_object(
+            problem if c.rank() == bad[0] else None, bad[0], c, opname, "the difference"
+        )
         raise CommError(
-            f"{opname}: ranks {bad} do not have the same layout as root rank {root}{mine}; build the same "
-            "model/optimizer on every rank before broadcasting"
+            f"{opname}: ranks {bad} do not have the same layout as root rank {root} "
+            f"(rank {bad[0]}: {first}); build the same model/optimizer on every rank before broadcasting"
         )
 
 
@@ -254,9 +292,14 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
         comm: communicator or process group (None: the default group).
 
     Raises:
-        TypeError: ``optimizer`` has no ``state_dict``/``load_state_dict``.
+        TypeError: ``optimizer`` has no ``state_dict``/``load_state_dict``; (on every rank) the root's
+            state could not be pickled (e.g. a lambda in a parameter group).
         ValueError: ``root_rank`` outside the communicator.
-        CommError: (on every rank) the ranks' parameter groups differ from the root's.
+        CommError: (on every rank, before anything is loaded) some rank's optimizer class (the wrapped
+            class for the distributed optimizers), number of parameter groups, group sizes or a
+            parameter's shape differs from the root's; the same message on every rank names the
+            first difference. Also (on that rank only) if ``load_state_dict`` fails anyway; that
+            rank's optimizer is then restored to its previous state.
 
     Example::
 
@@ -275,14 +318,16 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
     root = _root(root_rank, c, opname)
     if c.nranks() == 1:
         return
+    layout = _optimizer_layout(optimizer)
     sd = optimizer.state_dict()
-    groups = [len(g["params"]) for g in sd["param_groups"]]
     me = c.rank()
     tensors: List[torch.Tensor] = []
     structure = _split_state(sd, tensors) if me == root else None
-    root_groups, root_structure = broadcast_object((groups, structure) if me == root else None, root, c)
-    diff = None if groups == root_groups else f"parameter group sizes {groups}, root has {root_groups}"
-    _agree(c, root, diff, opname)
+    root_layout, root_structure = _broadcast_object(
+        (layout, structure) if me == root else None, root, c, opname, "its optimizer state_dict()"
+    )
+    # Everything is compared before anything is loaded: a mismatch leaves every optimizer unchanged.
+    _agree(c, root, _optimizer_difference(layout, root_layout), opname)
     if me != root:
         dev = _param_device(optimizer)
         tensors = [
@@ -295,7 +340,51 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
     send = [t.contiguous() for t in tensors] if me == root else tensors
     _broadcast_flat(send, root, c)
     if me != root:
-        optimizer.load_state_dict(_fill_state(root_structure, tensors))
+        _load_or_restore(optimizer, _fill_state(root_structure, tensors), sd, opname, me)
+
+
+def _optimizer_class(optimizer: Any) -> str:
+    """The optimizer's class (the wrapped class for the distributed optimizers), module-qualified."""
+    cls = getattr(optimizer, "_tl_base", type(optimizer))
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _optimizer_layout(optimizer: Any) -> Tuple[str, List[List[Tuple[int, ...]]]]:
+    """(class, per parameter group the shapes of its parameters): what must match the root's."""
+    shapes = [[tuple(p.shape) for p in g["params"]] for g in optimizer.param_groups]
+    return _optimizer_class(optimizer), shapes
+
+
+def _optimizer_difference(mine: Any, root: Any) -> Optional[str]:
+    """The first difference between this rank's optimizer layout and the root's, or None."""
+    (cls, shapes), (root_cls, root_shapes) = mine, root
+    if cls != root_cls:
+        return f"optimizer class {cls} here, {root_cls} on the root"
+    sizes, root_sizes = [len(g) for g in shapes], [len(g) for g in root_shapes]
+    if sizes != root_sizes:
+        return f"parameter group sizes {sizes}, root has {root_sizes}"
+    for gi, (g, rg) in enumerate(zip(shapes, root_shapes)):
+        for i, (a, b) in enumerate(zip(g, rg)):
+            if a != b:
+                return f"param_groups[{gi}] parameter {i} has shape {a} here, {b} on the root"
+    return None
+
+
+def _load_or_restore(
+    optimizer: Any, new_sd: Dict[str, Any], old_sd: Dict[str, Any], opname: str, me: int
+) -> None:
+    """``load_state_dict(new_sd)``; if that fails, put ``old_sd`` back so no half-loaded state remains."""
+    try:
+        optimizer.load_state_dict(new_sd)
+    except Exception as exc:
+        try:
+            optimizer.load_state_dict(old_sd)
+        except Exception:  # pragma: no cover - restoring what state_dict() returned should not fail
+            logger.exception("%s: rank %d could not restore its optimizer state", opname, me)
+        raise CommError(
+            f"{opname}: rank {me} could not load root's optimizer state ({type(exc).__name__}: {exc}); "
+            "its optimizer was left unchanged"
+        ) from exc
 
 
 def _param_device(optimizer: Any) -> torch.device:
