@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import warnings
 
 import numpy as np
@@ -334,6 +335,7 @@ def test_redis_failure_bypass_mode(tmp_path, own_redis, failure):
     finally:
         if failure == "pause" and srv.proc is not None:
             os.kill(srv.proc.pid, signal.SIGCONT)
+        ds.close()  # ends its background flush thread (it would retry the dead server every 60 s)
 
 
 @requires_redis
@@ -753,3 +755,232 @@ def test_old_entries_that_pickled_a_float8_tensor_are_recomputed(tmp_path):
     assert out.dtype == torch.float8_e4m3fn and loader.stats()["corrupt"] == 1
     loader.flush()
     assert loader.store.get(loader.key(0)) == encode(out)
+
+
+# -- background flush (flush_interval) --------------------------------------------------------------
+
+
+def _flush_threads(dataset_name: str) -> list:
+    """The live flush threads of the loaders named ``dataset_name`` (other tests may leave theirs, e.g.
+    a bypass-mode loader retrying a killed server)."""
+    return [t for t in threading.enumerate() if t.name == f"trainloom-cache-flush[{dataset_name}]"]
+
+
+def _wait_for(condition, what: str, timeout: float = 30.0) -> None:
+    """Poll ``condition`` until it holds (a generous deadline: the machine is shared)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(0.02)
+
+
+class RotatingBatches:
+    """Batches of 4 in order, rotated by ``epoch`` batches: with 2 workers (round robin from the
+    first batch every epoch) and an even number of batches, every batch goes to the other worker in
+    the next epoch."""
+
+    def __init__(self, n: int) -> None:
+        self.batches = [list(range(i, min(i + 4, n))) for i in range(0, n, 4)]
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self):
+        k = self.epoch % len(self.batches)
+        return iter(self.batches[k:] + self.batches[:k])
+
+
+@pytest.mark.parametrize(
+    "method,flush_interval", [("fork", 1.0), ("spawn", 1.0), ("fork", None)], ids=["fork", "spawn", "off"]
+)
+def test_persistent_workers_compute_each_sample_once(tmp_path, method, flush_interval):
+    # Each worker computes 24 samples: 20 are written when its buffer fills, 4 stay buffered. Without
+    # the background flush they stayed there for the whole run, and the other worker, which gets those
+    # batches in the next epoch, computed them again.
+    base = CountingDataset(48, tmp_path / "log")
+    ds = CachedDataset(base, path=tmp_path / "db", dataset_name="pw", flush_interval=flush_interval)
+    assert ds.cache_loader.writer_buffer_size == 20
+    sampler = RotatingBatches(48)
+    dl = DataLoader(
+        ds, batch_sampler=sampler, num_workers=2, persistent_workers=True, multiprocessing_context=method
+    )
+    store = ds.cache_loader.store
+    try:
+        for batch in dl:
+            check_batch(batch)
+        assert sorted(base.computed()) == list(range(48))
+        if flush_interval is None:
+            assert store.num_keys() == 1 + 40  # the fingerprint and 2 full buffers; 2 x 4 values wait
+        else:
+            _wait_for(lambda: store.num_keys() == 1 + 48, "the workers' background flushes")
+        for epoch in (1, 2):
+            sampler.epoch = epoch
+            for batch in dl:
+                check_batch(batch)
+        if flush_interval is None:
+            assert len(base.computed()) > 48  # the old behaviour: buffered samples computed again
+        else:
+            assert len(base.computed()) == 48  # epochs 1 and 2 computed nothing
+    finally:
+        del dl  # the persistent workers stop
+    assert ds.cache_loader.num_keys() == 48
+
+
+def test_flush_interval_writes_the_values_of_a_process_that_stops_computing(tmp_path):
+    loader = CacheLoader(path=tmp_path, dataset_name="fi", writer_buffer_size=10, flush_interval=0.5)
+    assert loader.flush_interval == 0.5 and _flush_threads("fi") == []
+    assert loader.get_many([0, 1, 2], lambda k: k * 10) == [0, 10, 20]
+    assert len(loader._timers) == 1  # one thread started for the buffer, not one per value
+    _wait_for(lambda: loader.store.num_keys() == 3, "the background flush")
+    _wait_for(lambda: _flush_threads("fi") == [], "the flush thread to end once the buffer is empty")
+    s = loader.stats()
+    assert (s["writes"], s["flushes"], s["buffered"], s["errors"]) == (3, 1, 0, 0)
+    other = CacheLoader(path=tmp_path, dataset_name="fi")  # e.g. another DataLoader worker
+    assert other.get_many([0, 1, 2], lambda k: pytest.fail(f"recomputed {k}")) == [0, 10, 20]
+    for _ in range(3):  # reads only: no thread
+        assert loader.get_many([0, 1, 2], lambda k: pytest.fail(f"recomputed {k}")) == [0, 10, 20]
+    assert _flush_threads("fi") == []
+    # flush() ends the thread (here after a buffer written because it was full).
+    for i in range(10, 20):
+        loader.get(i, lambda k: k)
+    loader.get(20, lambda k: k)
+    loader.flush()
+    _wait_for(lambda: _flush_threads("fi") == [], "the flush thread to end after flush()")
+    with CacheLoader(path=tmp_path, dataset_name="fi1") as unbuffered:  # writer_buffer_size=1
+        for i in range(5):
+            unbuffered.get(i, lambda k: k)
+        assert _flush_threads("fi1") == [] and unbuffered.store.num_keys() == 5
+    loader.close()
+    other.close()
+
+
+@pytest.mark.parametrize("off", [None, 0])
+def test_flush_interval_none_keeps_values_buffered(tmp_path, off):
+    loader = CacheLoader(path=tmp_path, dataset_name="off", writer_buffer_size=10, flush_interval=off)
+    assert loader.flush_interval is None
+    for i in range(3):
+        loader.get(i, lambda k: k)
+    time.sleep(0.5)  # nothing may happen: a wait that can only make a wrong test pass, not flake
+    assert _flush_threads("off") == [] and loader.store.num_keys() == 0 and loader.stats()["buffered"] == 3
+    for i in range(3, 10):
+        loader.get(i, lambda k: k)
+    assert loader.store.num_keys() == 10  # written when the buffer filled, as before
+    loader.close()
+
+
+def test_bad_flush_interval(tmp_path):
+    for bad in (-1, float("inf"), float("nan"), "1", True):
+        with pytest.raises(
+            ValueError, match="flush_interval must be None or a finite number of seconds >= 0"
+        ):
+            CacheLoader(path=tmp_path, flush_interval=bad)
+
+
+def test_flush_thread_never_outlives_close(tmp_path):
+    loader = CacheLoader(path=tmp_path, dataset_name="oc", writer_buffer_size=10, flush_interval=60.0)
+    loader.get(1, lambda k: "one")
+    assert [t.daemon for t in _flush_threads("oc")] == [True]
+    loader.close()
+    assert _flush_threads("oc") == []  # close() joined it
+    assert CacheLoader(path=tmp_path, dataset_name="oc").get(1, lambda k: pytest.fail("lost")) == "one"
+    # The same for a CachedDataset, and with a thread busy flushing when close() is called.
+    ds = CachedDataset(
+        CountingDataset(30, tmp_path / "log"), path=tmp_path, dataset_name="oc2", flush_interval=0.01
+    )
+    for i in range(30):
+        ds[i]
+    ds.close()
+    assert _flush_threads("oc2") == []
+    assert CacheLoader(path=tmp_path, dataset_name="oc2").num_keys() == 31  # 30 samples, the fingerprint
+
+
+def test_a_failed_background_flush_raises_from_the_next_call(tmp_path):
+    store = RefusingStore(tmp_path, namespace="bg")
+    loader = CacheLoader(store, "bg", writer_buffer_size=10, flush_interval=0.05)
+    store.down = True
+    loader.get(0, lambda k: b"zero")
+    _wait_for(lambda: loader.stats()["errors"] == 1, "the background flush to fail")
+    _wait_for(lambda: _flush_threads("bg") == [], "the flush thread to end after the failure")
+    with pytest.raises(StoreError, match="refusing every write") as info:
+        loader.get(1, lambda k: b"one")
+    if sys.version_info >= (3, 11):  # exceptions take notes
+        assert "raised by the background flush of CacheLoader('bg')" in "\n".join(info.value.__notes__)
+    s = loader.stats()
+    assert (s["buffered"], s["misses"], s["writes"]) == (1, 1, 0)  # kept; get(1) did not run
+    store.down = False
+    assert loader.get(1, lambda k: b"one") == b"one"  # raised once; the next call works
+    _wait_for(lambda: store.num_keys() == 2, "the retried background flush")
+    assert loader.stats()["errors"] == 1
+
+    # A failure not raised yet is raised by close(), after closing.
+    store.down = True
+    loader.get(2, lambda k: b"two")
+    _wait_for(lambda: loader.stats()["errors"] == 2, "the background flush to fail")
+    store.down = False
+    with pytest.raises(StoreError, match="refusing every write"):
+        loader.close()
+    assert _flush_threads("bg") == [] and store.num_keys() == 3  # close() flushed the value
+    with pytest.raises(CacheClosedError):
+        loader.get(3, lambda k: b"three")
+
+
+def test_a_failed_background_flush_in_bypass_mode_warns_once_and_retries(tmp_path):
+    store = RefusingStore(tmp_path, namespace="bgb")
+    loader = CacheLoader(
+        store, "bgb", writer_buffer_size=10, flush_interval=0.05, on_error="bypass", retry_interval=0.2
+    )
+    store.down = True
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        loader.get(0, lambda k: b"zero")
+        _wait_for(lambda: loader.stats()["errors"] >= 2, "two failed background flushes")
+    assert len([x for x in w if "on_error='bypass'" in str(x.message)]) == 1
+    assert len(_flush_threads("bgb")) == 1  # still trying
+    store.down = False
+    _wait_for(lambda: store.num_keys() == 1, "the background flush after the store came back")
+    _wait_for(lambda: _flush_threads("bgb") == [], "the flush thread to end")
+    assert loader.get(0, lambda k: pytest.fail("recomputed")) == b"zero"  # nothing raised in bypass mode
+    loader.close()
+
+
+def test_background_flush_and_reads_share_lmdb_safely(tmp_path):
+    # A write that grows the LMDB map remaps it (LMDB: no transaction of the process may be open
+    # meanwhile): the background writes and the reads of every loader of the process are serialised
+    # while a flush thread is alive. Small map; a second loader on the same environment reads all along.
+    loader = CacheLoader(
+        path=tmp_path, dataset_name="grow", writer_buffer_size=1000, flush_interval=0.001, map_size=1 << 20
+    )
+    reader = CacheLoader(path=tmp_path, dataset_name="grow", writer_buffer_size=10_000, flush_interval=None)
+    value = np.arange(16_000, dtype=np.float64)  # 128 KB
+    for i in range(200):
+        loader.get(i, lambda k: value + k)
+        for j in range(max(0, i - 8), i + 1):
+            got = reader.get_many([j], lambda k: value + k)[0]  # a miss while not written yet
+            assert float(got[5]) == j + 5
+    _wait_for(lambda: loader.store.num_keys() == 200, "the background flushes")
+    assert loader.store.grow_count > 0 and reader.stats()["hits"] > 0
+    assert float(reader.get_many([199], lambda k: pytest.fail("lost"))[0][0]) == 199.0
+    loader.close()
+    reader.close()
+
+
+@requires_redis
+def test_background_flush_to_redis(redis_hosts):
+    # Redis clients are thread-safe: the background flush takes no process-wide lock.
+    loader = CacheLoader("redis", "bgr", writer_buffer_size=10, flush_interval=0.05, hosts=redis_hosts)
+    loader.clear()
+    try:
+        assert not loader._serialized
+        for i in range(3):
+            loader.get(i, lambda k: [k] * 2)
+        assert [t.counted for t in loader._timers] == [False]  # reads of the process do not wait for it
+        _wait_for(lambda: loader.store.num_keys() == 3, "the background flush")
+        other = CacheLoader("redis", "bgr", hosts=redis_hosts)
+        assert other.get_many([0, 1, 2], lambda k: pytest.fail(f"recomputed {k}")) == [[0, 0], [1, 1], [2, 2]]
+        other.close()
+    finally:
+        loader.clear()
+        loader.close()
+    assert _flush_threads("bgr") == []

@@ -12,6 +12,10 @@ What is guaranteed:
   :meth:`close`, at interpreter exit and when a DataLoader worker process stops (through
   ``multiprocessing.util.Finalize``, which runs in forked, spawned and forkserver workers, where
   ``atexit`` does not);
+* a buffered value waits at most ``flush_interval`` seconds (default 1) before a background thread of
+  its process writes it, so the other processes (DataLoader workers, persistent or not) read it
+  instead of computing it again, also when this process stops computing (a persistent worker
+  between epochs, a process that only reads from then on);
 * a damaged value is detected by its checksum, counted (``stats()["corrupt"]``) and recomputed;
   so is any value that no longer decodes (e.g. a pickled class that was renamed since);
 * a stored ``None`` is a hit like any other value;
@@ -24,6 +28,7 @@ What is guaranteed:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing.util
 import operator
@@ -49,6 +54,7 @@ from trainloom.data.stores.base import (
     StoreUnavailableError,
     mget_decode_missing,
 )
+from trainloom.data.stores.cluster import ClusterStore
 from trainloom.errors import ConfigError
 
 _codec = import_compiled("trainloom.data._codec")
@@ -65,6 +71,38 @@ _MISSING = object()
 _CORRUPT = object()
 #: What _decode_one returns for a stored None (mget_apply reports absent keys as None).
 _STORED_NONE = object()
+#: Serialises the store calls of the loaders of this process with their background flushes: LMDB must
+#: not resize its map (which a write may do) while another thread of the process is inside a
+#: transaction, and a Store subclass is not assumed to be thread-safe. Reads take it only while such a
+#: background flush thread is alive (``_flushers``); calls to Redis stores (thread-safe clients) never
+#: take it, so a dead server never blocks the other loaders of the process.
+_STORE_LOCK = threading.RLock()
+_NO_LOCK = contextlib.nullcontext()
+#: Background flush threads alive in this process whose store calls take _STORE_LOCK.
+_flushers = 0
+
+
+def _thread_safe(store: Store) -> bool:
+    """Whether ``store`` may be called from two threads of a process at once: Redis stores (redis-py
+    clients are thread-safe), and clusters of them."""
+    redis_store = sys.modules.get("trainloom.data.stores.redis_store")  # imported if a RedisStore exists
+    if redis_store is not None and isinstance(store, redis_store.RedisNodeStore):
+        return True
+    if isinstance(store, ClusterStore):
+        return bool(store.stores) and all(_thread_safe(s) for s in store.stores)
+    return False
+
+
+def _after_fork_in_child() -> None:
+    # The parent's flush threads do not exist in the child, and one of them may hold the lock.
+    global _STORE_LOCK, _flushers
+    _STORE_LOCK = threading.RLock()
+    _flushers = 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
 _STAT_NAMES = (
     "hits",
     "misses",
@@ -115,6 +153,40 @@ def _flush_at_exit(ref: weakref.ref[CacheLoader]) -> None:
         loader._flush_on_exit()
 
 
+class _FlushThread(threading.Thread):
+    """Writes a loader's buffered values once they have waited ``flush_interval`` seconds.
+
+    Started by the process that owns the buffer when the buffer holds values and no such thread runs
+    (never inherited: a forked child starts its own); it ends as soon as the buffer is empty, the
+    loader is closed or :meth:`stop` is called. It keeps the loader alive until then, so values
+    buffered by a loader nobody references any more are still written.
+    """
+
+    def __init__(self, loader: CacheLoader, delay: float) -> None:
+        super().__init__(name=f"trainloom-cache-flush[{loader.dataset_name}]", daemon=True)
+        self.loader: Optional[CacheLoader] = loader
+        self.delay = delay
+        self.stopped = threading.Event()
+        #: Counted in _flushers (its loader's store calls take _STORE_LOCK).
+        self.counted = False
+
+    def stop(self) -> None:
+        """Ask the thread to end (it does at once unless it is writing)."""
+        self.stopped.set()
+
+    def run(self) -> None:
+        global _flushers
+        try:
+            delay: Optional[float] = self.delay
+            while delay is not None and not self.stopped.wait(delay) and self.loader is not None:
+                delay = self.loader._background_flush(self)
+        finally:
+            self.loader = None
+            if self.counted:
+                with _STORE_LOCK:
+                    _flushers -= 1
+
+
 class CacheLoader:
     """Caches values computed by an expensive function under their keys.
 
@@ -136,6 +208,14 @@ class CacheLoader:
         max_buffer_bytes: bound of the write buffer (default 64 MiB): reaching it flushes early, and
             while the store is down (bypass mode) the oldest buffered values are dropped beyond it.
         retry_interval: seconds between attempts to use a failed store in bypass mode.
+        flush_interval: the longest a computed value waits in the write buffer, in seconds (default
+            1.0): a daemon thread of the process that buffered it then writes it, so other processes
+            (DataLoader workers) read it instead of computing it again even when this process stops
+            computing (a persistent worker between epochs). The thread exists only while the buffer
+            holds values. A failed background write follows ``on_error``: with ``"raise"`` the error
+            is raised by the next call of this process; with ``"bypass"`` it warns once and the
+            write is retried every ``retry_interval`` seconds. ``None`` or ``0``: values wait until
+            the buffer is full, :meth:`flush`, :meth:`close` or the process exits.
         **store_kwargs: passed to the store (``path=``, ``map_size=`` for LMDB; ``hosts=``,
             ``cluster_mode=``, ``capacity_per_node=`` for Redis).
 
@@ -158,6 +238,7 @@ class CacheLoader:
         on_error: str = "raise",
         max_buffer_bytes: int = 64 << 20,
         retry_interval: float = 5.0,
+        flush_interval: Optional[float] = 1.0,
         **store_kwargs: Any,
     ) -> None:
         if not isinstance(dataset_name, str):
@@ -174,13 +255,25 @@ class CacheLoader:
             raise ValueError(f"max_buffer_bytes must be an int >= 0, got {max_buffer_bytes!r}")
         if not retry_interval >= 0:
             raise ValueError(f"retry_interval must be >= 0, got {retry_interval!r}")
+        if flush_interval is not None and (
+            isinstance(flush_interval, bool)
+            or not isinstance(flush_interval, (int, float))
+            or not 0 <= flush_interval < float("inf")
+        ):
+            raise ValueError(
+                f"flush_interval must be None or a finite number of seconds >= 0, got {flush_interval!r}"
+            )
         self.dataset_name = dataset_name
         self.writer_buffer_size = writer_buffer_size
         self.on_error = on_error
         self.max_buffer_bytes = max_buffer_bytes
         self.retry_interval = float(retry_interval)
+        #: Seconds a buffered value waits at most before a background write; None: no background writes.
+        self.flush_interval: Optional[float] = float(flush_interval) if flush_interval else None
         self.store = make_store(backend, dataset_name, **store_kwargs)
         self.backend = self.store.backend
+        # Whether the store calls take _STORE_LOCK (see there).
+        self._serialized = not _thread_safe(self.store)
         self._prefix = (dataset_name + "_").encode("utf-8")
         limit = getattr(self.store, "max_key_size", None)
         self._max_key = int(limit) if limit else sys.maxsize
@@ -203,24 +296,58 @@ class CacheLoader:
         self._writes_disabled = False
         # The first decode error since the last "did not decode" warning (named in that warning).
         self._decode_failure: Optional[BaseException] = None
+        # When the oldest value now buffered was buffered (time.monotonic()).
+        self._buffered_since = 0.0
+        # This process's background flush thread (None while the buffer is empty or flush_interval is
+        # None), and the error of a failed background flush, raised by the next call.
+        self._timer: Optional[_FlushThread] = None
+        # Every flush thread started here that may still run (close() joins them).
+        self._timers: List[_FlushThread] = []
+        self._timer_error: Optional[Exception] = None
+        # Whether the next call must raise (closed, or a background flush failed): one test per call.
+        self._blocked = self._closed
 
     def _check_pid(self) -> None:
+        if self._blocked:
+            self._raise_blocked()
+        if self._pid != os.getpid():
+            # A forked child: the parent flushes its own buffer; the child starts empty.
+            self._reset_process_state()
+
+    def _raise_blocked(self) -> None:
+        """The slow path of :meth:`_check_pid`: raise CacheClosedError, or a background flush's error."""
+        if self._pid != os.getpid():
+            self._reset_process_state()  # a background flush of the parent failed: the parent's error
         if self._closed:
             raise CacheClosedError(
                 f"CacheLoader({self.dataset_name!r}) is closed: close() flushed its values and released the "
                 "store; create a new CacheLoader to use the cache again",
                 backend=self.backend,
             )
-        if self._pid != os.getpid():
-            # A forked child: the parent flushes its own buffer; the child starts empty.
-            self._reset_process_state()
+        exc = self._take_timer_error()
+        if exc is not None:
+            raise exc
+
+    def _take_timer_error(self) -> Optional[Exception]:
+        """The error of a failed background flush (once), annotated; None when there is none."""
+        with self._lock:
+            exc, self._timer_error = self._timer_error, None
+            self._blocked = self._closed
+        if exc is not None and hasattr(exc, "add_note"):
+            exc.add_note(
+                f"(raised by the background flush of CacheLoader({self.dataset_name!r}), "
+                f"flush_interval={self.flush_interval:g}s)"
+            )
+        return exc
 
     def __getstate__(self) -> Dict[str, Any]:
+        if self._pid != os.getpid():
+            self._reset_process_state()  # the inherited lock may be held by a thread of the parent
         with self._lock:
-            if self._pid == os.getpid() and not self._closed:
-                self.flush()
+            if not self._closed:
+                self._flush_now()
             state = dict(self.__dict__)
-        for k in ("_buffer", "_lock", "_finalizer", "_stats", "_warned"):
+        for k in ("_buffer", "_lock", "_finalizer", "_stats", "_warned", "_timer", "_timers", "_timer_error"):
             state.pop(k, None)
         return state
 
@@ -240,8 +367,11 @@ class CacheLoader:
     def _flush_on_exit(self) -> None:
         if self._pid != os.getpid() or self._closed:
             return
+        pending = self._take_timer_error()
+        if pending is not None:
+            log.error("CacheLoader(%r): a background flush failed: %s", self.dataset_name, pending)
         try:
-            self.flush()
+            self._flush_now()
         except StoreError as exc:
             log.error(
                 "CacheLoader(%r): could not flush %d buffered values at exit: %s",
@@ -249,6 +379,77 @@ class CacheLoader:
                 len(self._buffer),
                 exc,
             )
+        finally:
+            self._stop_timer(join=False)
+
+    # -- background flush -------------------------------------------------------------------------
+    def _start_timer(self) -> None:
+        """Start this process's flush thread (lock held; the buffer holds values, none runs)."""
+        global _flushers
+        delay = self.flush_interval
+        if delay is None:
+            return
+        t = _FlushThread(self, max(0.0, self._buffered_since + delay - time.monotonic()))
+        if self._serialized:
+            t.counted = True
+            with _STORE_LOCK:
+                _flushers += 1
+        try:
+            t.start()
+        except BaseException:
+            if t.counted:
+                with _STORE_LOCK:
+                    _flushers -= 1
+            raise
+        self._timer = t
+        self._timers = [x for x in self._timers if x.is_alive()]
+        self._timers.append(t)
+
+    def _stop_timer(self, join: bool) -> None:
+        """End this process's flush thread; with ``join`` (the lock not held), wait until every flush
+        thread started here has ended."""
+        with self._lock:
+            t, self._timer = self._timer, None
+            threads = self._timers
+            if join:
+                self._timers = []
+        if t is not None:
+            t.stop()
+        if join:
+            for x in threads:
+                x.stop()
+                if x is not threading.current_thread():
+                    x.join()
+
+    def _background_flush(self, thread: _FlushThread) -> Optional[float]:
+        """Run by the flush thread: write the buffer once its oldest value has waited
+        ``flush_interval``. Returns the seconds until the next check, or None when the thread ends."""
+        with self._lock:
+            if self._timer is not thread or self._closed or self._pid != os.getpid():
+                return None
+            if not self._buffer or self.flush_interval is None:
+                self._timer = None
+                return None
+            now = time.monotonic()
+            wait = self._buffered_since + self.flush_interval - now
+            if wait > 0:
+                return wait
+            if not self._is_down():
+                try:
+                    self._flush_locked()
+                except Exception as exc:  # noqa: BLE001 - raised by the next call of this process
+                    # on_error="raise" (or a bug in a Store subclass): the next call raises it. With
+                    # "bypass" a failing store does not raise here: flush warned once and counted.
+                    log.debug("CacheLoader(%r): background flush failed: %r", self.dataset_name, exc)
+                    self._timer_error = exc
+                    self._blocked = True
+                    self._timer = None
+                    return None
+                if not self._buffer:
+                    self._timer = None
+                    return None
+            # The store is down (on_error="bypass"): retry when it may be used again.
+            return max(self._down_until - time.monotonic(), self.flush_interval)
 
     # -- helpers ----------------------------------------------------------------------------------
     def key(self, key: Any) -> bytes:
@@ -289,6 +490,10 @@ class CacheLoader:
             "See stats() for the error, bypass and drop counts.",
         )
 
+    def _store_lock(self) -> Any:
+        """What store calls outside the read path hold: _STORE_LOCK unless the store is thread-safe."""
+        return _STORE_LOCK if self._serialized else _NO_LOCK
+
     def _is_down(self) -> bool:
         return self._down_until > 0.0 and time.monotonic() < self._down_until
 
@@ -308,13 +513,21 @@ class CacheLoader:
 
     def _read(self, keys: List[bytes]) -> List[Any]:
         """Values (or _MISSING / _CORRUPT) for store keys; counts; honours bypass."""
-        if self._is_down():
+        # Taken before the store is read: a background flush replaces the buffer after writing it, so
+        # a value is found either in the store or in this dict.
+        buf = self._buffer
+        down = self._down_until
+        if down > 0.0 and time.monotonic() < down:  # self._is_down(), inlined on the hot path
             self._stats["bypassed"] += len(keys)
             return [_MISSING] * len(keys)
         stats = self._stats
         try:
             try:
-                out, nbytes = mget_decode_missing(self.store, keys, _MISSING)
+                if _flushers and self._serialized:  # a background flush may write meanwhile
+                    with _STORE_LOCK:
+                        out, nbytes = mget_decode_missing(self.store, keys, _MISSING)
+                else:
+                    out, nbytes = mget_decode_missing(self.store, keys, _MISSING)
                 stats["bytes_read"] += nbytes
             except StoreError:
                 raise
@@ -325,17 +538,19 @@ class CacheLoader:
                 log.debug(
                     "CacheLoader(%r): batched decode failed (%r); decoding one by one", self.dataset_name, exc
                 )
-                raw = self.store.mget_apply(keys, self._decode_one)
+                with self._store_lock():
+                    raw = self.store.mget_apply(keys, self._decode_one)
                 out = [_MISSING if v is None else (None if v is _STORED_NONE else v) for v in raw]
         except StoreError as exc:
             self._store_failed(exc, "a read")
             stats["bypassed"] += len(keys)
             return [_MISSING] * len(keys)
-        if self._buffer:
-            buf = self._buffer
+        if buf:
             for i, k in enumerate(keys):
-                if out[i] is _MISSING and k in buf:
-                    out[i] = _codec.decode(buf[k], True)
+                if out[i] is _MISSING:
+                    v = buf.get(k)
+                    if v is not None:
+                        out[i] = _codec.decode(v, True)
         return out
 
     def _report_corrupt(self, n: int, what: str) -> None:
@@ -361,17 +576,31 @@ class CacheLoader:
             self._stats["dropped"] += 1
             return
         with self._lock:
-            old = self._buffer.pop(k, None)
+            buffer = self._buffer
+            if not buffer:
+                self._buffered_since = time.monotonic()
+            old = buffer.pop(k, None)
             if old is not None:
                 self._buffer_bytes -= len(old)
-            self._buffer[k] = encoded
+            buffer[k] = encoded
             self._buffer_bytes += len(encoded)
             self._ensure_finalizer()
-            full = len(self._buffer) >= self.writer_buffer_size or self._buffer_bytes >= self.max_buffer_bytes
+            full = len(buffer) >= self.writer_buffer_size or self._buffer_bytes >= self.max_buffer_bytes
             if full and not self._is_down():
-                self.flush()
+                try:
+                    self._flush_locked()
+                except BaseException:
+                    # Raised to this caller, who now knows the values wait: no background retry
+                    # raises it again (the next value buffered starts the thread again).
+                    self._stop_timer(join=False)
+                    raise
             if self._is_down():
                 self._trim_buffer()
+            # Values left in the buffer are written within flush_interval even if no other value comes.
+            # A full buffer flushed above leaves a running thread alone: it ends at its next check if
+            # the buffer is empty then (no thread started and stopped per buffer of values).
+            if self._timer is None and self._buffer and self.flush_interval is not None:
+                self._start_timer()
 
     def _trim_buffer(self) -> None:
         # The buffer only outgrows writer_buffer_size/max_buffer_bytes while the store is down
@@ -384,7 +613,8 @@ class CacheLoader:
     def _check_fingerprint(self, fingerprint: Any) -> None:
         value = b"trainloom-cache-v1|" + repr(fingerprint).encode("utf-8")
         try:
-            dropped = self.store.reset_if_changed(META_KEY, value)
+            with self._store_lock():
+                dropped = self.store.reset_if_changed(META_KEY, value)
         except StoreError as exc:
             self._store_failed(exc, "the fingerprint check")
             return
@@ -460,8 +690,10 @@ class CacheLoader:
         """Whether each key is in the store (reads no value, decodes nothing)."""
         self._check_pid()
         ks = [self.key(k) for k in keys]
-        out = self.store.mget_apply(ks, lambda buf: True)
-        return [v is not None or k in self._buffer for k, v in zip(ks, out)]
+        buffered = self._buffer  # before the store is read, as in _read
+        with self._store_lock():
+            out = self.store.mget_apply(ks, lambda buf: True)
+        return [v is not None or k in buffered for k, v in zip(ks, out)]
 
     def num_keys(self) -> int:
         """The number of cached values of this loader's ``dataset_name``.
@@ -469,9 +701,10 @@ class CacheLoader:
         Flushes this process's write buffer first, so every value computed here is counted."""
         self._check_pid()
         self.flush()
-        n = self.store.num_keys()
-        if self._has_meta and n:
-            n -= self.store.copies(META_KEY)  # one fingerprint entry per shard of a Redis cluster
+        with self._store_lock():
+            n = self.store.num_keys()
+            if self._has_meta and n:
+                n -= self.store.copies(META_KEY)  # one fingerprint entry per shard of a Redis cluster
         return n
 
     def flush(self) -> None:
@@ -484,7 +717,23 @@ class CacheLoader:
         ``on_error="bypass"``). When every value fails, the store is failing: the values stay buffered.
         """
         self._check_pid()
+        self._flush_now()
+
+    def _flush_now(self) -> None:
+        """Flush; end the background flush thread when the buffer is empty after it, or when the
+        flush raised (to this caller: no background retry raises it again)."""
         with self._lock:
+            try:
+                self._flush_locked()
+            except BaseException:
+                self._stop_timer(join=False)
+                raise
+            if not self._buffer:
+                self._stop_timer(join=False)
+
+    def _flush_locked(self) -> None:
+        """The body of :meth:`flush` (the loader's lock is held)."""
+        with self._store_lock():
             if not self._buffer:
                 return
             if self._writes_disabled:
@@ -594,7 +843,9 @@ class CacheLoader:
         with self._lock:
             self._buffer.clear()
             self._buffer_bytes = 0
-            self.store.clear()
+            self._stop_timer(join=False)
+            with self._store_lock():
+                self.store.clear()
             self._has_meta = False
 
     def close(self) -> None:
@@ -602,18 +853,26 @@ class CacheLoader:
 
         Every later call but :meth:`stats`, :meth:`key` and :meth:`close` raises
         :class:`CacheClosedError`; the store is never silently reopened (writes made after ``close``
-        would not be flushed at exit)."""
+        would not be flushed at exit). The background flush thread has ended when it returns. The
+        error of a failed background flush not raised yet is raised after closing."""
         if self._closed:
             return
-        self._check_pid()
+        if self._pid != os.getpid():
+            self._reset_process_state()
+        pending = self._take_timer_error()
         try:
-            self.flush()
+            self._flush_now()
         finally:
             self._closed = True
+            self._blocked = True
+            self._stop_timer(join=True)  # no thread outlives close(), none writes after it
             if self._finalizer is not None:
                 self._finalizer.cancel()
                 self._finalizer = None
-            self.store.close()
+            with self._store_lock():
+                self.store.close()
+        if pending is not None:
+            raise pending
 
     def __enter__(self) -> CacheLoader:
         return self
@@ -658,7 +917,8 @@ class CachedDataset(Dataset):
         writer_buffer_size: computed samples collected before one batched write.
         fingerprint: optional description of the dataset version/preprocessing; see
             :class:`CacheLoader`.
-        **kwargs: passed to :class:`CacheLoader` (``on_error=``...) and the store (``path=``...).
+        **kwargs: passed to :class:`CacheLoader` (``on_error=``, ``flush_interval=``...) and the store
+            (``path=``...).
 
     Example::
 
