@@ -8,7 +8,7 @@ Enum values are those of NCCL 2.x (fixed since 2.0; ncclAvg since 2.10, bfloat16
 
 from libc.stdint cimport int64_t, intptr_t, uintptr_t
 from libc.string cimport memcpy
-from posix.dlfcn cimport RTLD_LOCAL, RTLD_NOW, dlerror, dlopen, dlsym
+from posix.dlfcn cimport RTLD_LOCAL, RTLD_NOW, dlclose, dlerror, dlopen, dlsym
 
 from trainloom.errors import NcclError, NcclUnavailableError
 
@@ -139,17 +139,33 @@ cdef int _ensure_loaded() except -1:
     candidates = [explicit] if explicit else nccl_candidates()
     handle, res = _try_open(candidates)
     if handle == 0:
-        how = f"${NCCL_LIBRARY_ENV}={explicit!r} could not be loaded" if explicit else "no libnccl.so.2 found"
-        _load_error = (
-            f"NCCL unavailable: {how}. Tried, in order:\n  " + "\n  ".join(res)
-            + "\nInstall it with `pip install nvidia-nccl-cu12` (or trainloom[nccl]) or point "
-            + f"${NCCL_LIBRARY_ENV} at a libnccl.so.2."
-        )
+        if explicit:
+            # A bare name goes to the dynamic loader's search path only, where the pip wheel's copy
+            # (site-packages/nvidia/nccl/lib) is not: say so rather than suggest installing it again.
+            hint = (
+                f"\nA bare file name is looked up by the dynamic loader only (LD_LIBRARY_PATH, ldconfig): "
+                f"give the library's full path, or unset ${NCCL_LIBRARY_ENV} to let trainloom search the "
+                "nvidia-nccl-cu12 wheel (`pip install nvidia-nccl-cu12`) and the usual places."
+                if "/" not in explicit
+                else f"\nPoint ${NCCL_LIBRARY_ENV} at a loadable libnccl.so.2, or unset it to search the "
+                "usual places (`pip install nvidia-nccl-cu12` provides one)."
+            )
+            _load_error = f"NCCL unavailable: ${NCCL_LIBRARY_ENV}={explicit!r} could not be loaded: {res[0]}" + hint
+        else:
+            _load_error = (
+                "NCCL unavailable: no libnccl.so.2 found. Tried, in order:\n  " + "\n  ".join(res)
+                + "\nInstall it with `pip install nvidia-nccl-cu12` (or trainloom[nccl]) or point "
+                + f"${NCCL_LIBRARY_ENV} at a libnccl.so.2."
+            )
         raise NcclUnavailableError(_load_error)
     cdef void* h = <void*><intptr_t>handle
     cdef _Api api
     cdef Dl_info info
     cdef int ver = 0
+    if dlsym(h, b"ncclGetVersion") == NULL:
+        dlclose(h)
+        _load_error = f"NCCL unavailable: {res} is not an NCCL library (it exports no ncclGetVersion)"
+        raise NcclUnavailableError(_load_error)
     try:
         api.GetVersion = <F_GetVersion>_sym(h, b"ncclGetVersion")
         api.GetUniqueId = <F_GetUniqueId>_sym(h, b"ncclGetUniqueId")
@@ -175,6 +191,7 @@ cdef int _ensure_loaded() except -1:
         api.GroupStart = <F_Void>_sym(h, b"ncclGroupStart")
         api.GroupEnd = <F_Void>_sym(h, b"ncclGroupEnd")
     except NcclUnavailableError as exc:
+        dlclose(h)
         _load_error = f"{res}: {exc}"
         raise NcclUnavailableError(_load_error) from None
     api.GetVersion(&ver)
@@ -293,7 +310,9 @@ cdef class Communicator:
     def __init__(self, int world_size, bytes unique_id, int rank):
         if len(unique_id) != 128:
             raise ValueError(f"unique_id must be 128 bytes (ncclUniqueId), got {len(unique_id)}")
-        if world_size < 1 or not 0 <= rank < world_size:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
         _ensure_loaded()
         cdef ncclUniqueId uid

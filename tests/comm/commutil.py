@@ -513,6 +513,11 @@ def fake_nccl_plumbing(rank: int, ws: int, lib: str, lib_nop2p: str) -> Dict[str
         _nccl.Communicator(1, b"short", 0)
     except ValueError as exc:
         out["bad_uid"] = str(exc)
+    for world, rank in ((0, 0), (2, 2)):
+        try:
+            _nccl.Communicator(world, uid, rank)
+        except ValueError as exc:
+            out[f"bad_world_rank_{world}_{rank}"] = str(exc)
     return out
 
 

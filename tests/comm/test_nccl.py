@@ -47,6 +47,23 @@ def test_missing_libnccl_lists_the_path_tried(tmp_path):
     assert missing in res["error"]
 
 
+def test_a_bare_library_name_is_explained():
+    (res,) = run_ranks(nccl_unavailable, 1, env={"TRAINLOOM_NCCL_LIBRARY": "libnccl-no-such.so.2"})
+    assert res["available"] is False
+    assert "A bare file name is looked up by the dynamic loader only" in res["error"], res["error"]
+
+
+def test_a_library_that_is_not_nccl_is_named_as_such():
+    import ctypes.util
+
+    name = ctypes.util.find_library("z")  # zlib: loads fine, exports no NCCL symbol
+    if name is None:
+        pytest.skip("no zlib shared library to load")
+    (res,) = run_ranks(nccl_unavailable, 1, env={"TRAINLOOM_NCCL_LIBRARY": name})
+    assert res["available"] is False
+    assert res["error"] == f"NCCL unavailable: {name} is not an NCCL library (it exports no ncclGetVersion)"
+
+
 def test_fake_libnccl_plumbing(fake_libs):
     lib, lib_nop2p = fake_libs
     (res,) = run_ranks(fake_nccl_plumbing, 1, lib, lib_nop2p, env={"TRAINLOOM_NCCL_LIBRARY": lib})
@@ -70,6 +87,8 @@ def test_fake_libnccl_plumbing(fake_libs):
     assert res["ctx_live"] == 1 and res["live_after_abort"] == 0
     assert res["init_error"] == (5, "ncclCommInitRank")
     assert res["bad_uid"] == "unique_id must be 128 bytes (ncclUniqueId), got 5"
+    assert res["bad_world_rank_0_0"] == "world_size must be >= 1, got 0"
+    assert res["bad_world_rank_2_2"] == "rank 2 is outside 0..1"
 
 
 def test_fake_libnccl_without_send_recv_raises_not_implemented(fake_libs):
