@@ -6,6 +6,9 @@ import io
 import subprocess
 import sys
 from contextlib import redirect_stdout
+from pathlib import Path
+
+import pytest
 
 import trainloom
 from trainloom import cli
@@ -43,3 +46,253 @@ def test_bench_unknown_name(capsys):
 def test_no_command_prints_help(capsys):
     assert cli.main([]) == 0
     assert "usage: trainloom" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------------
+# trainloom bench NAME: every bad argument fails at parse time with argparse's message and code 2,
+# before a lock is taken, a worker starts or anything is measured.
+# ------------------------------------------------------------------------------------------------
+TOOLS = Path(__file__).resolve().parent.parent / "tools"
+SIZE_HINT = "expected a number of bytes with an optional K, M or G suffix (e.g. 4096, 4K, 128M)"
+
+
+@pytest.fixture
+def no_measuring(monkeypatch):
+    """Make any start of a measurement (bench lock, worker or child process) raise instead of running."""
+    monkeypatch.delenv("TRAINLOOM_TOOLS_DIR", raising=False)
+    monkeypatch.syspath_prepend(str(TOOLS))
+    import benchutil
+
+    def started(*args, **kwargs):
+        raise RuntimeError("the benchmark accepted its arguments and started")
+
+    monkeypatch.setattr(benchutil, "bench_lock", started)
+    monkeypatch.setattr(subprocess, "Popen", started)
+    monkeypatch.setattr(subprocess, "run", started)
+
+
+def _bench_error(capsys, name: str, args: list) -> str:
+    """Run ``trainloom bench NAME ARGS`` in this process; check code 2; return the error line. (That
+    nothing was measured is checked by the ``no_measuring`` fixture, not by a clock.)"""
+    rc = cli.main(["bench", name, *args])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    lines = err.strip().splitlines()
+    assert lines[0].startswith(f"usage: trainloom bench {name} "), err
+    return lines[-1]
+
+
+# name, arguments, the exact message after "trainloom bench NAME: error: "
+BAD_ARGS = [
+    # sizes: zero / negative (this looped forever), unparsable, not whole bytes, --min > --max
+    ("comm", ["--min", "0", "--max", "1K"], "argument --min: must be > 0 bytes, got '0'"),
+    ("comm", ["--min=-4K", "--max", "1K"], "argument --min: must be > 0 bytes, got '-4K'"),
+    ("comm", ["--max", "0"], "argument --max: must be > 0 bytes, got '0'"),
+    ("comm", ["--min", "abc"], f"argument --min: invalid size 'abc': {SIZE_HINT}"),
+    (
+        "comm",
+        ["--max", "1.3"],
+        "argument --max: invalid size '1.3': not a whole number of bytes",
+    ),
+    ("comm", ["--max", "1K", "--min", "1M"], "--min (1M) is larger than --max (1K)"),
+    ("comm", ["--slot-bytes", "1000"], "argument --slot-bytes: must be >= 4096 bytes, got '1000'"),
+    ("comm", ["--slot-bytes", "6K"], "argument --slot-bytes: must be a multiple of 4096 bytes, got '6K'"),
+    ("comm", ["--small-bytes", "-1"], "argument --small-bytes: must be >= 0 bytes, got '-1'"),
+    ("comm", ["--cma-bytes", "0"], "argument --cma-bytes: must be > 0 bytes, got '0'"),
+    # process counts
+    ("comm", ["--nproc", "0"], "argument --nproc: must be >= 1, got '0'"),
+    ("comm", ["--nproc", "-1"], "argument --nproc: must be >= 1, got '-1'"),
+    ("comm", ["--nproc", "abc"], "argument --nproc: invalid integer 'abc'"),
+    ("comm", ["--nproc", "2,,4"], "argument --nproc: empty entry in the list '2,,4'"),
+    ("comm", ["--nproc", "2,x"], "argument --nproc: invalid integer 'x' (in '2,x')"),
+    ("neighbor", ["--nproc", "0"], "argument --nproc: must be >= 2, got '0'"),
+    ("neighbor", ["--nproc", "-2"], "argument --nproc: must be >= 2, got '-2'"),
+    ("neighbor", ["--nproc", "1"], "argument --nproc: must be >= 2, got '1'"),
+    ("neighbor", ["--nproc", "abc"], "argument --nproc: invalid integer 'abc'"),
+    # other counts and numbers
+    ("comm", ["--factor", "1"], "argument --factor: must be >= 2, got '1'"),
+    ("comm", ["--factor", "-3"], "argument --factor: must be >= 2, got '-3'"),
+    ("comm", ["--rounds", "0"], "argument --rounds: must be >= 1, got '0'"),
+    ("comm", ["--target", "0"], "argument --target: must be a finite number > 0, got '0'"),
+    ("comm", ["--target", "x"], "argument --target: invalid number 'x'"),
+    ("neighbor", ["--rounds", "0"], "argument --rounds: must be >= 1, got '0'"),
+    ("neighbor", ["--budget-bytes", "-1"], "argument --budget-bytes: must be a finite number > 0, got '-1'"),
+    ("cache", ["--small", "0"], "argument --small: must be >= 1, got '0'"),
+    ("cache", ["--images", "-1"], "argument --images: must be >= 1, got '-1'"),
+    ("cache", ["--small", "abc"], "argument --small: invalid integer 'abc'"),
+    ("optim", ["--threads", "0"], "argument --threads: must be >= 1, got '0'"),
+    ("optim", ["--threads", "1", "abc"], "argument --threads: invalid integer 'abc'"),
+    ("optim", ["--threads"], "argument --threads: expected at least one argument"),
+    ("sampler", ["--budget", "0"], "argument --budget: must be a finite number > 0, got '0'"),
+    ("sampler", ["--budget", "-1"], "argument --budget: must be a finite number > 0, got '-1'"),
+    ("sampler", ["--budget", "inf"], "argument --budget: must be a finite number > 0, got 'inf'"),
+    ("sampler", ["--max-len", "0"], "argument --max-len: must be >= 1, got '0'"),
+    (
+        "all",
+        ["--out", "{tmp}/o", "--timeout", "0"],
+        "argument --timeout: must be a finite number > 0, got '0'",
+    ),
+    # lists of names, checked in the parent (they failed only inside the workers)
+    ("neighbor", ["--sizes", "abc"], f"argument --sizes: invalid size 'abc': {SIZE_HINT}"),
+    ("neighbor", ["--sizes", "4K,,8K"], "argument --sizes: empty entry in the list '4K,,8K'"),
+    ("neighbor", ["--sizes", "4K,0"], "argument --sizes: must be >= 4 bytes, got '0' (in '4K,0')"),
+    ("neighbor", ["--sizes", "6"], "argument --sizes: must be a multiple of 4 bytes, got '6'"),
+    (
+        "neighbor",
+        ["--topologies", "ring,bogus"],
+        "argument --topologies: unknown 'bogus' (choose from ring, exp2, full) (in 'ring,bogus')",
+    ),
+    (
+        "comm",
+        ["--op", "foo"],
+        "argument --op: unknown 'foo' (choose from allreduce, reduce_scatter, allgather, alltoall, broadcast "
+        "or all)",
+    ),
+    ("comm", ["--backend", ""], "argument --backend: expected a comma-separated list, got ''"),
+    ("comm", ["--op", "allgather", "--backend", "shm-zc"], "shm-zc (zero-copy) applies to allreduce only"),
+    # --out that cannot be used: found before measuring (it was found only when the first file was written)
+    (
+        "comm",
+        ["--out", "/proc/nope"],
+        "argument --out: cannot create directory '/proc/nope': No such file or directory",
+    ),
+    ("comm", ["--out", "{file}"], "argument --out: '{file}' exists and is not a directory"),
+    (
+        "comm",
+        ["--out", "{file}/sub"],
+        "argument --out: cannot create directory '{file}/sub': Not a directory",
+    ),
+    ("neighbor", ["--out", "{file}"], "argument --out: '{file}' exists and is not a directory"),
+    ("cache", ["--out", "{file}"], "argument --out: '{file}' exists and is not a directory"),
+    ("optim", ["--out", "{file}"], "argument --out: '{file}' exists and is not a directory"),
+    ("sampler", ["--out", "{file}"], "argument --out: '{file}' exists and is not a directory"),
+    (
+        "all",
+        ["--out", "/proc/nope"],
+        "argument --out: cannot create directory '/proc/nope': No such file or directory",
+    ),
+    ("all", ["--out", "{file}"], "argument --out: '{file}' exists and is not a directory"),
+]
+
+# argparse's own ``choices`` message quotes the choices differently across Python versions:
+# only its start is checked
+BAD_CHOICES = [
+    ("comm", ["--dtype", "bogus"], "argument --dtype: invalid choice: 'bogus' (choose from "),
+    ("optim", ["--models", "gpt3"], "argument --models: invalid choice: 'gpt3' (choose from "),
+    ("optim", ["--optims", "Lion"], "argument --optims: invalid choice: 'Lion' (choose from "),
+    (
+        "all",
+        ["--out", "{tmp}/o", "--only", "nosuch"],
+        "argument --only: invalid choice: 'nosuch' (choose from ",
+    ),
+]
+
+
+def _fill(items: list, tmp_path: Path) -> list:
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    return [x.replace("{tmp}", str(tmp_path)).replace("{file}", str(afile)) for x in items]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name,args,message", BAD_ARGS, ids=[f"{n}:{' '.join(a)}" for n, a, _ in BAD_ARGS])
+def test_bench_bad_argument_fails_fast(no_measuring, capsys, tmp_path, name, args, message):
+    line = _bench_error(capsys, name, _fill(args, tmp_path))
+    assert line == f"trainloom bench {name}: error: {_fill([message], tmp_path)[0]}"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "name,args,start", BAD_CHOICES, ids=[f"{n}:{' '.join(a)}" for n, a, _ in BAD_CHOICES]
+)
+def test_bench_bad_choice_fails_fast(no_measuring, capsys, tmp_path, name, args, start):
+    line = _bench_error(capsys, name, _fill(args, tmp_path))
+    assert line.startswith(f"trainloom bench {name}: error: {start}"), line
+
+
+@pytest.mark.parametrize("name", ["all", "cache", "comm", "neighbor", "optim", "sampler"])
+def test_bench_usage_names_trainloom_bench(no_measuring, capsys, name):
+    assert cli.main(["bench", name, "--help"]) == 0
+    assert capsys.readouterr().out.startswith(f"usage: trainloom bench {name} [-h]")
+
+
+def test_bench_good_arguments_parse(no_measuring, tmp_path):
+    import bench_all
+    import bench_cache
+    import bench_comm
+    import bench_neighbor
+    import bench_optim
+    import bench_sampler
+
+    out = tmp_path / "new" / "dir"
+    a = bench_comm.parse_args(
+        ["--op", "all", "--nproc", "1,4", "--min", "1.5K", "--max", "1M", "--small-bytes", "0"]
+        + ["--slot-bytes", "64K", "--dtype", "bfloat16", "--out", str(out)]
+    )
+    assert (a.op, a.nproc, a.min, a.max) == (list(bench_comm.OPS), [1, 4], 1536, 1 << 20)
+    assert (a.small_bytes, a.slot_bytes, a.cma_bytes, a.dtype) == (0, 65536, None, "bfloat16")
+    assert out.is_dir()  # --out is created (and checked) at parse time, before measuring
+    a = bench_comm.parse_args(["--min", "4K", "--max", "4K", "--backend", "shm-zc,gloo"])
+    assert (a.min, a.max, a.backend, a.op, a.factor) == (4096, 4096, ["shm-zc", "gloo"], ["allreduce"], 2)
+    a = bench_neighbor.build_parser().parse_args(
+        ["--sizes", "4K, 1M", "--topologies", "exp2", "--nproc", "2"]
+    )
+    assert (a.sizes, a.topologies, a.nproc) == ([4096, 1 << 20], ["exp2"], 2)
+    assert bench_neighbor.build_parser().parse_args([]).sizes == [4096, 256 << 10, 4 << 20]
+    a = bench_cache.build_parser().parse_args(["--small", "256", "--images", "32"])
+    assert (a.small, a.images) == (256, 32)
+    assert bench_optim.build_parser().parse_args(["--threads", "1", "2"]).threads == [1, 2]
+    assert bench_sampler.build_parser().parse_args(["--budget", "4096"]).budget == 4096.0
+    a = bench_all.build_parser().parse_args(["--out", str(tmp_path), "--only", "comm", "optim"])
+    assert a.only == ["comm", "optim"]
+
+
+def test_parse_size():
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import benchutil
+    finally:
+        sys.path.remove(str(TOOLS))
+    assert [benchutil.parse_size(x) for x in ("4096", "4K", "4kb", "1.5K", "128M", "1G", " 2M ")] == [
+        4096,
+        4096,
+        4096,
+        1536,
+        128 << 20,
+        1 << 30,
+        2 << 20,
+    ]
+    for bad in ("", "K", "abc", "1.3", "nan", "inf", "1e400"):
+        with pytest.raises(ValueError, match="invalid size"):
+            benchutil.parse_size(bad)
+
+
+def _fake_tools(tmp_path: Path, monkeypatch, body: str) -> None:
+    (tmp_path / "bench_x.py").write_text(body)
+    monkeypatch.setenv("TRAINLOOM_TOOLS_DIR", str(tmp_path))
+
+
+def test_bench_systemexit_message_is_printed(tmp_path, monkeypatch, capsys):
+    _fake_tools(tmp_path, monkeypatch, "raise SystemExit(\"bench x: unknown benchmarks ['nosuch']\")\n")
+    assert cli.main(["bench", "x"]) == 1
+    assert capsys.readouterr().err == "bench x: unknown benchmarks ['nosuch']\n"
+
+
+@pytest.mark.parametrize("code,rc", [("3", 3), ("0", 0), ("None", 0)])
+def test_bench_systemexit_code_is_kept(tmp_path, monkeypatch, capsys, code, rc):
+    _fake_tools(tmp_path, monkeypatch, f"import sys\nsys.exit({code})\n")
+    assert cli.main(["bench", "x"]) == rc
+    assert capsys.readouterr().err == ""
+
+
+def test_bench_all_unknown_only_via_discover(no_measuring):
+    import bench_all
+
+    with pytest.raises(SystemExit, match=r"bench all: unknown benchmarks \['nosuch'\]"):
+        bench_all.discover(["nosuch"])
+
+
+def test_bench_leaves_sys_path_and_argv(no_measuring, capsys):
+    before_path, before_argv = list(sys.path), list(sys.argv)
+    assert cli.main(["bench", "comm", "--min", "0"]) == 2
+    assert (sys.path, sys.argv) == (before_path, before_argv)

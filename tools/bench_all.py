@@ -18,11 +18,17 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from benchutil import machine_line  # noqa: E402
+from benchutil import machine_line, out_dir, positive_float  # noqa: E402
+
+
+def known() -> list[str]:
+    """The benchmarks next to this script (bench_NAME.py), without ``all`` itself."""
+    return sorted(p.stem[len("bench_") :] for p in HERE.glob("bench_*.py") if p.stem != "bench_all")
 
 
 def discover(only: list[str] | None = None) -> list[str]:
-    names = sorted(p.stem[len("bench_") :] for p in HERE.glob("bench_*.py") if p.stem != "bench_all")
+    """The benchmarks to run: all of them, or those in ``only``."""
+    names = known()
     if only:
         unknown = sorted(set(only) - set(names))
         if unknown:
@@ -31,15 +37,22 @@ def discover(only: list[str] | None = None) -> list[str]:
     return names
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``trainloom bench all`` (each value checked as it is parsed)."""
     ap = argparse.ArgumentParser(prog="trainloom bench all", description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="directory for report.md, per-benchmark tables and plots")
+    ap.add_argument(
+        "--out", required=True, type=out_dir, help="directory for report.md, per-benchmark tables and plots"
+    )
     ap.add_argument("--quick", action="store_true", help="short runs (smoke test, figures not meaningful)")
-    ap.add_argument("--only", nargs="*", help="run only these benchmarks (e.g. comm optim)")
-    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per benchmark")
-    args = ap.parse_args(argv)
+    ap.add_argument("--only", nargs="+", choices=known(), help="run only these benchmarks (e.g. comm optim)")
+    ap.add_argument("--timeout", type=positive_float, default=1800.0, help="seconds allowed per benchmark")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmarks and write DIR/report.md; 1 if any of them failed."""
+    args = build_parser().parse_args(argv)
     out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
     sections = [
         "# trainloom benchmark report",
         "",

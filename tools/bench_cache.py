@@ -33,7 +33,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from benchutil import bench_lock, machine_line, markdown_table, median, write_report
+from benchutil import (
+    bench_lock,
+    machine_line,
+    markdown_table,
+    median,
+    out_dir,
+    positive_int,
+    write_report,
+)
 from torch.utils.data import DataLoader, Dataset
 
 from trainloom.data.cache import CachedDataset
@@ -249,16 +257,33 @@ def plot(path: Path, results: dict) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``trainloom bench cache`` (each value checked as it is parsed)."""
+    ap = argparse.ArgumentParser(
+        prog="trainloom bench cache",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (smoke test)")
-    ap.add_argument("--out", default=None, help="write cache.md and cache.png here")
+    ap.add_argument("--out", default=None, type=out_dir, help="write cache.md and cache.png here")
     ap.add_argument("--no-redis", action="store_true", help="skip the Redis measurements")
-    ap.add_argument("--small", type=int, default=None, help="number of small samples (default 20000)")
-    ap.add_argument("--images", type=int, default=None, help="number of images (default 1000)")
-    args = ap.parse_args(argv)
-    n_small = args.small or (1000 if args.quick else 20000)
-    n_img = args.images or (64 if args.quick else 1000)
+    ap.add_argument(
+        "--small",
+        type=positive_int,
+        default=None,
+        help="number of small samples (default 20000; 1000 with --quick)",
+    )
+    ap.add_argument(
+        "--images", type=positive_int, default=None, help="number of images (default 1000; 64 with --quick)"
+    )
+    return ap
+
+
+def main(argv=None) -> int:
+    """Run the benchmark and print (and with --out, write) its report."""
+    args = build_parser().parse_args(argv)
+    n_small = args.small if args.small is not None else (1000 if args.quick else 20000)
+    n_img = args.images if args.images is not None else (64 if args.quick else 1000)
     repeat = 1 if args.quick else 5
     tmp = Path(tempfile.mkdtemp(prefix="trainloom-bench-cache-"))
     store = None

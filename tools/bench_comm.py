@@ -271,46 +271,94 @@ def summarise(results: List[List[Dict[str, Any]]]) -> Dict[tuple, Dict[str, Any]
     return table
 
 
-def main(argv: List[str] | None = None) -> int:
+#: dtypes the benchmark can fill and check (torch names)
+DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int16", "int32", "int64")
+BACKENDS = ("shm", "gloo", "shm-zc", "shm-cma")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``trainloom bench comm`` (each value checked as it is parsed)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="trainloom bench comm")
-    ap.add_argument("--op", default="allreduce", help=f"comma list of {', '.join(OPS)} (or 'all')")
-    ap.add_argument("--nproc", default="2", help="processes, comma list (e.g. 2,4)")
-    ap.add_argument("--min", default="4K", help="smallest size (bytes; K/M/G suffixes)")
-    ap.add_argument("--max", default="128M", help="largest size")
-    ap.add_argument("--factor", type=int, default=2, help="size multiplier between steps")
+    ap.add_argument(
+        "--op",
+        default=["allreduce"],
+        type=benchutil.choice_list(OPS, every="all"),
+        help=f"comma list of {', '.join(OPS)} (or 'all')",
+    )
+    ap.add_argument(
+        "--nproc",
+        default=[2],
+        type=benchutil.list_arg(benchutil.positive_int),
+        help="processes, comma list (e.g. 2,4)",
+    )
+    ap.add_argument(
+        "--min", default="4K", type=benchutil.positive_size, help="smallest size (bytes; K/M/G suffixes)"
+    )
+    ap.add_argument("--max", default="128M", type=benchutil.positive_size, help="largest size")
+    ap.add_argument(
+        "--factor", type=benchutil.int_arg(2), default=2, help="size multiplier between steps (>= 2)"
+    )
     ap.add_argument(
         "--backend",
-        default="shm,gloo",
+        default=["shm", "gloo"],
+        type=benchutil.choice_list(BACKENDS),
         help="comma list of shm, gloo, shm-zc (shm with tensors from shared_empty: zero-copy allreduce), "
         "shm-cma (shm with cross-memory attach on, cma=True; off by default)",
     )
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--rounds", type=int, default=5, help="timed rounds per size (median reported)")
-    ap.add_argument("--target", type=float, default=0.05, help="seconds per round (sets iterations)")
+    ap.add_argument("--dtype", default="float32", choices=DTYPES)
+    ap.add_argument(
+        "--rounds", type=benchutil.positive_int, default=5, help="timed rounds per size (median reported)"
+    )
+    ap.add_argument(
+        "--target", type=benchutil.positive_float, default=0.05, help="seconds per round (sets iterations)"
+    )
     ap.add_argument("--pin", action="store_true", help="pin rank r to CPU r %% ncpu")
-    ap.add_argument("--slot-bytes", default=None, help="shm slot size (default: the engine's, 1M)")
-    ap.add_argument("--small-bytes", default=None, help="shm one-shot allreduce limit (default 32K)")
+    ap.add_argument(
+        "--slot-bytes",
+        default=None,
+        type=benchutil.size_arg(4096, multiple=4096),
+        help="shm slot size, a multiple of 4K (default: the engine's, 1M)",
+    )
+    ap.add_argument(
+        "--small-bytes",
+        default=None,
+        type=benchutil.size_arg(0),
+        help="shm one-shot allreduce limit (default 32K)",
+    )
     ap.add_argument(
         "--cma-bytes",
         default=None,
+        type=benchutil.size_arg(1),
         help="cross-memory attach threshold per peer message for shm-cma (default 256K)",
     )
     ap.add_argument("--quick", action="store_true", help="tiny sizes, few rounds (smoke test)")
-    ap.add_argument("--out", default=None, help="directory for comm.md and PNG plots")
+    ap.add_argument("--out", default=None, type=benchutil.out_dir, help="directory for comm.md and PNG plots")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    return ap
+
+
+def parse_args(argv: List[str] | None = None) -> argparse.Namespace:
+    """Parse and check the command line; a bad one exits with code 2 before anything starts."""
+    ap = build_parser()
     args = ap.parse_args(argv)
+    if args.worker:
+        return args
+    if "shm-zc" in args.backend and args.op != ["allreduce"]:
+        ap.error("shm-zc (zero-copy) applies to allreduce only")
+    if args.min > args.max:
+        lo, hi = benchutil.human_bytes(args.min), benchutil.human_bytes(args.max)
+        ap.error(f"--min ({lo}) is larger than --max ({hi})")
+    return args
+
+
+def main(argv: List[str] | None = None) -> int:
+    """Run the benchmark (or, with --worker, one rank of it)."""
+    args = parse_args(argv)
     if args.worker:
         _worker(json.loads(args.worker))
         return 0
-    ops = list(OPS) if args.op == "all" else [o.strip() for o in args.op.split(",") if o.strip()]
-    bad = [o for o in ops if o not in OPS]
-    backends = [b.strip() for b in args.backend.split(",") if b.strip()]
-    if "shm-zc" in backends and ops != ["allreduce"]:
-        ap.error("shm-zc (zero-copy) applies to allreduce only")
-    if bad or not backends or any(b not in ("shm", "gloo", "shm-zc", "shm-cma") for b in backends):
-        ap.error(f"unknown op/backend: ops {ops}, backends {backends}")
-    nprocs = [int(x) for x in args.nproc.split(",")]
-    lo, hi = benchutil.parse_size(args.min), benchutil.parse_size(args.max)
+    ops, backends, nprocs = args.op, args.backend, args.nproc
+    lo, hi = args.min, args.max
     rounds, target, max_iters = args.rounds, args.target, 2000
     if args.quick:
         lo, hi, rounds, target, max_iters = 4096, 64 << 10, 2, 0.005, 50
@@ -319,7 +367,7 @@ def main(argv: List[str] | None = None) -> int:
     s = lo
     while s <= hi:
         sizes.append(s)
-        s *= max(2, args.factor)
+        s *= args.factor
     cfg = {
         "ops": ops,
         "sizes": sizes,
@@ -329,9 +377,9 @@ def main(argv: List[str] | None = None) -> int:
         "target": target,
         "max_iters": max_iters,
         "pin": args.pin,
-        "slot_bytes": benchutil.parse_size(args.slot_bytes) if args.slot_bytes else None,
-        "small_bytes": benchutil.parse_size(args.small_bytes) if args.small_bytes else None,
-        "cma_bytes": benchutil.parse_size(args.cma_bytes) if args.cma_bytes else None,
+        "slot_bytes": args.slot_bytes,
+        "small_bytes": args.small_bytes,
+        "cma_bytes": args.cma_bytes,
     }
     load = os.getloadavg()
     md = [

@@ -34,6 +34,7 @@ sys.path.insert(0, str(HERE))
 import benchutil  # noqa: E402
 
 METHODS = ("exchange", "allgather", "torch")
+TOPOLOGIES = ("ring", "exp2", "full")
 
 
 def _methods(x: Any, ins: List[int], outs: List[int]) -> Dict[str, Any]:
@@ -78,11 +79,11 @@ def _worker(args: argparse.Namespace) -> None:
     rank, ws = C.get_rank(), C.get_world_size()
     builders = {"ring": tp.RingGraph, "exp2": tp.ExponentialTwoGraph, "full": tp.FullyConnectedGraph}
     results: List[Dict[str, Any]] = []
-    for topo_name in args.topologies.split(","):
+    for topo_name in args.topologies:
         topo = builders[topo_name](ws)
         tp.set_topology(topo)
         ins, outs = topo.in_neighbors(rank), topo.out_neighbors(rank)
-        for size in [benchutil.parse_size(s) for s in args.sizes.split(",")]:
+        for size in args.sizes:
             x = torch.full((size // 4,), float(rank + 1))
             fns = _methods(x, ins, outs)
             ref = fns["torch"]()
@@ -114,25 +115,43 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def main(argv: List[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``trainloom bench neighbor`` (each value checked as it is parsed)."""
     p = argparse.ArgumentParser(prog="trainloom bench neighbor", description=__doc__.split("\n")[0])
-    p.add_argument("--nproc", type=int, default=4)
-    p.add_argument("--sizes", default="4K,256K,4M")
-    p.add_argument("--topologies", default="ring,exp2,full")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--budget-bytes", type=float, default=64e6, help="bytes moved per round and method")
+    p.add_argument("--nproc", type=benchutil.int_arg(2), default=4, help="ranks (>= 2)")
+    p.add_argument(
+        "--sizes",
+        type=benchutil.list_arg(benchutil.size_arg(4, multiple=4)),
+        default=[4 << 10, 256 << 10, 4 << 20],
+        help="comma list of fp32 tensor sizes in bytes (K/M/G suffixes; multiples of 4)",
+    )
+    p.add_argument(
+        "--topologies",
+        type=benchutil.choice_list(TOPOLOGIES),
+        default=list(TOPOLOGIES),
+        help=f"comma list of {', '.join(TOPOLOGIES)}",
+    )
+    p.add_argument("--rounds", type=benchutil.positive_int, default=5)
+    p.add_argument(
+        "--budget-bytes", type=benchutil.positive_float, default=64e6, help="bytes moved per round and method"
+    )
     p.add_argument("--quick", action="store_true", help="tiny smoke test: 2 ranks, 1 round, no lock")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None, type=benchutil.out_dir, help="directory for neighbor.md and a plot")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: List[str] | None = None) -> int:
+    """Run the benchmark (or, with --worker, one rank of it)."""
+    args = build_parser().parse_args(argv)
     if args.worker:
         _worker(args)
         return 0
     if args.quick:
         args.nproc, args.sizes, args.topologies, args.rounds, args.budget_bytes = (
             2,
-            "4K,64K",
-            "ring,full",
+            [4 << 10, 64 << 10],
+            ["ring", "full"],
             2,
             1e5,
         )
@@ -157,9 +176,9 @@ def main(argv: List[str] | None = None) -> int:
                 str(Path(__file__).resolve()),
                 "--worker",
                 "--sizes",
-                args.sizes,
+                ",".join(map(str, args.sizes)),
                 "--topologies",
-                args.topologies,
+                ",".join(args.topologies),
                 "--rounds",
                 str(args.rounds),
                 "--budget-bytes",
@@ -218,7 +237,7 @@ def main(argv: List[str] | None = None) -> int:
     path = benchutil.write_report(args.out, "neighbor", md)
     if path is not None:
         series = {}
-        for topo in args.topologies.split(","):
+        for topo in args.topologies:
             sel = [r for r in rows if r["topology"] == topo]
             for m in METHODS:
                 series[f"{topo} {m}"] = ([r["size"] for r in sel], [r[m] * 1e6 for r in sel])

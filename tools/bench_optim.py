@@ -20,10 +20,20 @@ import argparse
 import gc
 import math
 from pathlib import Path
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from benchutil import bench_lock, machine_line, markdown_table, measure, median, plot_lines, write_report
+from benchutil import (
+    bench_lock,
+    machine_line,
+    markdown_table,
+    measure,
+    median,
+    out_dir,
+    plot_lines,
+    positive_int,
+    write_report,
+)
 
 from trainloom.optim import fuse_optimizer
 
@@ -116,14 +126,22 @@ def time_variant(
     return t
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``trainloom bench optim`` (each value checked as it is parsed)."""
+    ap = argparse.ArgumentParser(prog="trainloom bench optim", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny models, one round (a smoke test)")
-    ap.add_argument("--out", help="directory for optim.md and the plots")
-    ap.add_argument("--models", nargs="*", default=["gpt2", "many", "mlp"], choices=["gpt2", "many", "mlp"])
-    ap.add_argument("--threads", nargs="*", type=int, default=[1, 2])
-    ap.add_argument("--optims", nargs="*", default=["SGD", "Adam", "AdamW"], choices=["SGD", "Adam", "AdamW"])
-    args = ap.parse_args()
+    ap.add_argument("--out", type=out_dir, help="directory for optim.md and the plots")
+    ap.add_argument("--models", nargs="+", default=["gpt2", "many", "mlp"], choices=["gpt2", "many", "mlp"])
+    ap.add_argument(
+        "--threads", nargs="+", type=positive_int, default=[1, 2], help="torch thread counts (>= 1)"
+    )
+    ap.add_argument("--optims", nargs="+", default=["SGD", "Adam", "AdamW"], choices=["SGD", "Adam", "AdamW"])
+    return ap
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Run the benchmark and print (and with --out, write) its report."""
+    args = build_parser().parse_args(argv)
     models = {
         "gpt2": gpt2_shapes(16 if args.quick else 1),
         "many": many_shapes(60, 100, 2000, 30_000) if args.quick else many_shapes(),

@@ -28,11 +28,22 @@ import sysconfig
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-from benchutil import bench_lock, machine_line, markdown_table, measure, median, plot_lines, write_report
+from benchutil import (
+    bench_lock,
+    machine_line,
+    markdown_table,
+    measure,
+    median,
+    out_dir,
+    plot_lines,
+    positive_float,
+    positive_int,
+    write_report,
+)
 from torch.utils.data import BatchSampler, DistributedSampler
 
 from trainloom.data import _partition
@@ -259,14 +270,22 @@ def waste_by_length(lens: np.ndarray, world: int, budget: float) -> List[List[ob
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``trainloom bench sampler`` (each value checked as it is parsed)."""
+    ap = argparse.ArgumentParser(prog="trainloom bench sampler", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (smoke test)")
-    ap.add_argument("--out", default=None, help="write sampler.md and PNGs here")
-    ap.add_argument("--budget", type=float, default=16384.0, help="max_complexity (tokens per rank per step)")
-    ap.add_argument("--max-len", type=int, default=8192, help="leave out literals longer than this")
+    ap.add_argument("--out", default=None, type=out_dir, help="write sampler.md and PNGs here")
+    ap.add_argument(
+        "--budget", type=positive_float, default=16384.0, help="max_complexity (tokens per rank per step)"
+    )
+    ap.add_argument("--max-len", type=positive_int, default=8192, help="leave out literals longer than this")
     ap.add_argument("--cache", type=Path, default=None, help=f"length cache file (default {CACHE})")
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Run the benchmark and print (and with --out, write) its report."""
+    args = build_parser().parse_args(argv)
 
     t0 = time.perf_counter()
     cache = args.cache or (CACHE.with_name(CACHE.stem + "-quick.npy") if args.quick else CACHE)

@@ -10,14 +10,19 @@ Every benchmark script:
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import fcntl
+import math
 import os
 import platform
 import statistics
+import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Iterator, List, Optional, Sequence
+from typing import Callable, Iterator, List, Optional, Sequence, TypeVar
+
+T = TypeVar("T")
 
 LOCK_PATH = os.environ.get("TRAINLOOM_BENCH_LOCK", "/tmp/trainloom-bench.lock")
 
@@ -47,6 +52,7 @@ def measure(fn: Callable[[], object], repeat: int = 5, number: int = 1, warmup: 
 
 
 def median(xs: Sequence[float]) -> float:
+    """The median of ``xs``."""
     return statistics.median(xs)
 
 
@@ -74,6 +80,7 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> 
 
 
 def human_bytes(n: float) -> str:
+    """Bytes as a short string: 4096 -> '4K', 1536 -> '1.5K'."""
     for unit in ("B", "K", "M", "G"):
         if n < 1024 or unit == "G":
             return f"{n:.0f}{unit}" if unit == "B" or n == int(n) else f"{n:.1f}{unit}"
@@ -81,11 +88,143 @@ def human_bytes(n: float) -> str:
     return f"{n}G"
 
 
+_SIZE_HINT = "a number of bytes with an optional K, M or G suffix (e.g. 4096, 4K, 128M)"
+
+
 def parse_size(text: str) -> int:
-    """'4K' -> 4096, '128M' -> 134217728, '1G', or a plain number of bytes."""
-    text = text.strip().upper().rstrip("B")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-    return int(float(text[:-1] if mult > 1 else text) * mult)
+    """'4K' -> 4096, '128M' -> 134217728, '1G', '1.5K', or a plain number of bytes.
+
+    Raises ValueError (quoting ``text`` as given) for anything else, including sizes that are not
+    a whole number of bytes. Zero and negative sizes parse; use :func:`size_arg` to bound them.
+    """
+    body = text.strip().upper()
+    body = body[:-1] if body.endswith("B") else body
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(body[-1:], 1)
+    number = body[:-1] if mult > 1 else body
+    try:
+        value = float(number) * mult
+    except ValueError:
+        raise ValueError(f"invalid size {text!r}: expected {_SIZE_HINT}") from None
+    if not math.isfinite(value) or value != int(value):
+        raise ValueError(f"invalid size {text!r}: not a whole number of bytes")
+    return int(value)
+
+
+# ------------------------------------------------------------------------------------------------
+# argparse ``type=`` functions: a bad argument fails at parse time (``error: argument --x: ...``,
+# exit code 2), before any worker starts or anything is measured.
+# ------------------------------------------------------------------------------------------------
+def size_arg(minimum: int = 1, multiple: int = 1) -> Callable[[str], int]:
+    """An argparse type: a size (see :func:`parse_size`) >= ``minimum`` and a multiple of ``multiple``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = parse_size(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        if value < minimum:
+            bound = "> 0" if minimum == 1 else f">= {minimum}"
+            raise argparse.ArgumentTypeError(f"must be {bound} bytes, got {text!r}")
+        if value % multiple:
+            raise argparse.ArgumentTypeError(f"must be a multiple of {multiple} bytes, got {text!r}")
+        return value
+
+    parse.__name__ = "size"
+    return parse
+
+
+def int_arg(minimum: int = 1) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {text!r}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
+positive_int = int_arg(1)
+positive_size = size_arg(1)
+
+
+def list_arg(item: Callable[[str], T]) -> Callable[[str], List[T]]:
+    """An argparse type: a comma-separated list, each entry parsed by ``item`` (another type function)."""
+
+    def parse(text: str) -> List[T]:
+        parts = [x.strip() for x in text.split(",")]
+        if not any(parts):
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+        if not all(parts):
+            raise argparse.ArgumentTypeError(f"empty entry in the list {text!r}")
+        out = []
+        for x in parts:
+            try:
+                out.append(item(x))
+            except argparse.ArgumentTypeError as exc:
+                raise argparse.ArgumentTypeError(f"{exc} (in {text!r})" if x != text else str(exc)) from None
+        return out
+
+    parse.__name__ = "list"
+    return parse
+
+
+def choice_list(choices: Sequence[str], every: Optional[str] = None) -> Callable[[str], List[str]]:
+    """An argparse type: a comma-separated list of ``choices``; ``every`` (e.g. "all") means all of them."""
+
+    def item(x: str) -> str:
+        if x not in choices:
+            known = ", ".join(choices) + (f" or {every}" if every else "")
+            raise argparse.ArgumentTypeError(f"unknown {x!r} (choose from {known})")
+        return x
+
+    as_list = list_arg(item)
+
+    def parse(text: str) -> List[str]:
+        if every is not None and text.strip() == every:
+            return list(choices)
+        return as_list(text)
+
+    parse.__name__ = "list"
+    return parse
+
+
+def out_dir(text: str) -> str:
+    """An argparse type for ``--out``: create the directory now and check that a file can be written there.
+
+    So an unusable --out is reported before anything is measured, not after.
+    """
+    d = Path(text)
+    if d.exists() and not d.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} exists and is not a directory")
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot create directory {text!r}: {exc.strerror or exc}") from None
+    try:
+        with tempfile.TemporaryFile(dir=d):
+            pass
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(
+            f"cannot write to directory {text!r}: {exc.strerror or exc}"
+        ) from None
+    return text
 
 
 def write_report(out: Optional[str], name: str, markdown: str) -> Optional[Path]:

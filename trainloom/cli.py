@@ -45,6 +45,11 @@ def benchmarks() -> List[str]:
 
 
 def _run_bench(name: str, argv: Sequence[str]) -> int:
+    """Run ``tools/bench_NAME.py`` in this process with ``argv``; return its exit code.
+
+    ``SystemExit`` is handled as the interpreter would: None is 0, an int is the code, and any other
+    value (``sys.exit("message")``) is printed to stderr and gives 1.
+    """
     d = tools_dir()
     if d is None:
         print(
@@ -58,17 +63,20 @@ def _run_bench(name: str, argv: Sequence[str]) -> int:
         known = ", ".join(benchmarks()) or "none"
         print(f"trainloom bench: unknown benchmark {name!r} (known: {known})", file=sys.stderr)
         return 2
-    old_argv = sys.argv
+    old_argv, old_path = sys.argv, list(sys.path)
     sys.argv = [str(script), *argv]
     sys.path.insert(0, str(d))
     try:
         runpy.run_path(str(script), run_name="__main__")
     except SystemExit as exc:
         code = exc.code
-        return code if isinstance(code, int) else (0 if code is None else 1)
+        if code is None or isinstance(code, int):
+            return code or 0
+        print(code, file=sys.stderr)
+        return 1
     finally:
         sys.argv = old_argv
-        sys.path.remove(str(d))
+        sys.path[:] = old_path
     return 0
 
 
