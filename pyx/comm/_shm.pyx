@@ -1333,6 +1333,18 @@ cdef class Engine:
     def set_check_pid(self, int r, bint on):
         self.st.check_pid[r] = 1 if on else 0
 
+    def peer_gone(self, int r):
+        """2 if rank r closed its communicator, 1 if its process is dead (only checked when its pid
+        is visible from here), else 0. For error messages: names the rank behind an abort."""
+        self._check_open()
+        if r < 0 or r >= self.st.world:
+            raise ValueError(f"rank {r} is outside 0..{self.st.world - 1}")
+        if self.st.ranks[r].closed:
+            return 2
+        if self.st.check_pid[r] and tl_pid_dead(self.st.ranks[r].pid):
+            return 1
+        return 0
+
     def abort_word(self):
         """(reason, rank) of the first abort, or (0, -1)."""
         self._check_open()
@@ -1481,6 +1493,10 @@ cdef class Engine:
                     or send != <uintptr_t>(self.st.heap + <size_t>self.st.rank * self.st.H + <size_t>zc_off)):
                 raise ValueError("zero-copy allreduce needs send is recv inside this rank's heap")
         _fill_desc(&d, desc)
+        # The one-shot/two-shot choice depends on small_bytes, which each rank may set: carry it in
+        # the descriptor, so ranks that disagree fail in the first step's check (on every rank,
+        # before any rank reads another's data) instead of mixing the two protocols.
+        d.extra = <int64_t>small
         self._enter()
         with nogil:
             rc = _allreduce(&self.st, &d, <const char*>send, <char*>recv, n, esz, fn, div, dst, small, zc_off,

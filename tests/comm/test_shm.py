@@ -876,3 +876,287 @@ def test_bench_quick_runs(tmp_path):
     assert "| shm time" in md and "| shm-cma time" in md and "gloo" in md and "busbw" in md
     assert "WRONG" not in md and "| ok |" in md  # every engine gave the same bits
     assert list(tmp_path.glob("comm_*.png"))
+
+
+# ------------------------------------------------------------------------------------------------
+# probe 3: small_bytes on one rank, conjugate/negative views, a peer dying in the rendezvous,
+# a reused prefix, timeouts and attribute checks, the dead rank behind an abort
+# ------------------------------------------------------------------------------------------------
+def _w_small_bytes_one_rank(rank, world):
+    # timeout=inf: no deadline, also for the store waits of the rendezvous
+    comm = _comm(rank, world, prefix="test/small1", slot_bytes=1 << 16, timeout=float("inf"))
+    out = {"timeout": comm.timeout, "default": comm.small_bytes}
+    if rank == 0:
+        comm.small_bytes = 0  # every allreduce two-shot here, one-shot up to 32 KiB elsewhere
+    x = torch.arange(2048, dtype=torch.float32) + 1000 * rank  # 8 KiB
+    before = x.clone()
+    out["allreduce"] = _catch(lambda: comm.allreduce(x, x, ReduceOp.SUM))
+    out["untouched"] = torch.equal(x, before)  # no rank wrote a mixed result
+    y = torch.full((16,), float(rank))  # the rule is not size-dependent: tiny tensors raise too
+    out["tiny"] = _catch(lambda: comm.allreduce(y, y, ReduceOp.SUM))
+    out["reduce"] = _catch(lambda: comm.reduce(y, torch.empty(16), 0, ReduceOp.SUM))
+    if rank == 0:
+        comm.small_bytes = 32 << 10  # agree again: the communicator was never out of step
+    comm.allreduce(x, x, ReduceOp.SUM)
+    want = sum(torch.arange(2048, dtype=torch.float32) + 1000 * r for r in range(world))
+    out["after"] = torch.equal(x, want)
+    comm.small_bytes = 0  # the same value everywhere: fine
+    x = before.clone()
+    comm.allreduce(x, x, ReduceOp.SUM)
+    out["all_zero"] = torch.equal(x, want)
+    comm.close()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_small_bytes_set_on_one_rank_raises_on_every_rank_instead_of_wrong_results(world):
+    out = run_ranks(_w_small_bytes_one_rank, world, timeout=60)
+    for rank, o in enumerate(out):
+        assert o["timeout"] == float("inf") and o["default"] == 32 << 10
+        other = 1 if rank == 0 else 0
+        for key, seq, desc in (
+            ("allreduce", 1, "allreduce shape=(2048,) numel=2048 dtype=float32 op=SUM"),
+            ("tiny", 2, "allreduce shape=(16,) numel=16 dtype=float32 op=SUM"),
+            ("reduce", 3, "reduce shape=(16,) numel=16 dtype=float32 op=SUM root=0"),
+        ):
+            mine, theirs = (0, 32768) if rank == 0 else (32768, 0)
+            assert o[key] == (
+                f"CommError: shm {key if key != 'tiny' else 'allreduce'} #{seq} on rank {rank}/{world} "
+                f"(prefix 'test/small1'): ranks disagree on the call: rank {rank} has {desc} "
+                f"small_bytes={mine}; rank {other} has {desc} small_bytes={theirs}. Every rank must call "
+                "the same collective with the same size, dtype, op and root, and set small_bytes to the "
+                "same value."
+            ), o[key]
+        assert o["untouched"] and o["after"] and o["all_zero"], o
+
+
+def test_small_bytes_and_timeout_attributes_are_validated(comm1):
+    c = comm1
+    assert c.slot_bytes == 1 << 20 and c.small_bytes == 32 << 10
+    for bad in (True, -1, 1.5, "4K", None):
+        with pytest.raises(ValueError) as ei:
+            c.small_bytes = bad
+        assert str(ei.value) == f"small_bytes must be an int >= 0, got {bad!r}"
+    c.small_bytes = 2**70  # above slot_bytes: acts as (and reads back as) slot_bytes
+    assert c.small_bytes == 1 << 20
+    c.small_bytes = 0
+    assert c.small_bytes == 0
+    for bad in (-1, 0, "x", None, True, float("nan")):
+        with pytest.raises(ValueError) as ei:
+            c.timeout = bad
+        assert str(ei.value) == (
+            f"ShmCommunicator.timeout must be a positive number of seconds, got {bad!r} "
+            "(float('inf') for no deadline)"
+        )
+    assert c.timeout == 5.0  # unchanged by the refused values
+    c.timeout = 7
+    assert c.timeout == 7.0 and isinstance(c.timeout, float)
+    c.timeout = float("inf")
+    c.barrier()
+    c.timeout = 10**400  # beyond floats: no deadline either
+    assert c.timeout == float("inf")
+    x = torch.ones(4)
+    c.allreduce(x, x, ReduceOp.SUM, timeout=float("inf"))
+    with pytest.raises(ValueError, match=r"^timeout must be a positive number of seconds, got -2 "):
+        c.allreduce(x, x, ReduceOp.SUM, timeout=-2)
+
+
+def test_constructor_timeout_and_store_checks():
+    import torch.distributed as dist
+
+    for t in (float("inf"), 1e300):
+        c = ShmCommunicator(dist.HashStore(), 0, 1, prefix="p", timeout=t)
+        try:
+            assert c.timeout == t
+            x = torch.ones(3)
+            c.allreduce(x, x, ReduceOp.SUM)
+        finally:
+            c.close()
+    for bad in (float("nan"), -1, "x"):
+        with pytest.raises(ValueError) as ei:
+            ShmCommunicator(dist.HashStore(), 0, 1, prefix="p", timeout=bad)
+        assert str(ei.value) == (
+            f"ShmCommunicator: timeout must be a positive number of seconds, got {bad!r} "
+            "(float('inf') for no deadline)"
+        )
+    for bad, kind, methods in ((None, "NoneType", "set, get, check, wait"), ({}, "dict", "set, check, wait")):
+        with pytest.raises(TypeError) as ei:
+            ShmCommunicator(bad, 0, 1, prefix="p")
+        assert str(ei.value) == (
+            "ShmCommunicator: store must be a torch.distributed Store (TCPStore, FileStore, HashStore, "
+            f"PrefixStore, ...), got {kind} (no {methods} method)"
+        )
+    with pytest.raises(ValueError, match=r"^ShmCommunicator: pin_cpu must be True or False, got 'yes'$"):
+        ShmCommunicator(dist.HashStore(), 0, 1, prefix="p", pin_cpu="yes")
+
+
+def _w_views(rank, world):
+    comm = _comm(rank, world, prefix="test/views", slot_bytes=4096)
+    base = torch.tensor([1 + 2j, 3 + 4j], dtype=torch.complex64) * (rank + 1)
+    out = {}
+    z = base.conj()  # a conjugate view: its memory holds `base`
+    r = torch.zeros(2, dtype=torch.complex64)
+    comm.allreduce(z, r, ReduceOp.SUM)
+    out["conj_in"] = r.tolist()
+    out["conj_in_kept"] = z.is_conj() and z.tolist() == base.conj().tolist()
+    n = torch.tensor([1.0, 2.0])._neg_view()  # shows [-1, -2]
+    r = torch.zeros(2)
+    comm.allreduce(n, r, ReduceOp.MAX)
+    out["neg_in"] = r.tolist()
+    # in place on a conjugate view on rank 0 only (rank 1 passes a plain tensor)
+    t = base.clone().conj() if rank == 0 else base.conj().resolve_conj()
+    comm.allreduce(t, t, ReduceOp.SUM)
+    out["conj_inplace"] = (t.is_conj(), t.tolist())
+    # a conjugate view as the output of a broadcast and of an allgather; a negative view as recv
+    b = (
+        torch.tensor([5 - 6j], dtype=torch.complex64) if rank == 0 else torch.zeros(1, dtype=torch.complex64)
+    ).conj()
+    comm.broadcast(b, 0)
+    out["bcast"] = b.tolist()
+    g = torch.zeros(2 * world, dtype=torch.complex64).conj()
+    comm.allgather(base, g)
+    out["allgather"] = g.tolist()
+    big = (torch.arange(3000, dtype=torch.float32) + rank)._neg_view()  # two-shot, 12 KB
+    comm.allreduce(big, big, ReduceOp.SUM)
+    out["neg_big"] = torch.equal(big, -sum(torch.arange(3000, dtype=torch.float32) + p for p in range(world)))
+    if rank == 0:
+        comm.send(torch.tensor([7.0, 8.0])._neg_view(), 1)
+    elif rank == 1:
+        rv = torch.zeros(2)._neg_view()
+        comm.recv(rv, 0)
+        out["recv"] = rv.tolist()
+    comm.barrier()
+    comm.close()
+    return out
+
+
+def test_conjugate_and_negative_views_are_reduced_by_their_values():
+    world = 2
+    out = run_ranks(_w_views, world, timeout=60)
+    ref = [torch.tensor([1 + 2j, 3 + 4j], dtype=torch.complex64) * (p + 1) for p in range(world)]
+    want = sum(x.conj() for x in ref).resolve_conj().tolist()
+    for rank, o in enumerate(out):
+        assert o["conj_in"] == want == [(3 - 6j), (9 - 12j)], o
+        assert o["conj_in_kept"]
+        assert o["neg_in"] == [-1.0, -2.0]
+        assert o["conj_inplace"] == (rank == 0, want)
+        assert o["bcast"] == [(5 + 6j)]
+        assert o["allgather"] == [v for x in ref for v in x.tolist()]
+        assert o["neg_big"]
+    assert out[1]["recv"] == [-7.0, -8.0]
+
+
+class _KillOnAttach:
+    """Stands in for the compiled module on a rank that must die between publishing its node
+    identity and mapping the segment (the window the review found a leak in)."""
+
+    def __init__(self, real):
+        self._real = real
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    class Engine:
+        @staticmethod
+        def attach(*args):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _w_dies_before_mapping(rank, world, q):
+    if rank == 1:
+        shm._shm = _KillOnAttach(shm._shm)
+        _comm(rank, world, prefix="test/diemap", timeout=60.0)
+        return None
+    t0 = time.monotonic()
+    msg = _catch(lambda: _comm(rank, world, prefix="test/diemap", timeout=60.0))
+    q.put((msg, time.monotonic() - t0, _leftovers([os.getpid()]), os.getpid()))
+    time.sleep(60)  # lingers (e.g. in the job's own clean-up) until the launcher sends SIGTERM
+    return None
+
+
+def test_peer_dying_before_mapping_ends_the_wait_and_sigterm_leaves_no_segment():
+    from multiproc import _ctx, _entry, free_port
+
+    ctx = _ctx()
+    q, results = ctx.Queue(), ctx.Queue()
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    procs = [
+        ctx.Process(target=_entry, args=(_w_dies_before_mapping, r, 2, env, (q,), results), daemon=True)
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        msg, waited, left, pid0 = q.get(timeout=40)  # the deadline is 60 s: an answer proves detection
+        procs[1].join(10)
+        assert procs[1].exitcode == -signal.SIGKILL
+        os.kill(procs[0].pid, signal.SIGTERM)  # what torchrun's agent does to the survivors
+        procs[0].join(10)
+        assert procs[0].exitcode == -signal.SIGTERM
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert msg == (
+        f"CommError: ShmCommunicator(prefix='test/diemap') rank 0: rank 1 (pid {procs[1].pid}) died "
+        "before setting store key 'test/diemap/mapped/1' while this rank was waiting for the ranks to "
+        "map the segment; the communicator cannot be created"
+    ), msg
+    assert waited < 10, waited
+    assert left == [] and _leftovers([pid0]) == []
+
+
+def _w_reuse_prefix(rank, world):
+    store = _store(rank, world)  # one store for all: a second TCPStore server would start empty
+
+    def make(prefix):
+        return ShmCommunicator(store, rank, world, prefix=prefix, timeout=20.0)
+
+    first = make("test/reuse")
+    second = _catch(lambda: make("test/reuse"))
+    t = torch.full((4,), float(rank))
+    first.allreduce(t, t, ReduceOp.SUM)  # the first communicator is not disturbed
+    first.close()
+    after_close = _catch(lambda: make("test/reuse"))
+    other = make("test/reuse2")  # a new prefix on the same store works
+    other.allreduce(t, t, ReduceOp.SUM)
+    other.close()
+    return second, after_close, t.tolist()
+
+
+def test_reusing_a_prefix_on_a_store_raises_a_clear_error_on_every_rank():
+    world = 3
+    out = run_ranks(_w_reuse_prefix, world, timeout=60)
+    for rank, (second, after_close, t) in enumerate(out):
+        want = (
+            f"CommError: ShmCommunicator(prefix='test/reuse') rank {rank}: the prefix is already in use "
+            f"on this store (key 'test/reuse/node/{rank}' exists, written by an earlier communicator). "
+            "Every communicator needs its own prefix on a store, e.g. with a counter: f'tl/shm/g{n}'."
+        )
+        assert second == want and after_close == want, (second, after_close)
+        assert t == [float(3 * world * (world - 1) // 2)] * 4
+
+
+def _w_abort_names_dead(rank, world):
+    comm = _comm(rank, world, prefix="test/abortdead", timeout=60.0)
+    comm.barrier()
+    dead_pid = comm._pids[1]
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if rank == 2:
+        time.sleep(1.5)  # rank 0 finds rank 1 dead and aborts (and closes) before rank 2 gets here
+    msg = _catch(lambda: comm.allreduce(torch.ones(8), torch.ones(8), ReduceOp.SUM))
+    comm.close()
+    return msg, dead_pid
+
+
+def test_a_survivor_told_by_the_abort_word_names_the_dead_rank():
+    out = run_ranks(_w_abort_names_dead, 3, timeout=40, allow_death=[1])
+    (msg0, pid), (msg2, _) = out[0], out[2]
+    assert f"rank 1 (pid {pid}) died while this rank waited for it" in msg0, msg0
+    assert msg2 == (
+        "CommError: shm allreduce #2 on rank 2/3 (prefix 'test/abortdead'): the communicator was aborted "
+        f"by rank 0 (it found a peer dead or closed: rank 1 (pid {pid}) is dead); no further operation "
+        "can run on it, create a new communicator"
+    ), msg2

@@ -179,6 +179,12 @@ def _w_probe(rank, world, how):
     if how == "default":
         kw = {}
         os.environ.pop(shm.CMA_ENV, None)
+    if how == "env_words":
+        kw = {}
+        os.environ[shm.CMA_ENV] = ["true", "YES", " On\n"][rank % 3]
+    if how == "env_bogus":
+        kw = {}
+        os.environ[shm.CMA_ENV] = "yes please"
     comm = _comm(rank, world, prefix=f"test/probe/{how}", slot_bytes=4096, cma_bytes=4096, **kw)
     wrong, _ = _ops(comm, rank, world, [3001])
     on = comm.cma
@@ -186,13 +192,27 @@ def _w_probe(rank, world, how):
     return on, wrong, [ln for ln in h.lines if "cross-memory attach" in ln[1]]
 
 
-@pytest.mark.parametrize("how", ["undumpable", "option", "env", "env_on", "default"])
+@pytest.mark.parametrize(
+    "how", ["undumpable", "option", "env", "env_on", "env_words", "env_bogus", "default"]
+)
 def test_probe_failure_or_opt_out_turns_cma_off_on_every_rank(how):
     out = run_ranks(_w_probe, 3, how, timeout=60)
     for rank, (on, wrong, lines) in enumerate(out):
         assert wrong == [], (rank, wrong)
-        if how == "env_on":
+        if how in ("env_on", "env_words"):
             assert on is True and lines == [], (rank, lines)
+            continue
+        if how == "env_bogus":
+            assert on is False
+            assert lines[0] == (
+                "WARNING",
+                "TRAINLOOM_SHM_CMA='yes please' is not one of 1/true/yes/on or 0/false/no/off; "
+                "cross-memory attach stays off",
+            ), lines
+            lines = lines[1:]
+            assert len(lines) == 1 and lines[0][0] == "DEBUG" and "not enabled on rank 0" in lines[0][1], (
+                lines
+            )
             continue
         assert on is False, (rank, how)
         assert len(lines) == 1, lines  # one log line per rank
@@ -269,6 +289,26 @@ def test_cma_read_reports_a_gone_process_and_bad_arguments():
     with pytest.raises(OSError) as ei:
         _shm.cma_read(os.getpid(), 8, 8)  # unmapped address
     assert ei.value.errno == errno.EFAULT
+
+
+def test_cma_environment_words_and_one_warning(monkeypatch, caplog):
+    for word in ("1", "true", "True", "YES", "on", " ON \n"):
+        monkeypatch.setenv(shm.CMA_ENV, word)
+        assert shm._cma_from_env() is True, word
+    for word in ("", "0", "false", "No", "OFF", " "):
+        monkeypatch.setenv(shm.CMA_ENV, word)
+        assert shm._cma_from_env() is False, word
+    monkeypatch.delenv(shm.CMA_ENV)
+    assert shm._cma_from_env() is False
+    assert caplog.records == []
+    monkeypatch.setattr(shm, "_cma_env_warned", False)
+    caplog.set_level(logging.WARNING, logger="trainloom.comm")
+    for word in ("2", "enable", "2"):
+        monkeypatch.setenv(shm.CMA_ENV, word)
+        assert shm._cma_from_env() is False
+    assert [r.getMessage() for r in caplog.records] == [
+        "TRAINLOOM_SHM_CMA='2' is not one of 1/true/yes/on or 0/false/no/off; cross-memory attach stays off"
+    ]
 
 
 def test_bad_cma_arguments():

@@ -25,7 +25,8 @@ import secrets
 import socket
 import sys
 import threading
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -64,6 +65,8 @@ _DTYPES: Dict[torch.dtype, Tuple[int, int, int, int]] = {
 _DTYPE_BY_CODE = {v[0]: k for k, v in _DTYPES.items()}
 _FLOAT = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 _COMPLEX = {torch.complex64, torch.complex128}
+# the dtypes the fast path of ShmCommunicator._tensor accepts (complex ones take the slow path)
+_REAL_DTYPES = {k: v for k, v in _DTYPES.items() if k not in _COMPLEX}
 
 _OPKIND_NAMES = {
     _shm.OP_ALLREDUCE: "allreduce",
@@ -98,8 +101,13 @@ _PAIR_BUDGET = 8 << 20
 #: attach (process_vm_readv straight from the peer's buffer) instead of through the slots, when it
 #: is enabled: below it the syscall and page pinning cost more than the two in-cache copies.
 DEFAULT_CMA_BYTES = 256 << 10
-#: environment variable read when ``cma=None``: "1" turns cross-memory attach on, "0" off (default)
+#: environment variable read when ``cma=None``: "1", "true", "yes" or "on" (any case) turn cross-memory
+#: attach on; unset, empty, "0", "false", "no" or "off" leave it off (default); anything else is off
+#: with one warning
 CMA_ENV = "TRAINLOOM_SHM_CMA"
+_TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
+_FALSE_WORDS = frozenset({"", "0", "false", "no", "off"})
+_cma_env_warned = False
 #: fallback for the size of the last-level cache shared by the ranks (bytes)
 _DEFAULT_LLC_BYTES = 32 << 20
 
@@ -141,6 +149,8 @@ for _dt in _DTYPES:
             continue
         _VALID_OPS[(_op, _dt)] = _op
 del _dt, _op
+# the same keyed by (op, descriptor dtype code): allreduce has the code already, not the dtype
+_VALID_OPS_BY_CODE: Dict[Tuple[int, int], int] = {(o, _DTYPES[dt][0]): c for (o, dt), c in _VALID_OPS.items()}
 
 
 def node_identity() -> str:
@@ -181,8 +191,45 @@ def shm_supported() -> bool:
         return False
 
 
+def _cma_from_env() -> bool:
+    """The ``TRAINLOOM_SHM_CMA`` setting: True/False; an unrecognised value is off, warned about once."""
+    global _cma_env_warned
+    raw = os.environ.get(CMA_ENV, "")
+    word = raw.strip().lower()
+    if word in _TRUE_WORDS:
+        return True
+    if word not in _FALSE_WORDS and not _cma_env_warned:
+        _cma_env_warned = True
+        log.warning(
+            "%s=%r is not one of 1/true/yes/on or 0/false/no/off; cross-memory attach stays off",
+            CMA_ENV,
+            raw,
+        )
+    return False
+
+
+def _pid_namespace() -> str:
+    """This process's pid namespace ("pid:[4026531836]"), or "" if /proc does not say."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+#: longest single blocking store wait (seconds): a deadline of inf ("no deadline") waits in pieces
+_STORE_WAIT_PIECE = 3600.0
+#: longest pause between two polls of the store while watching the ranks that must set the keys
+_POLL_MAX = 0.02
+#: how often such a wait checks that those ranks are still alive (seconds)
+_LIVENESS_EVERY = 0.1
+
+
 def _timedelta(seconds: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=max(seconds, 0.001))
+    return datetime.timedelta(seconds=min(max(seconds, 0.001), _STORE_WAIT_PIECE))
+
+
+class _ViewBits(Exception):
+    """Internal: a tensor argument is a conjugate or negative view (see ShmCommunicator._resolved)."""
 
 
 class ShmCommunicator:
@@ -196,14 +243,18 @@ class ShmCommunicator:
         store: a ``torch.distributed`` store shared by the group (TCPStore, PrefixStore, ...).
         rank: this process's rank in the group, ``0 <= rank < world_size``.
         world_size: number of ranks in the group (1 works: every op is a copy or a no-op).
-        prefix: store key prefix, unique per group (e.g. ``"tl/shm/group3"``).
-        timeout: default deadline in seconds of every operation (settable attribute).
+        prefix: store key prefix, unique per communicator on ``store`` (e.g. ``"tl/shm/group3"``);
+            a prefix that was already used on the store raises CommError (create every
+            communicator under a new prefix).
+        timeout: default deadline in seconds of every operation (settable attribute); a positive
+            number, ``float("inf")`` for no deadline.
         pin_cpu: pin this process to CPU ``rank % ncpu`` of its allowed set (restored by close()).
         slot_bytes: bytes per slot (two per rank); a multiple of 4096. Default 1 MiB.
         heap_bytes: bytes per rank reserved for :meth:`shared_empty` (multiple of 4096; default 0).
         cma: move large allgather/gather/alltoall/alltoall_v messages by cross-memory attach (a peer
             reads them straight from this process with process_vm_readv: one copy instead of two).
-            None (default): the environment variable ``TRAINLOOM_SHM_CMA`` ("1" on, else off).
+            None (default): the environment variable ``TRAINLOOM_SHM_CMA`` (1/true/yes/on, any
+            case: on; unset or 0/false/no/off: off; anything else: off with one warning).
             Off by default: on the 2-core VMs it was measured on it was 1.3-2x faster than the
             slots in some runs and 1.3-1.8x slower in others (page pinning under memory
             contention), see docs/shm.md. When on, every rank test-reads every peer at
@@ -213,9 +264,11 @@ class ShmCommunicator:
             256 KiB); rank 0's value is used by every rank.
 
     Raises:
-        CommError: ranks are on different nodes (names them), or the segment could not be created
-            or mapped (says why: /dev/shm full, stale segment, ...).
+        CommError: ranks are on different nodes (names them), the segment could not be created
+            or mapped (says why: /dev/shm full, stale segment, ...), a rank died during the
+            rendezvous (names it and its pid), or ``prefix`` was already used on ``store``.
         CommTimeoutError: a rank did not join within ``timeout``.
+        TypeError: ``store`` is not a store.
         ValueError: bad arguments.
 
     Example::
@@ -254,23 +307,31 @@ class ShmCommunicator:
             raise ValueError(f"ShmCommunicator: rank must be an int in [0, {world_size}), got {rank!r}")
         if not isinstance(prefix, str) or not prefix:
             raise ValueError(f"ShmCommunicator: prefix must be a non-empty str, got {prefix!r}")
-        self.timeout = self._check_timeout(timeout, "timeout")
+        self._timeout = self._check_timeout(timeout, "ShmCommunicator: timeout")
         slot = DEFAULT_SLOT_BYTES if slot_bytes is None else slot_bytes
         for name, v, lo in (("slot_bytes", slot, 4096), ("heap_bytes", heap_bytes, 0)):
             if not isinstance(v, int) or isinstance(v, bool) or v < lo or v % 4096:
                 raise ValueError(f"ShmCommunicator: {name} must be a multiple of 4096 >= {lo}, got {v!r}")
         if cma is not None and not isinstance(cma, bool):
             raise ValueError(f"ShmCommunicator: cma must be None, True or False, got {cma!r}")
+        if not isinstance(pin_cpu, bool):
+            raise ValueError(f"ShmCommunicator: pin_cpu must be True or False, got {pin_cpu!r}")
         cma_thr = DEFAULT_CMA_BYTES if cma_bytes is None else cma_bytes
         if not isinstance(cma_thr, int) or isinstance(cma_thr, bool) or cma_thr < 1:
             raise ValueError(f"ShmCommunicator: cma_bytes must be an int >= 1, got {cma_bytes!r}")
         if cma is None:
-            cma = os.environ.get(CMA_ENV, "0").strip() == "1"
+            cma = _cma_from_env()
         if slot < 64 * world_size:
             # alltoall, reduce_scatter and scatter give every rank a piece of each slot per step
             raise ValueError(
                 f"ShmCommunicator: slot_bytes={slot} is too small for world_size {world_size}; "
                 f"use at least {(64 * world_size + 4095) // 4096 * 4096}"
+            )
+        missing = [m for m in ("set", "get", "check", "wait") if not callable(getattr(store, m, None))]
+        if missing:
+            raise TypeError(
+                "ShmCommunicator: store must be a torch.distributed Store (TCPStore, FileStore, HashStore, "
+                f"PrefixStore, ...), got {type(store).__name__} (no {', '.join(missing)} method)"
             )
         if not shm_supported():
             raise CommError("ShmCommunicator: shared-memory collectives need Linux with a writable /dev/shm")
@@ -295,7 +356,7 @@ class ShmCommunicator:
         # Spin only while every rank can own a core; oversubscribed ranks must sleep at once
         # (FINDINGS: spinning 4 ranks on 2 cores fell to gloo speed, futex sleep kept 3.8 GB/s).
         self._engine.spin_s = 50e-6 if world_size <= ncpu else 2e-6
-        self._engine.small_bytes = min(DEFAULT_SMALL_BYTES, slot)
+        self._engine.small_bytes = min(DEFAULT_SMALL_BYTES, self._engine.slot_bytes)
         if pin_cpu:
             cpus = sorted(os.sched_getaffinity(0))
             self._saved_affinity = set(cpus)
@@ -305,10 +366,19 @@ class ShmCommunicator:
     def _rendezvous(self, store: Any, slot: int, pair: int, heap: int) -> Any:
         W, r, pre = self.world_size, self.rank, self.prefix
         ident = node_identity()
-        store.set(f"{pre}/node/{r}", f"{ident}|{os.getpid()}")
+        mine = f"{pre}/node/{r}"
+        # A second communicator under a used prefix would read the first one's keys (its segment
+        # name, its "mapped" flags) and fail at random: refuse it before writing anything.
+        if store.check([mine]):
+            raise CommError(
+                f"ShmCommunicator(prefix={pre!r}) rank {r}: the prefix is already in use on this store "
+                f"(key {mine!r} exists, written by an earlier communicator). Every communicator needs "
+                "its own prefix on a store, e.g. with a counter: f'tl/shm/g{n}'."
+            )
+        store.set(mine, f"{ident}|{_pid_namespace()}|{os.getpid()}")
         node_keys = [f"{pre}/node/{p}" for p in range(W)]
         self._store_wait(store, node_keys, "exchanging node identities")
-        infos = [store.get(k).decode().rsplit("|", 1) for k in node_keys]
+        infos = [store.get(k).decode().rsplit("|", 2) for k in node_keys]
         elsewhere = [p for p in range(W) if infos[p][0] != infos[0][0]]
         if elsewhere:
             # Every rank raises; wait until all have read the identities first, so that the rank
@@ -323,8 +393,15 @@ class ShmCommunicator:
                 f"({infos[0][0]}); they report {sorted({infos[p][0] for p in elsewhere})}. Shared-memory "
                 "collectives need every rank of the group on one machine: use gloo for this group."
             )
-        pids = [int(i[1]) for i in infos]
+        pids = [int(i[2]) for i in infos]
         self._pids = pids
+        # Ranks whose pid means something here (their death can be seen): the same pid namespace,
+        # or, if /proc does not say, a pid that answers kill(pid, 0) now. Others: deadline only.
+        my_ns = infos[r][1]
+        self._watch = [
+            p != r and (infos[p][1] == my_ns if my_ns and infos[p][1] else self._pid_visible(pids[p]))
+            for p in range(W)
+        ]
         seg_key = f"{pre}/segment"
         if r == 0:
             name = f"/tl-shm-{os.getpid()}-{secrets.token_hex(6)}"
@@ -341,23 +418,26 @@ class ShmCommunicator:
             try:
                 store.set(seg_key, f"{name}|{gen}")
                 mapped = [f"{pre}/mapped/{p}" for p in range(1, W)]
-                self._store_wait(store, mapped, "waiting for the ranks to map the segment")
+                # watches the peers: a rank that dies before mapping ends the wait at once, so the
+                # name is unlinked (below) within about 0.1 s instead of after the whole timeout
+                self._store_wait(
+                    store, mapped, "waiting for the ranks to map the segment", owners=list(range(1, W))
+                )
                 errors = {}
                 for p, k in enumerate(mapped, start=1):
                     v = store.get(k).decode()
                     if v != "ok":
                         errors[p] = v
                 if errors:
-                    eng.close()
                     raise CommError(f"ShmCommunicator: ranks could not map segment {name}: {errors}")
             except BaseException:
                 eng.close()
                 raise
             finally:
-                # every rank has mapped it (or gave up): no name is left behind in /dev/shm
+                # every rank has mapped it (or gave up, or died): no name is left behind in /dev/shm
                 _shm.Engine.unlink(name.encode())
         else:
-            self._store_wait(store, [seg_key], "waiting for rank 0 to create the segment")
+            self._store_wait(store, [seg_key], "waiting for rank 0 to create the segment", owners=[0])
             name, gen_s = store.get(seg_key).decode().rsplit("|", 1)
             try:
                 eng = _shm.Engine.attach(name.encode(), r, W, int(gen_s))
@@ -373,13 +453,7 @@ class ShmCommunicator:
         for p in range(W):
             if p == r:
                 continue
-            visible = True
-            try:
-                os.kill(pids[p], 0)
-            except ProcessLookupError:
-                visible = False
-            except PermissionError:
-                visible = True
+            visible = self._watch[p]
             eng.set_check_pid(p, visible)
             if not visible:
                 log.warning(
@@ -391,6 +465,17 @@ class ShmCommunicator:
                     r,
                 )
         return eng
+
+    @staticmethod
+    def _pid_visible(pid: int) -> bool:
+        """kill(pid, 0) finds the process (it may belong to another user)."""
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
 
     def _setup_cma(self, store: Any, want: bool, threshold: int) -> None:
         """Probe cross-memory attach and make every rank agree on using it (or not).
@@ -423,7 +508,7 @@ class ShmCommunicator:
         mine = f"off|{reason}" if reason else f"{eng.probe_address()}|{token}|{threshold}|{big}"
         store.set(f"{pre}/cma/{r}", mine)
         keys = [f"{pre}/cma/{p}" for p in range(W)]
-        self._store_wait(store, keys, "probing cross-memory attach")
+        self._store_wait(store, keys, "probing cross-memory attach", owners=list(range(W)))
         vals = [store.get(k).decode() for k in keys]
         result = reason
         for p in range(W):
@@ -442,14 +527,14 @@ class ShmCommunicator:
                     result = f"rank {r} read a wrong probe value from rank {p} (pid {self._pids[p]})"
         store.set(f"{pre}/cma_ok/{r}", result or "ok")
         ok_keys = [f"{pre}/cma_ok/{p}" for p in range(W)]
-        self._store_wait(store, ok_keys, "agreeing on cross-memory attach")
+        self._store_wait(store, ok_keys, "agreeing on cross-memory attach", owners=list(range(W)))
         problems = [v for v in (store.get(k).decode() for k in ok_keys) if v != "ok"]
         # No rank may leave before all have read the store: the rank hosting it (often rank 0)
         # could exit and take the store down under the others. A barrier through the segment
         # (sequence 0: user ops keep their numbers from 1).
-        rc = eng.barrier((_shm.OP_BARRIER, 0, 0, -1, -1, 0, 0, ()), self.timeout)
+        rc = eng.barrier((_shm.OP_BARRIER, 0, 0, -1, -1, 0, 0, ()), self._timeout)
         if rc:
-            self._raise(rc, "barrier (set-up)", 0, self.timeout)
+            self._raise(rc, "barrier (set-up)", 0, self._timeout)
         if problems:
             eng.set_cma(False, threshold)
             # a rank that asked for it hears why it is off (a warning if a probe failed); a rank
@@ -471,32 +556,107 @@ class ShmCommunicator:
             eng.big_bytes = int(big0)
             eng.set_cma(True, int(thr0))
 
-    def _store_wait(self, store: Any, keys: List[str], what: str) -> None:
-        try:
-            store.wait(keys, _timedelta(self.timeout))
-        except RuntimeError as exc:  # torch raises DistStoreError (a RuntimeError) on timeout
-            missing = []
-            for k in keys:
+    def _store_wait(self, store: Any, keys: List[str], what: str, owners: Optional[List[int]] = None) -> None:
+        """Wait until every key of ``keys`` is in the store, for at most ``self.timeout`` seconds.
+
+        ``owners[i]`` is the rank that sets ``keys[i]``. With owners the store is polled (a blocking
+        wait cannot be cut short, and every timed-out TCPStore wait logs warnings) and the owners
+        of missing keys are checked every 0.1 s: one that died ends the wait with a CommError that
+        names it and its pid. Without owners (their pids are not known yet): one blocking wait.
+        """
+        deadline = time.monotonic() + self._timeout
+        if owners is None:
+            while True:
+                left = deadline - time.monotonic()
                 try:
-                    if not store.check([k]):
-                        missing.append(k)
+                    store.wait(keys, _timedelta(left))
+                    return
+                except RuntimeError as exc:  # torch raises DistStoreError (a RuntimeError) on timeout
+                    if left > _STORE_WAIT_PIECE and time.monotonic() < deadline:
+                        continue  # one piece of a very long (or infinite) deadline ran out
+                    self._wait_failed(store, keys, what, exc, owners)
+        pause = 0.0005
+        next_check = time.monotonic() + _LIVENESS_EVERY
+        while True:
+            try:
+                if store.check(keys):
+                    return
+            except RuntimeError as exc:  # the store went away (the rank hosting it exited?)
+                self._check_owners(store, keys, owners, what)
+                raise CommError(
+                    f"ShmCommunicator(prefix={self.prefix!r}) rank {self.rank}: the store failed while "
+                    f"this rank was {what}: {exc}"
+                ) from exc
+            now = time.monotonic()
+            if now >= next_check:
+                self._check_owners(store, keys, owners, what)
+                next_check = now + _LIVENESS_EVERY
+            if now >= deadline:
+                self._wait_failed(store, keys, what, None, owners)
+            time.sleep(min(pause, max(deadline - now, 0.0)))
+            pause = min(pause * 2, _POLL_MAX)
+
+    def _check_owners(self, store: Any, keys: List[str], owners: List[int], what: str) -> None:
+        """Raise CommError if a (visible) rank that still has to set one of ``keys`` is dead."""
+        for p in sorted(set(owners)):
+            if not self._watch[p] or not _shm.pid_dead(self._pids[p]):
+                continue
+            for k, o in zip(keys, owners):
+                if o != p:
+                    continue
+                try:
+                    if store.check([k]):
+                        continue
                 except RuntimeError:
+                    pass
+                raise CommError(
+                    f"ShmCommunicator(prefix={self.prefix!r}) rank {self.rank}: rank {p} (pid "
+                    f"{self._pids[p]}) died before setting store key {k!r} while this rank was {what}; "
+                    "the communicator cannot be created"
+                )
+
+    def _wait_failed(
+        self,
+        store: Any,
+        keys: List[str],
+        what: str,
+        exc: Optional[BaseException],
+        owners: Optional[List[int]],
+    ) -> None:
+        """Raise CommTimeoutError naming the keys (and the ranks that should set them) still missing."""
+        missing = []
+        for k in keys:
+            try:
+                if not store.check([k]):
                     missing.append(k)
-            raise CommTimeoutError(
-                f"ShmCommunicator(prefix={self.prefix!r}) rank {self.rank}: timed out after "
-                f"{self.timeout:g} s {what}; missing store keys {missing} ({exc}). Every rank of the "
-                "group must construct the communicator with the same prefix."
-            ) from exc
+            except RuntimeError:
+                missing.append(k)
+        who = ""
+        if owners is not None:
+            late = sorted({o for k, o in zip(keys, owners) if k in missing})
+            who = f" (to be set by ranks {late})"
+        detail = f" ({exc})" if exc is not None else ""
+        raise CommTimeoutError(
+            f"ShmCommunicator(prefix={self.prefix!r}) rank {self.rank}: timed out after "
+            f"{self._timeout:g} s {what}; missing store keys {missing}{who}{detail}. Every rank of the "
+            "group must construct the communicator with the same prefix."
+        ) from exc
 
     # ---------------------------------------------------------------------------- helpers
     @staticmethod
     def _check_timeout(timeout: Any, what: str = "timeout") -> float:
+        """A deadline in seconds: a positive int or float; ``inf`` (or an int beyond floats) = none."""
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"{what} must be a positive number of seconds, got {timeout!r}")
-        return float(timeout)
+            raise ValueError(
+                f"{what} must be a positive number of seconds, got {timeout!r} (float('inf') for no deadline)"
+            )
+        try:
+            return float(timeout)
+        except OverflowError:  # an int too large for a float: no deadline either
+            return float("inf")
 
     def _deadline(self, timeout: Optional[float]) -> float:
-        return self.timeout if timeout is None else self._check_timeout(timeout)
+        return self._timeout if timeout is None else self._check_timeout(timeout)
 
     def _open(self, op: str) -> Any:
         if self._closed or self._engine is None:
@@ -504,10 +664,17 @@ class ShmCommunicator:
         return self._engine
 
     def _tensor(self, op: str, name: str, t: Any) -> Tuple[int, int, int, int]:
-        # fast path first: these checks run on every call and cost ~0.1 us each
+        # fast path first: these checks run on every call and cost ~0.1 us each. Complex dtypes are
+        # not in _REAL_DTYPES: only they can carry the conjugate bit, which the slow path checks.
         if isinstance(t, torch.Tensor):
-            info = _DTYPES.get(t.dtype)
-            if info is not None and t.is_cpu and t.layout is torch.strided and t.is_contiguous():
+            info = _REAL_DTYPES.get(t.dtype)
+            if (
+                info is not None
+                and t.is_cpu
+                and t.layout is torch.strided
+                and t.is_contiguous()
+                and not t.is_neg()
+            ):
                 return info
         return self._tensor_slow(op, name, t)
 
@@ -528,7 +695,34 @@ class ShmCommunicator:
                 f"shm {op}: {name} has unsupported dtype {t.dtype}; supported: "
                 + ", ".join(str(d).replace("torch.", "") for d in _DTYPES)
             )
+        if t.is_conj() or t.is_neg():
+            # its memory holds conj(x) or -x of the values it shows: the public method catches
+            # this (before anything is shared) and runs again on plain copies (_resolved)
+            raise _ViewBits(name)
         return _DTYPES[t.dtype]
+
+    def _resolved(self, method: Callable[..., None], args: Tuple[Any, ...], outputs: Sequence[int]) -> None:
+        """Run ``method(*args)`` with conjugate and negative views replaced by plain tensors.
+
+        The engine moves raw memory, and such a view's memory holds ``conj(x)`` or ``-x`` of the
+        values it shows. Each view is materialised (``resolve_conj()``/``resolve_neg()``, one copy;
+        a tensor passed twice, e.g. in place, gets one copy), and the results in the plain stand-ins
+        of ``args[i]`` for ``i`` in ``outputs`` are copied back through the views (``copy_``
+        applies the conjugation or negation). Rare, so the fast path does not pay for it.
+        """
+        subs: Dict[int, torch.Tensor] = {}
+        new = list(args)
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor) and (a.is_conj() or a.is_neg()):
+                if id(a) not in subs:
+                    subs[id(a)] = a.resolve_conj().resolve_neg()
+                new[i] = subs[id(a)]
+        method(*new)
+        with torch.no_grad():
+            for i in outputs:
+                a = args[i]
+                if isinstance(a, torch.Tensor) and id(a) in subs:
+                    a.copy_(subs[id(a)])
 
     def _same_dtype(self, op: str, a: torch.Tensor, b: torch.Tensor) -> None:
         if a.dtype != b.dtype:
@@ -595,7 +789,8 @@ class ShmCommunicator:
         self._seq += 1
         return (kind, self._seq, dcode, redop, root, numel, extra, shape)
 
-    def _fmt_desc(self, d: Dict[str, Any]) -> str:
+    def _fmt_desc(self, d: Dict[str, Any], small: bool = False) -> str:
+        """One rank's descriptor for a message; ``small``: add its small_bytes (allreduce/reduce)."""
         kind = _OPKIND_NAMES.get(d["opkind"], f"op#{d['opkind']}")
         parts = [kind]
         # alltoall_v's sizes differ per rank by design and a barrier has none: their descriptors carry
@@ -608,6 +803,8 @@ class ShmCommunicator:
             parts.append(f"op={_OP_NAMES.get(d['redop'], d['redop'])}")
         if d["root"] >= 0:
             parts.append(f"root={d['root']}")
+        if small:
+            parts.append(f"small_bytes={d['extra']}")
         return " ".join(parts)
 
     def _raise(self, rc: int, op: str, seq: int, timeout: float, peer: Optional[int] = None) -> None:
@@ -626,6 +823,8 @@ class ShmCommunicator:
         if rc == _shm.ERR_ABORT:
             reason, who = eng.abort_word()
             why = _ABORT_REASONS.get(reason, f"reason {reason}")
+            if reason == _shm.ABORT_DEAD:
+                why += self._gone_peers(eng)
             raise CommError(
                 f"{where}: the communicator was aborted by rank {who} ({why}); no further operation "
                 "can run on it, create a new communicator"
@@ -652,10 +851,17 @@ class ShmCommunicator:
             other = info["rank"]
             mine_d = eng.last_desc(self.rank)
             theirs = eng.last_desc(other)
+            # allreduce/reduce carry small_bytes (it picks the algorithm): show it if it differs
+            small = mine_d["extra"] != theirs["extra"] and mine_d["opkind"] in (
+                _shm.OP_ALLREDUCE,
+                _shm.OP_REDUCE,
+            )
+            hint = " Every rank must call the same collective with the same size, dtype, op and root" + (
+                ", and set small_bytes to the same value." if small else "."
+            )
             raise CommError(
-                f"{where}: ranks disagree on the call: rank {self.rank} has {self._fmt_desc(mine_d)}; "
-                f"rank {other} has {self._fmt_desc(theirs)}. Every rank must call the same collective "
-                "with the same size, dtype, op and root."
+                f"{where}: ranks disagree on the call: rank {self.rank} has {self._fmt_desc(mine_d, small)}; "
+                f"rank {other} has {self._fmt_desc(theirs, small)}.{hint}"
             )
         if rc == _shm.ERR_COUNTS:
             p, q = info["rank"], info["rank2"]
@@ -675,6 +881,24 @@ class ShmCommunicator:
             )
         raise CommError(f"{where}: engine error code {rc}")
 
+    def _gone_peers(self, eng: Any) -> str:
+        """The text naming the peers behind an abort for a dead or closed peer, e.g.
+        ``": rank 2 (pid N) is dead"``; empty if none is found.
+
+        The abort word names only the rank that aborted. Dead peers are named; closed ones only if
+        none is dead (after an abort the survivors close too, which says nothing). Error path only.
+        """
+        dead, closed = [], []
+        for p in range(self.world_size):
+            if p != self.rank:
+                state = eng.peer_gone(p)
+                if state == 1:
+                    dead.append(f"rank {p} (pid {eng.peer_pid(p)}) is dead")
+                elif state == 2:
+                    closed.append(f"rank {p} (pid {eng.peer_pid(p)}) closed its communicator")
+        gone = dead or closed
+        return ": " + ", ".join(gone) if gone else ""
+
     # ---------------------------------------------------------------------------- properties
     @property
     def slot_bytes(self) -> int:
@@ -683,14 +907,27 @@ class ShmCommunicator:
 
     @property
     def small_bytes(self) -> int:
-        """Largest message (bytes) that uses the one-shot allreduce."""
+        """Largest message (bytes) that uses the one-shot allreduce (at most :attr:`slot_bytes`)."""
         return int(self._open("small_bytes").small_bytes)
 
     @small_bytes.setter
     def small_bytes(self, value: int) -> None:
-        if not isinstance(value, int) or value < 0:
+        """Set on EVERY rank to the same value: each allreduce/reduce carries it in its descriptor,
+        and ranks whose values differ raise CommError (on every rank) at their next allreduce or
+        reduce. Values above :attr:`slot_bytes` act as slot_bytes (and read back as it)."""
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"small_bytes must be an int >= 0, got {value!r}")
-        self._open("small_bytes").small_bytes = value
+        eng = self._open("small_bytes")
+        eng.small_bytes = min(value, eng.slot_bytes)
+
+    @property
+    def timeout(self) -> float:
+        """Default deadline (seconds) of every operation; settable (a positive number, or inf)."""
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, value: float) -> None:
+        self._timeout = self._check_timeout(value, "ShmCommunicator.timeout")
 
     @property
     def cma(self) -> bool:
@@ -725,36 +962,50 @@ class ShmCommunicator:
 
             comm.allreduce(t, t, ReduceOp.SUM)
         """
-        eng = self._open("allreduce")
-        self._tensor("allreduce", "send", send)
-        if recv is not send:  # in place is the common case: skip the second set of checks
-            self._tensor("allreduce", "recv", recv)
-            self._same_dtype("allreduce", send, recv)
-            if recv.numel() != send.numel():
-                raise ValueError(f"shm allreduce: recv has {recv.numel()} elements, send has {send.numel()}")
-            self._no_partial_overlap("allreduce", send, recv, 0)
-        code = self._check_op("allreduce", op, send)
-        t = self.timeout if timeout is None else self._check_timeout(timeout)
-        self._reduce_impl(eng, "allreduce", _shm.OP_ALLREDUCE, send, recv, code, -1, t)
+        try:
+            # the hottest path: every check here is on the per-op budget of a 4 KiB allreduce
+            if self._closed:
+                self._open("allreduce")
+            eng = self._engine
+            info = self._tensor("allreduce", "send", send)
+            if recv is not send:  # in place is the common case: skip the second set of checks
+                # one info tuple per dtype: the same object means the same dtype
+                if self._tensor("allreduce", "recv", recv) is not info:
+                    self._same_dtype("allreduce", send, recv)
+                if recv.numel() != send.numel():
+                    raise ValueError(
+                        f"shm allreduce: recv has {recv.numel()} elements, send has {send.numel()}"
+                    )
+                self._no_partial_overlap("allreduce", send, recv, 0)
+            try:
+                code = _VALID_OPS_BY_CODE[(op, info[0])]
+            except (KeyError, TypeError):
+                code = self._check_op("allreduce", op, send)  # raises the right error
+            t = self._timeout if timeout is None else self._check_timeout(timeout)
+            self._reduce_impl(eng, "allreduce", _shm.OP_ALLREDUCE, info, send, recv, code, -1, t)
+        except _ViewBits:
+            self._resolved(self.allreduce, (send, recv, op, timeout), (1,))
 
     def _reduce_impl(
         self,
         eng: Any,
         name: str,
         kind: int,
+        info: Tuple[int, int, int, int],
         send: torch.Tensor,
         recv: torch.Tensor,
         code: int,
         dst: int,
         t: float,
     ) -> None:
-        dcode, kdt, kes, mult = _DTYPES[send.dtype]
-        d = self._desc(kind, dcode, code, dst, send.numel(), 0, send.shape)
+        dcode, kdt, kes, mult = info  # what _tensor returned for send
+        numel = send.numel()
+        d = self._desc(kind, dcode, code, dst, numel, 0, send.shape)
         if self.world_size == 1:
             if (dst < 0 or dst == self.rank) and recv.data_ptr() != send.data_ptr():
                 recv.copy_(send.view_as(recv) if send.shape != recv.shape else send)
             return
-        n = send.numel() * mult
+        n = numel * mult
         sp = send.data_ptr()
         out = recv.data_ptr() if (dst < 0 or dst == self.rank) else 0
         # a shared_empty tensor reduced in place: peers read it where it is (no copy into the slots)
@@ -772,17 +1023,24 @@ class ShmCommunicator:
 
             comm.reduce(t, out, dst=0, op=ReduceOp.MAX)
         """
-        eng = self._open("reduce")
-        self._tensor("reduce", "send", send)
-        dst = self._check_rank("reduce", "dst", dst)
-        code = self._check_op("reduce", op, send)
-        if self.rank == dst:
-            self._tensor("reduce", "recv", recv)
-            self._same_dtype("reduce", send, recv)
-            if recv.numel() != send.numel():
-                raise ValueError(f"shm reduce: recv has {recv.numel()} elements, send has {send.numel()}")
-            self._no_partial_overlap("reduce", send, recv, 0)
-        self._reduce_impl(eng, "reduce", _shm.OP_REDUCE, send, recv, code, dst, self._deadline(timeout))
+        try:
+            if self._closed:  # inlined self._open(): a call less per op
+                self._open("reduce")
+            eng = self._engine
+            info = self._tensor("reduce", "send", send)
+            dst = self._check_rank("reduce", "dst", dst)
+            code = self._check_op("reduce", op, send)
+            if self.rank == dst:
+                if self._tensor("reduce", "recv", recv) is not info:  # one info tuple per dtype
+                    self._same_dtype("reduce", send, recv)
+                if recv.numel() != send.numel():
+                    raise ValueError(f"shm reduce: recv has {recv.numel()} elements, send has {send.numel()}")
+                self._no_partial_overlap("reduce", send, recv, 0)
+            self._reduce_impl(
+                eng, "reduce", _shm.OP_REDUCE, info, send, recv, code, dst, self._deadline(timeout)
+            )
+        except _ViewBits:
+            self._resolved(self.reduce, (send, recv, dst, op, timeout), (1,))
 
     def broadcast(self, tensor: torch.Tensor, src: int, timeout: Optional[float] = None) -> None:
         """Copy ``tensor`` of rank ``src`` into ``tensor`` on every rank.
@@ -791,18 +1049,24 @@ class ShmCommunicator:
 
             comm.broadcast(t, src=0)
         """
-        eng = self._open("broadcast")
-        dcode = self._tensor("broadcast", "tensor", tensor)[0]
-        src = self._check_rank("broadcast", "src", src)
-        t = self._deadline(timeout)
-        d = self._desc(_shm.OP_BROADCAST, dcode, -1, src, tensor.numel(), 0, tensor.shape)
-        if self.world_size == 1:
-            return
-        nbytes = tensor.numel() * tensor.element_size()
-        zc = self._heap_offset(tensor.data_ptr(), nbytes) if self.rank == src else -1
-        rc = eng.broadcast(d, tensor.data_ptr(), nbytes, src, t, zc)
-        if rc:
-            self._raise(rc, "broadcast", d[1], t)
+        try:
+            if self._closed:  # inlined self._open(): a call less per op
+                self._open("broadcast")
+            eng = self._engine
+            dcode = self._tensor("broadcast", "tensor", tensor)[0]
+            if type(src) is not int or not 0 <= src < self.world_size:  # a bool is refused
+                src = self._check_rank("broadcast", "src", src)
+            t = self._deadline(timeout)
+            d = self._desc(_shm.OP_BROADCAST, dcode, -1, src, tensor.numel(), 0, tensor.shape)
+            if self.world_size == 1:
+                return
+            nbytes = tensor.numel() * tensor.element_size()
+            zc = self._heap_offset(tensor.data_ptr(), nbytes) if self.rank == src else -1
+            rc = eng.broadcast(d, tensor.data_ptr(), nbytes, src, t, zc)
+            if rc:
+                self._raise(rc, "broadcast", d[1], t)
+        except _ViewBits:
+            self._resolved(self.broadcast, (tensor, src, timeout), (0,))
 
     def _gather_impl(
         self,
@@ -813,13 +1077,16 @@ class ShmCommunicator:
         dst: int,
         timeout: Optional[float],
     ) -> None:
-        eng = self._open(opname)
-        dcode = self._tensor(opname, "send", send)[0]
+        if self._closed:  # inlined self._open(): a call less per op
+            self._open(opname)
+        eng = self._engine
+        info = self._tensor(opname, "send", send)
+        dcode = info[0]
         if dst >= 0:
             dst = self._check_rank(opname, "dst", dst)
         if dst < 0 or dst == self.rank:
-            self._tensor(opname, "recv", recv)
-            self._same_dtype(opname, send, recv)
+            if self._tensor(opname, "recv", recv) is not info:  # one info tuple per dtype
+                self._same_dtype(opname, send, recv)
             if recv.numel() != send.numel() * self.world_size:
                 raise ValueError(
                     f"shm {opname}: recv must have world_size * send.numel() = "
@@ -848,15 +1115,21 @@ class ShmCommunicator:
 
             comm.allgather(t, out)      # out[r * t.numel():(r + 1) * t.numel()] is rank r's t
         """
-        self._gather_impl("allgather", _shm.OP_ALLGATHER, send, recv, -1, timeout)
+        try:
+            self._gather_impl("allgather", _shm.OP_ALLGATHER, send, recv, -1, timeout)
+        except _ViewBits:
+            self._resolved(self.allgather, (send, recv, timeout), (1,))
 
     def gather(
         self, send: torch.Tensor, recv: torch.Tensor, dst: int, timeout: Optional[float] = None
     ) -> None:
         """Like :meth:`allgather`, but only rank ``dst`` receives (``recv`` unused elsewhere)."""
-        if isinstance(dst, bool) or not isinstance(dst, int) or not 0 <= dst < self.world_size:
-            raise ValueError(f"shm gather: dst must be a rank in [0, {self.world_size}), got {dst!r}")
-        self._gather_impl("gather", _shm.OP_GATHER, send, recv, dst, timeout)
+        try:
+            if isinstance(dst, bool) or not isinstance(dst, int) or not 0 <= dst < self.world_size:
+                raise ValueError(f"shm gather: dst must be a rank in [0, {self.world_size}), got {dst!r}")
+            self._gather_impl("gather", _shm.OP_GATHER, send, recv, dst, timeout)
+        except _ViewBits:
+            self._resolved(self.gather, (send, recv, dst, timeout), (1,))
 
     def scatter(
         self, send: torch.Tensor, recv: torch.Tensor, src: int, timeout: Optional[float] = None
@@ -867,28 +1140,36 @@ class ShmCommunicator:
 
             comm.scatter(blocks, mine, src=0)
         """
-        eng = self._open("scatter")
-        dcode = self._tensor("scatter", "recv", recv)[0]
-        src = self._check_rank("scatter", "src", src)
-        if self.rank == src:
-            self._tensor("scatter", "send", send)
-            self._same_dtype("scatter", send, recv)
-            if send.numel() != recv.numel() * self.world_size:
-                raise ValueError(
-                    f"shm scatter: send must have world_size * recv.numel() = "
-                    f"{self.world_size} * {recv.numel()} elements, got {send.numel()}"
+        try:
+            if self._closed:  # inlined self._open(): a call less per op
+                self._open("scatter")
+            eng = self._engine
+            info = self._tensor("scatter", "recv", recv)
+            dcode = info[0]
+            src = self._check_rank("scatter", "src", src)
+            if self.rank == src:
+                if self._tensor("scatter", "send", send) is not info:  # one info tuple per dtype
+                    self._same_dtype("scatter", send, recv)
+                if send.numel() != recv.numel() * self.world_size:
+                    raise ValueError(
+                        f"shm scatter: send must have world_size * recv.numel() = "
+                        f"{self.world_size} * {recv.numel()} elements, got {send.numel()}"
+                    )
+                self._no_partial_overlap(
+                    "scatter", recv, send, self.rank * recv.numel() * recv.element_size()
                 )
-            self._no_partial_overlap("scatter", recv, send, self.rank * recv.numel() * recv.element_size())
-        t = self._deadline(timeout)
-        d = self._desc(_shm.OP_SCATTER, dcode, -1, src, recv.numel(), 0, recv.shape)
-        if self.world_size == 1:
-            if send.data_ptr() != recv.data_ptr():
-                recv.view(-1).copy_(send.view(-1))
-            return
-        inp = send.data_ptr() if self.rank == src else 0
-        rc = eng.scatter(d, inp, recv.data_ptr(), recv.numel() * recv.element_size(), src, t)
-        if rc:
-            self._raise(rc, "scatter", d[1], t)
+            t = self._deadline(timeout)
+            d = self._desc(_shm.OP_SCATTER, dcode, -1, src, recv.numel(), 0, recv.shape)
+            if self.world_size == 1:
+                if send.data_ptr() != recv.data_ptr():
+                    recv.view(-1).copy_(send.view(-1))
+                return
+            inp = send.data_ptr() if self.rank == src else 0
+            rc = eng.scatter(d, inp, recv.data_ptr(), recv.numel() * recv.element_size(), src, t)
+            if rc:
+                self._raise(rc, "scatter", d[1], t)
+        except _ViewBits:
+            self._resolved(self.scatter, (send, recv, src, timeout), (1,))
 
     def reduce_scatter(
         self, send: torch.Tensor, recv: torch.Tensor, op: int, timeout: Optional[float] = None
@@ -899,28 +1180,36 @@ class ShmCommunicator:
 
             comm.reduce_scatter(grads, my_shard, ReduceOp.SUM)
         """
-        eng = self._open("reduce_scatter")
-        dcode, kdt, kes, mult = self._tensor("reduce_scatter", "send", send)
-        self._tensor("reduce_scatter", "recv", recv)
-        self._same_dtype("reduce_scatter", send, recv)
-        if send.numel() != recv.numel() * self.world_size:
-            raise ValueError(
-                f"shm reduce_scatter: send must have world_size * recv.numel() = "
-                f"{self.world_size} * {recv.numel()} elements, got {send.numel()}"
+        try:
+            if self._closed:  # inlined self._open(): a call less per op
+                self._open("reduce_scatter")
+            eng = self._engine
+            info = self._tensor("reduce_scatter", "send", send)
+            dcode, kdt, kes, mult = info
+            if self._tensor("reduce_scatter", "recv", recv) is not info:  # one info tuple per dtype
+                self._same_dtype("reduce_scatter", send, recv)
+            if send.numel() != recv.numel() * self.world_size:
+                raise ValueError(
+                    f"shm reduce_scatter: send must have world_size * recv.numel() = "
+                    f"{self.world_size} * {recv.numel()} elements, got {send.numel()}"
+                )
+            code = self._check_op("reduce_scatter", op, send)
+            self._no_partial_overlap(
+                "reduce_scatter", recv, send, self.rank * recv.numel() * recv.element_size()
             )
-        code = self._check_op("reduce_scatter", op, send)
-        self._no_partial_overlap("reduce_scatter", recv, send, self.rank * recv.numel() * recv.element_size())
-        t = self._deadline(timeout)
-        d = self._desc(_shm.OP_REDUCE_SCATTER, dcode, code, -1, recv.numel(), 0, recv.shape)
-        if self.world_size == 1:
-            if send.data_ptr() != recv.data_ptr():
-                recv.view(-1).copy_(send.view(-1))
-            return
-        rc = eng.exchange(
-            d, send.data_ptr(), recv.data_ptr(), recv.numel() * mult, kes, kdt, code, self.world_size, t
-        )
-        if rc:
-            self._raise(rc, "reduce_scatter", d[1], t)
+            t = self._deadline(timeout)
+            d = self._desc(_shm.OP_REDUCE_SCATTER, dcode, code, -1, recv.numel(), 0, recv.shape)
+            if self.world_size == 1:
+                if send.data_ptr() != recv.data_ptr():
+                    recv.view(-1).copy_(send.view(-1))
+                return
+            rc = eng.exchange(
+                d, send.data_ptr(), recv.data_ptr(), recv.numel() * mult, kes, kdt, code, self.world_size, t
+            )
+            if rc:
+                self._raise(rc, "reduce_scatter", d[1], t)
+        except _ViewBits:
+            self._resolved(self.reduce_scatter, (send, recv, op, timeout), (1,))
 
     def alltoall(self, send: torch.Tensor, recv: torch.Tensor, timeout: Optional[float] = None) -> None:
         """Block q of rank p's ``send`` goes to block p of rank q's ``recv`` (equal blocks).
@@ -929,28 +1218,34 @@ class ShmCommunicator:
 
             comm.alltoall(send, recv)   # both of numel world_size * block
         """
-        eng = self._open("alltoall")
-        dcode = self._tensor("alltoall", "send", send)[0]
-        self._tensor("alltoall", "recv", recv)
-        self._same_dtype("alltoall", send, recv)
-        W = self.world_size
-        if send.numel() != recv.numel() or send.numel() % W:
-            raise ValueError(
-                f"shm alltoall: send and recv need the same numel, a multiple of world_size {W}; "
-                f"got {send.numel()} and {recv.numel()}"
-            )
-        self._no_partial_overlap("alltoall", send, recv, 0)
-        t = self._deadline(timeout)
-        block = send.numel() // W
-        d = self._desc(_shm.OP_ALLTOALL, dcode, -1, -1, send.numel(), 0, send.shape)
-        if W == 1:
-            if send.data_ptr() != recv.data_ptr():
-                recv.view(-1).copy_(send.view(-1))
-            return
-        es = send.element_size()
-        rc = eng.exchange(d, send.data_ptr(), recv.data_ptr(), block * es, 1, 0, -1, 1, t)
-        if rc:
-            self._raise(rc, "alltoall", d[1], t)
+        try:
+            if self._closed:  # inlined self._open(): a call less per op
+                self._open("alltoall")
+            eng = self._engine
+            info = self._tensor("alltoall", "send", send)
+            dcode = info[0]
+            if self._tensor("alltoall", "recv", recv) is not info:  # one info tuple per dtype
+                self._same_dtype("alltoall", send, recv)
+            W = self.world_size
+            if send.numel() != recv.numel() or send.numel() % W:
+                raise ValueError(
+                    f"shm alltoall: send and recv need the same numel, a multiple of world_size {W}; "
+                    f"got {send.numel()} and {recv.numel()}"
+                )
+            self._no_partial_overlap("alltoall", send, recv, 0)
+            t = self._deadline(timeout)
+            block = send.numel() // W
+            d = self._desc(_shm.OP_ALLTOALL, dcode, -1, -1, send.numel(), 0, send.shape)
+            if W == 1:
+                if send.data_ptr() != recv.data_ptr():
+                    recv.view(-1).copy_(send.view(-1))
+                return
+            es = send.element_size()
+            rc = eng.exchange(d, send.data_ptr(), recv.data_ptr(), block * es, 1, 0, -1, 1, t)
+            if rc:
+                self._raise(rc, "alltoall", d[1], t)
+        except _ViewBits:
+            self._resolved(self.alltoall, (send, recv, timeout), (1,))
 
     def alltoall_v(
         self,
@@ -971,57 +1266,69 @@ class ShmCommunicator:
 
             comm.alltoall_v(send, [1, 2], [0, 1], recv, [1, 1], [0, 1])
         """
-        eng = self._open("alltoall_v")
-        dcode = self._tensor("alltoall_v", "send", send)[0]
-        self._tensor("alltoall_v", "recv", recv)
-        self._same_dtype("alltoall_v", send, recv)
-        W = self.world_size
-        arrays = []
-        for name, seq in (
-            ("send_counts", send_counts),
-            ("send_displs", send_displs),
-            ("recv_counts", recv_counts),
-            ("recv_displs", recv_displs),
-        ):
-            vals = [int(v) for v in seq]
-            if len(vals) != W:
-                raise ValueError(f"shm alltoall_v: {name} needs {W} entries (one per rank), got {len(vals)}")
-            if any(v < 0 for v in vals):
-                raise ValueError(f"shm alltoall_v: {name} has a negative entry: {vals}")
-            arrays.append(vals)
-        for cname, counts, displs, t_ in (
-            ("send", arrays[0], arrays[1], send),
-            ("recv", arrays[2], arrays[3], recv),
-        ):
-            for q in range(W):
-                if counts[q] and displs[q] + counts[q] > t_.numel():
+        try:
+            if self._closed:  # inlined self._open(): a call less per op
+                self._open("alltoall_v")
+            eng = self._engine
+            info = self._tensor("alltoall_v", "send", send)
+            dcode = info[0]
+            if self._tensor("alltoall_v", "recv", recv) is not info:  # one info tuple per dtype
+                self._same_dtype("alltoall_v", send, recv)
+            W = self.world_size
+            arrays = []
+            for name, seq in (
+                ("send_counts", send_counts),
+                ("send_displs", send_displs),
+                ("recv_counts", recv_counts),
+                ("recv_displs", recv_displs),
+            ):
+                vals = [int(v) for v in seq]
+                if len(vals) != W:
                     raise ValueError(
-                        f"shm alltoall_v: {cname}_displs[{q}] + {cname}_counts[{q}] = "
-                        f"{displs[q] + counts[q]} exceeds {cname}.numel() = {t_.numel()}"
+                        f"shm alltoall_v: {name} needs {W} entries (one per rank), got {len(vals)}"
                     )
-        if self._overlap(send, recv):
-            raise ValueError("shm alltoall_v: send and recv must not overlap")
-        t = self._deadline(timeout)
-        d = self._desc(_shm.OP_ALLTOALL_V, dcode, -1, -1, 0, 0, ())
-        if W == 1:
-            if arrays[0][0] != arrays[2][0]:
-                raise CommError(
-                    f"shm alltoall_v #{d[1]} on rank 0/1: rank 0 sends {arrays[0][0]} elements to "
-                    f"rank 0 but expects {arrays[2][0]}"
+                if any(v < 0 for v in vals):
+                    raise ValueError(f"shm alltoall_v: {name} has a negative entry: {vals}")
+                arrays.append(vals)
+            for cname, counts, displs, t_ in (
+                ("send", arrays[0], arrays[1], send),
+                ("recv", arrays[2], arrays[3], recv),
+            ):
+                for q in range(W):
+                    if counts[q] and displs[q] + counts[q] > t_.numel():
+                        raise ValueError(
+                            f"shm alltoall_v: {cname}_displs[{q}] + {cname}_counts[{q}] = "
+                            f"{displs[q] + counts[q]} exceeds {cname}.numel() = {t_.numel()}"
+                        )
+            if self._overlap(send, recv):
+                raise ValueError("shm alltoall_v: send and recv must not overlap")
+            t = self._deadline(timeout)
+            d = self._desc(_shm.OP_ALLTOALL_V, dcode, -1, -1, 0, 0, ())
+            if W == 1:
+                if arrays[0][0] != arrays[2][0]:
+                    raise CommError(
+                        f"shm alltoall_v #{d[1]} on rank 0/1: rank 0 sends {arrays[0][0]} elements to "
+                        f"rank 0 but expects {arrays[2][0]}"
+                    )
+                c = arrays[0][0]
+                recv.view(-1)[arrays[3][0] : arrays[3][0] + c].copy_(
+                    send.view(-1)[arrays[1][0] : arrays[1][0] + c]
                 )
-            c = arrays[0][0]
-            recv.view(-1)[arrays[3][0] : arrays[3][0] + c].copy_(
-                send.view(-1)[arrays[1][0] : arrays[1][0] + c]
-            )
-            return
-        import array as _array
+                return
+            import array as _array
 
-        mvs = [memoryview(_array.array("q", a)) for a in arrays]
-        rc = eng.alltoall_v(
-            d, send.data_ptr(), mvs[0], mvs[1], recv.data_ptr(), mvs[2], mvs[3], send.element_size(), t
-        )
-        if rc:
-            self._raise(rc, "alltoall_v", d[1], t)
+            mvs = [memoryview(_array.array("q", a)) for a in arrays]
+            rc = eng.alltoall_v(
+                d, send.data_ptr(), mvs[0], mvs[1], recv.data_ptr(), mvs[2], mvs[3], send.element_size(), t
+            )
+            if rc:
+                self._raise(rc, "alltoall_v", d[1], t)
+        except _ViewBits:
+            self._resolved(
+                self.alltoall_v,
+                (send, send_counts, send_displs, recv, recv_counts, recv_displs, timeout),
+                (3,),
+            )
 
     def barrier(self, timeout: Optional[float] = None) -> None:
         """Return once every rank has entered the barrier.
@@ -1030,7 +1337,9 @@ class ShmCommunicator:
 
             comm.barrier(timeout=10.0)
         """
-        eng = self._open("barrier")
+        if self._closed:  # inlined self._open(): a call less per op
+            self._open("barrier")
+        eng = self._engine
         t = self._deadline(timeout)
         d = self._desc(_shm.OP_BARRIER, -1, -1, -1, 0, 0, ())
         if self.world_size == 1:
@@ -1055,14 +1364,19 @@ class ShmCommunicator:
             else:
                 comm.recv(t, src=0)
         """
-        eng = self._open("send")
-        dcode = self._tensor("send", "tensor", tensor)[0]
-        dst = self._check_rank("send", "dst", dst, allow_self=False)
-        t = self._deadline(timeout)
-        d = self._desc(_shm.OP_SEND, dcode, -1, -1, tensor.numel(), 0, tensor.shape)
-        rc = eng.send(d, tensor.data_ptr(), tensor.numel() * tensor.element_size(), dst, t)
-        if rc:
-            self._raise(rc, "send", d[1], t, peer=dst)
+        try:
+            if self._closed:  # inlined self._open(): a call less per op
+                self._open("send")
+            eng = self._engine
+            dcode = self._tensor("send", "tensor", tensor)[0]
+            dst = self._check_rank("send", "dst", dst, allow_self=False)
+            t = self._deadline(timeout)
+            d = self._desc(_shm.OP_SEND, dcode, -1, -1, tensor.numel(), 0, tensor.shape)
+            rc = eng.send(d, tensor.data_ptr(), tensor.numel() * tensor.element_size(), dst, t)
+            if rc:
+                self._raise(rc, "send", d[1], t, peer=dst)
+        except _ViewBits:
+            self._resolved(self.send, (tensor, dst, timeout), ())
 
     def recv(self, tensor: torch.Tensor, src: int, timeout: Optional[float] = None) -> None:
         """Receive into ``tensor`` the message rank ``src`` sends with :meth:`send` (FIFO per pair).
@@ -1071,14 +1385,19 @@ class ShmCommunicator:
 
             comm.recv(t, src=0)
         """
-        eng = self._open("recv")
-        dcode = self._tensor("recv", "tensor", tensor)[0]
-        src = self._check_rank("recv", "src", src, allow_self=False)
-        t = self._deadline(timeout)
-        d = self._desc(_shm.OP_SEND, dcode, -1, -1, tensor.numel(), 0, tensor.shape)
-        rc = eng.recv(d, tensor.data_ptr(), tensor.numel() * tensor.element_size(), src, t)
-        if rc:
-            self._raise(rc, "recv", d[1], t, peer=src)
+        try:
+            if self._closed:  # inlined self._open(): a call less per op
+                self._open("recv")
+            eng = self._engine
+            dcode = self._tensor("recv", "tensor", tensor)[0]
+            src = self._check_rank("recv", "src", src, allow_self=False)
+            t = self._deadline(timeout)
+            d = self._desc(_shm.OP_SEND, dcode, -1, -1, tensor.numel(), 0, tensor.shape)
+            rc = eng.recv(d, tensor.data_ptr(), tensor.numel() * tensor.element_size(), src, t)
+            if rc:
+                self._raise(rc, "recv", d[1], t, peer=src)
+        except _ViewBits:
+            self._resolved(self.recv, (tensor, src, timeout), (0,))
 
     # ---------------------------------------------------------------------------- lifetime
     def abort(self) -> None:
