@@ -582,14 +582,19 @@ def test_communication_submodule_is_an_attribute_after_importing_the_package():
 
 
 _REINIT = """
+import sys
 import torch
 import trainloom.comm.bluefog as bf
 
+lines = []
 for k in range(2):
     bf.init()
     out = bf.neighbor_allreduce(torch.ones(2) * (bf.rank() + k))
-    print(f"rank {bf.rank()} round {k}: {out.tolist()}", flush=True)
+    lines.append(f"rank {bf.rank()} round {k}: {out.tolist()}")
+    rank = bf.rank()
     bf.shutdown()
+with open(f"{sys.argv[1]}/rank{rank}.txt", "w") as f:  # a file per rank: stdout lines may interleave
+    f.write("\\n".join(lines))
 """
 
 
@@ -601,14 +606,18 @@ def test_init_shutdown_init_under_torchrun(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     env.update(TRAINLOOM_COMM_TIMEOUT="20", OMP_NUM_THREADS="1")
     out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)],
+        [
+            *[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"],
+            *[str(script), str(tmp_path)],
+        ],
         env=env,
         capture_output=True,
         text=True,
         timeout=150,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert sorted(line for line in out.stdout.splitlines() if line.strip()) == [
+    lines = [line for r in range(2) for line in (tmp_path / f"rank{r}.txt").read_text().splitlines()]
+    assert lines == [
         "rank 0 round 0: [0.5, 0.5]",
         "rank 0 round 1: [1.5, 1.5]",
         "rank 1 round 0: [0.5, 0.5]",
