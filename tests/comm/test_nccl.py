@@ -135,3 +135,15 @@ def test_nccl_engine_plumbing_on_the_fake(fake_libs):
     )
     assert res["work_timeout_aborted"] == "Work.wait timeout"
     assert res["live"] == 1  # only `eng` is still open at that point: aborted/closed ones were freed
+
+
+def test_conjugate_and_negative_views_are_refused_before_nccl_sees_them():
+    from trainloom.comm.nccl import NcclEngine
+
+    z = torch.tensor([1 + 2j, 3 + 4j])
+    with pytest.raises(TypeError, match=r"^allreduce: a conjugate view holds other values in memory"):
+        NcclEngine._dtype(z.conj(), "allreduce")
+    with pytest.raises(TypeError, match=r"^broadcast: a negative view holds other values in memory"):
+        NcclEngine._dtype(z.conj().imag, "broadcast")  # the imaginary part of a conj view has the neg bit
+    t, _ = NcclEngine._dtype(z.conj().resolve_conj(), "allreduce")
+    assert t.shape == (2, 2)

@@ -252,6 +252,12 @@ class NcclEngine:
 
     @staticmethod
     def _dtype(t: torch.Tensor, opname: str) -> Tuple[torch.Tensor, int]:
+        if t.is_conj() or t.is_neg():
+            # NCCL reads and writes raw memory, where such a view's values are conjugated/negated
+            raise TypeError(
+                f"{opname}: a {'conjugate' if t.is_conj() else 'negative'} view holds other values in "
+                "memory than it shows, and NCCL works on memory; pass t.resolve_conj().resolve_neg()"
+            )
         if t.dtype.is_complex:
             t = torch.view_as_real(t)
         code = NCCL_DTYPES.get(t.dtype)
