@@ -17,12 +17,12 @@ in Bagua), every collective returns at once: no argument check, no tensor touche
 
 from __future__ import annotations
 
-import numbers
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
+from trainloom.comm.env import as_int
 from trainloom.comm.group import _STATE, NON_COMM_MEMBER, Communicator, NonCommMember
 from trainloom.comm.ops import ReduceOp
 from trainloom.comm.work import CompletedWork, Work
@@ -173,18 +173,11 @@ def _numel(t: torch.Tensor, want: int, arg: str, opname: str, why: str) -> None:
         raise ValueError(f"{opname}: {arg} has {t.numel()} elements, expected {want} ({why})")
 
 
-def _integral(value: Any) -> bool:
-    """An int, numpy integer or other ``numbers.Integral``, but not a bool."""
-    kind = type(value)
-    if kind is int:  # the common case, without the ABC check
-        return True
-    return kind is not bool and isinstance(value, numbers.Integral)
-
-
 def _rank_arg(value: Any, arg: str, comm: Communicator, opname: str) -> int:
-    if not _integral(value):
+    rank = as_int(value)
+    if rank is None:
         raise TypeError(f"{opname}: {arg} must be an int rank, got {value!r}")
-    value = int(value)
+    value = rank
     if not 0 <= value < comm.nranks():
         raise ValueError(
             f"{opname}: {arg}={value} is outside the communicator's ranks 0..{comm.nranks() - 1} "
@@ -194,9 +187,10 @@ def _rank_arg(value: Any, arg: str, comm: Communicator, opname: str) -> int:
 
 
 def _count_arg(value: Any, arg: str, opname: str) -> int:
-    if not _integral(value):
+    count = as_int(value)
+    if count is None:
         raise TypeError(f"{opname}: {arg} must be an int, got {value!r}")
-    value = int(value)
+    value = count
     if value < 0:
         raise ValueError(f"{opname}: {arg}={value} must be >= 0")
     return value
@@ -229,7 +223,7 @@ def _check_op(op: Any, dtype: torch.dtype, opname: str) -> ReduceOp:
                 "(use a trainloom.comm.ReduceOp)"
             )
         value = mapped
-    elif _integral(op):
+    elif as_int(op) is not None:
         try:
             value = ReduceOp(int(op))
         except ValueError:
@@ -254,7 +248,7 @@ def _check_op(op: Any, dtype: torch.dtype, opname: str) -> ReduceOp:
 
 def _op_like(x: Any) -> bool:
     """Whether ``x`` can only be a reduce op (Bagua's early positional ``op``), not a tensor."""
-    return isinstance(x, (ReduceOp, _TORCH_OP_TYPE)) or _integral(x)
+    return isinstance(x, (ReduceOp, _TORCH_OP_TYPE)) or as_int(x) is not None
 
 
 def _counts(v: Any, arg: str, n: int, opname: str) -> List[int]:
@@ -263,7 +257,7 @@ def _counts(v: Any, arg: str, n: int, opname: str) -> List[int]:
     except TypeError:
         raise TypeError(f"{opname}: {arg} must be a sequence of {n} ints, got {v!r}") from None
     for i, x in enumerate(items):
-        if not _integral(x):
+        if as_int(x) is None:
             raise TypeError(
                 f"{opname}: {arg} must be a sequence of {n} ints, got {v!r} "
                 f"({arg}[{i}]={x!r} is a {type(x).__name__})"
@@ -548,7 +542,7 @@ def reduce(
     name = "reduce"
     send_tensor = _early_tensor(name, send_tensor, recv_tensor, tensor)
     if not isinstance(recv_tensor, torch.Tensor):
-        if _integral(recv_tensor):
+        if as_int(recv_tensor) is not None:
             # Bagua's early API, positionally: reduce(tensor, dst, op=SUM, comm=None), in place.
             if dst is not None:
                 if _is_comm(op) and comm is None:

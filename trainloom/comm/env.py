@@ -9,6 +9,7 @@ and in debuggers); when some are set and others are not, :func:`read_launch_env`
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 import socket
 from typing import Optional
@@ -25,6 +26,17 @@ __all__ = [
     "get_default_bucket_size",
     "LAUNCH_VARS",
 ]
+
+
+def as_int(value: object) -> Optional[int]:
+    """``value`` as an int when it is an integer argument (a rank, size or count): an ``int``, a numpy
+    integer or another ``numbers.Integral``, but not a bool; else None."""
+    if type(value) is int:  # the common case, without the ABC check
+        return value  # type: ignore[return-value]
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value)
+
 
 #: The variables torchrun sets, in the order they are reported.
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

@@ -29,7 +29,7 @@ import os
 import weakref
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
-from trainloom.comm.env import get_rank
+from trainloom.comm.env import as_int, get_rank
 from trainloom.comm.group import NON_COMM_MEMBER, Communicator, ProcessGroup, get_default_group
 from trainloom.errors import CommError, ConfigError
 
@@ -61,16 +61,9 @@ def _check_weight(value: Any, what: str) -> float:
     return w
 
 
-def _as_rank(value: Any) -> Optional[int]:
-    """``value`` as an int when it is an integer (numpy integers too, bools excluded), else None."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        return None
-    return int(value)
-
-
 def _check_size(size: Any, who: str) -> int:
     """``size`` as an int >= 1 (numpy integers accepted): TypeError for non-integers, ValueError < 1."""
-    n = _as_rank(size)
+    n = as_int(size)
     if n is None:
         raise TypeError(f"{who}: size must be an int >= 1, got {size!r} ({type(size).__name__})")
     if n < 1:
@@ -130,7 +123,7 @@ class Topology:
         for j in range(size):
             row: Dict[int, float] = {}
             for key, w in dict(in_weights[j]).items():
-                i = _as_rank(key)
+                i = as_int(key)
                 if i is None:
                     raise TypeError(
                         f"Topology: rank {j} has in-neighbour {key!r}, which is not an int rank "
@@ -274,7 +267,7 @@ class Topology:
     def _rank(self, rank: int) -> int:
         if type(rank) is int and 0 <= rank < self.size:  # the common case, kept cheap
             return rank
-        r = _as_rank(rank)
+        r = as_int(rank)
         if r is None:
             raise TypeError(f"Topology: rank must be an int, got {rank!r} ({type(rank).__name__})")
         if not 0 <= r < self.size:
@@ -303,7 +296,7 @@ def _edge(key: Any, size: int) -> Tuple[int, int]:
         raise ValueError(f"Topology.from_edges: an edge must be a pair (src, dst), got {key!r}") from None
     ends = []
     for v in (src, dst):
-        r = _as_rank(v)
+        r = as_int(v)
         if r is None:
             raise TypeError(
                 f"Topology.from_edges: edge {key!r} names rank {v!r}, which is not an int "

@@ -54,7 +54,6 @@ from trainloom.data.stores.base import (
     StoreUnavailableError,
     mget_decode_missing,
 )
-from trainloom.data.stores.cluster import ClusterStore
 from trainloom.errors import ConfigError
 
 _codec = import_compiled("trainloom.data._codec")
@@ -80,17 +79,6 @@ _STORE_LOCK = threading.RLock()
 _NO_LOCK = contextlib.nullcontext()
 #: Background flush threads alive in this process whose store calls take _STORE_LOCK.
 _flushers = 0
-
-
-def _thread_safe(store: Store) -> bool:
-    """Whether ``store`` may be called from two threads of a process at once: Redis stores (redis-py
-    clients are thread-safe), and clusters of them."""
-    redis_store = sys.modules.get("trainloom.data.stores.redis_store")  # imported if a RedisStore exists
-    if redis_store is not None and isinstance(store, redis_store.RedisNodeStore):
-        return True
-    if isinstance(store, ClusterStore):
-        return bool(store.stores) and all(_thread_safe(s) for s in store.stores)
-    return False
 
 
 def _after_fork_in_child() -> None:
@@ -273,7 +261,7 @@ class CacheLoader:
         self.store = make_store(backend, dataset_name, **store_kwargs)
         self.backend = self.store.backend
         # Whether the store calls take _STORE_LOCK (see there).
-        self._serialized = not _thread_safe(self.store)
+        self._serialized = not self.store.thread_safe
         self._prefix = (dataset_name + "_").encode("utf-8")
         limit = getattr(self.store, "max_key_size", None)
         self._max_key = int(limit) if limit else sys.maxsize

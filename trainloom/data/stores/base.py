@@ -99,6 +99,9 @@ class Store(abc.ABC):
     backend: str = "store"
     #: longest key in bytes the store accepts, or None (no limit the cache must check).
     max_key_size: Optional[int] = None
+    #: whether two threads of one process may call the store at once (the cache serialises its calls
+    #: with its background flush otherwise).
+    thread_safe: bool = False
 
     # -- required -----------------------------------------------------------------------------
     def mget_apply(self, keys: Sequence[Key], fn: Callable[[Any], T]) -> List[Optional[T]]:

@@ -60,6 +60,10 @@ class ClusterStore(Store):
         return out
 
     @property
+    def thread_safe(self) -> bool:  # type: ignore[override]
+        return bool(self.stores) and all(s.thread_safe for s in self.stores)
+
+    @property
     def max_key_size(self) -> Optional[int]:  # type: ignore[override]
         """The smallest key limit of the shards (None: none has one)."""
         limits = [s.max_key_size for s in self.stores if s.max_key_size]

@@ -90,6 +90,7 @@ class RedisNodeStore(Store):
     """
 
     backend = "redis"
+    thread_safe = True  # redis-py clients are thread-safe
 
     def __init__(
         self,
