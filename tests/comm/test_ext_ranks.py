@@ -751,3 +751,41 @@ def bluefog_not_initialized(rank: int, ws: int) -> Dict[str, Any]:
     bf.shutdown()
     out["after"] = queries()
     return out
+
+
+def numpy_integer_ranks(rank: int, ws: int) -> Dict[str, Any]:
+    """numpy integers work wherever the extension APIs take a rank, a dim or a count (as in torch)."""
+    import numpy as np
+
+    from trainloom.comm import colossal as col
+    from trainloom.comm import windows as win
+    from trainloom.comm.optimizers import DistributedAllreduceOptimizer
+
+    torch.set_num_threads(1)
+    C.init_process_group(timeout=30)
+    tp.set_topology(tp.RingGraph(ws))
+    left, right, last = np.int64((rank - 1) % ws), np.int32((rank + 1) % ws), np.int64(ws - 1)
+    out: Dict[str, Any] = {}
+    pg = C.new_group(np.arange(ws))
+    out["group"] = [type(r).__name__ for r in pg.ranks]
+    out["object"] = st.broadcast_object(f"from {rank}", root_rank=last)
+    x = torch.full((2,), float(rank))
+    out["all_gather"] = col.all_gather(x, np.int64(0)).tolist()
+    out["broadcast"] = col.broadcast(x.clone(), last).tolist()
+    out["neighbor"] = nb.neighbor_allreduce(x, 0.5, {left: 0.5}).tolist()
+    y = torch.full((2,), float(rank), dtype=torch.float64)
+    win.win_create(y, "np", zero_init=True)
+    win.win_put(y, "np", {right: 1.0})
+    nb.barrier()
+    out["window"] = win.win_sync("np", 0.0, {left: 1.0}, clone=True).tolist()
+    win.win_free("np")
+    model = torch.nn.Linear(2, 1)
+    opt = DistributedAllreduceOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        bucket_bytes=np.int64(8),
+        backward_passes_per_step=np.int8(2),
+    )
+    out["passes"] = type(opt._tl_reducer.passes).__name__
+    out["buckets"] = len(opt._tl_reducer.buckets)  # 8 bytes: one bucket per parameter
+    C.destroy_process_group()
+    return out

@@ -200,3 +200,16 @@ def test_broadcast_optimizer_state_checks_class_and_shapes_before_loading(ws):
         "CommError: broadcast_optimizer_state: rank 1 could not load root's optimizer state (RuntimeError: "
         "boom); its optimizer was left unchanged"
     )
+
+
+def test_numpy_integers_are_ranks_dims_and_counts_in_the_extension_apis():
+    res = run_ranks(R.numpy_integer_ranks, 2, timeout=60)
+    for rank, r in enumerate(res):
+        left = (rank - 1) % 2
+        assert r["group"] == ["int", "int"]
+        assert r["object"] == "from 1"
+        assert r["all_gather"] == [0.0, 0.0, 1.0, 1.0]
+        assert r["broadcast"] == [1.0, 1.0]
+        assert r["neighbor"] == [0.5 * rank + 0.5 * left] * 2
+        assert r["window"] == [float(left)] * 2
+        assert r["passes"] == "int" and r["buckets"] == 2

@@ -1160,3 +1160,38 @@ def test_a_survivor_told_by_the_abort_word_names_the_dead_rank():
         f"by rank 0 (it found a peer dead or closed: rank 1 (pid {pid}) is dead); no further operation "
         "can run on it, create a new communicator"
     ), msg2
+
+
+def test_numpy_integers_are_accepted_as_ranks_and_sizes():
+    np = pytest.importorskip("numpy")
+    import torch.distributed as dist
+
+    c = ShmCommunicator(
+        dist.HashStore(),
+        np.int64(0),
+        np.int32(1),
+        prefix="np",
+        slot_bytes=np.int64(8192),
+        heap_bytes=np.uint32(4096),
+        cma_bytes=np.int64(1 << 20),
+    )
+    try:
+        assert (c.rank, c.world_size) == (0, 1) and type(c.world_size) is int
+        assert c.slot_bytes == 8192
+        c.small_bytes = np.int16(512)
+        assert c.small_bytes == 512
+        x = torch.arange(4.0)
+        c.broadcast(x, np.int64(0))
+        c.reduce(x, x, ReduceOp.SUM, np.int8(0))
+        recv = torch.zeros(4)
+        c.gather(x, recv, np.int64(0))
+        assert torch.equal(recv, x)
+        assert c.shared_empty(np.int64(8), torch.float32).numel() == 8
+        with pytest.raises(
+            ValueError, match=r"shm gather: dst must be a rank in \[0, 1\), got np.int64\(1\)"
+        ):
+            c.gather(x, recv, np.int64(1))
+        with pytest.raises(ValueError, match=r"shm broadcast: src must be a rank in \[0, 1\), got True"):
+            c.broadcast(x, True)
+    finally:
+        c.close()

@@ -28,6 +28,7 @@ import torch
 
 from trainloom.comm import collectives as _core
 from trainloom.comm.collectives import ReduceOp
+from trainloom.comm.env import as_int
 from trainloom.comm.group import Communicator, ProcessGroup
 from trainloom.comm.neighbor import ThenWork
 from trainloom.comm.topology import group_rank_of as _local_rank
@@ -86,8 +87,10 @@ def _tensor(t: Any, opname: str) -> torch.Tensor:
 
 
 def _dim(dim: Any, t: torch.Tensor, opname: str) -> int:
-    if isinstance(dim, bool) or not isinstance(dim, int):
+    d = as_int(dim)
+    if d is None:
         raise TypeError(f"{opname}: dim must be an int, got {dim!r}")
+    dim = d
     nd = max(t.dim(), 1)
     if not -nd <= dim < nd:
         raise ValueError(f"{opname}: dim={dim} is out of range for a tensor of shape {tuple(t.shape)}")

@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from trainloom.comm.env import LaunchEnv, read_launch_env
+from trainloom.comm.env import LaunchEnv, as_int, read_launch_env
 from trainloom.comm.work import CudaWork, FutureWork, Work
 from trainloom.errors import CommError, CommTimeoutError, ConfigError
 
@@ -778,8 +778,10 @@ def new_group(ranks: Optional[Sequence[int]] = None, stream: Optional[Any] = Non
     else:
         members = []
         for r in ranks:
-            if isinstance(r, bool) or not isinstance(r, int):
+            ri = as_int(r)
+            if ri is None:
                 raise ValueError(f"new_group: ranks must be ints, got {r!r}")
+            r = ri
             if not 0 <= r < w:
                 raise ValueError(f"new_group: rank {r} is outside the world 0..{w - 1}")
             members.append(r)

@@ -40,6 +40,7 @@ import torch
 
 from trainloom.comm import collectives as _core
 from trainloom.comm.collectives import ReduceOp
+from trainloom.comm.env import as_int
 from trainloom.comm.group import Communicator, ProcessGroup
 from trainloom.comm.topology import check_sum, exchange_strategy, resolve_comm, topology_entry
 from trainloom.comm.work import CompletedWork, Work
@@ -189,8 +190,10 @@ def _weights(
     sw = _check_weight(self_weight, f"{opname}: self_weight")
     nw: Dict[int, float] = {}
     for r, w in neighbor_weights.items():
-        if isinstance(r, bool) or not isinstance(r, int):
+        ri = as_int(r)
+        if ri is None:
             raise TypeError(f"{opname}: neighbor_weights keys must be int ranks, got {r!r}")
+        r = ri
         if r not in ins:
             raise ValueError(
                 f"{opname}: rank {r} in neighbor_weights is not an in-neighbour of rank {me} "

@@ -38,6 +38,7 @@ import torch
 
 from trainloom.comm import collectives as _core
 from trainloom.comm.collectives import ReduceOp
+from trainloom.comm.env import as_int
 from trainloom.comm.group import Communicator, ProcessGroup
 from trainloom.comm.neighbor import neighbor_allreduce_async
 from trainloom.comm.topology import resolve_comm
@@ -308,12 +309,13 @@ def _wrap(
             "(a sparse gradient, e.g. from nn.Embedding(sparse=True), becomes a dense average); use Adam, "
             "or DistributedNeighborAllreduceOptimizer, which keeps the local (sparse) gradient"
         )
-    for name, v, lo in (
-        ("bucket_bytes", bucket_bytes, 1),
-        ("backward_passes_per_step", backward_passes_per_step, 1),
-    ):
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise ValueError(f"{who}: {name} must be an int >= {lo}, got {v!r}")
+    checked = []
+    for name, v in (("bucket_bytes", bucket_bytes), ("backward_passes_per_step", backward_passes_per_step)):
+        vi = as_int(v)
+        if vi is None or vi < 1:
+            raise ValueError(f"{who}: {name} must be an int >= 1, got {v!r}")
+        checked.append(vi)
+    bucket_bytes, backward_passes_per_step = checked
     c = resolve_comm(comm, who)
     base = type(optimizer)
     # _tl_base: the wrapped class, compared by broadcast_optimizer_state across ranks.

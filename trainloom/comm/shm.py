@@ -31,6 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from trainloom._build_check import import_compiled
+from trainloom.comm.env import as_int
 from trainloom.comm.ops import OP_NAMES, ReduceOp
 from trainloom.errors import CommError, CommTimeoutError
 
@@ -297,27 +298,35 @@ class ShmCommunicator:
     ) -> None:
         self._engine: Any = None
         self._closed = True
-        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        ws = as_int(world_size)
+        if ws is None or ws < 1:
             raise ValueError(f"ShmCommunicator: world_size must be an int >= 1, got {world_size!r}")
+        world_size = ws
         if world_size > 65535:
             raise ValueError(
                 f"ShmCommunicator: world_size {world_size} is too large for one node (max 65535)"
             )
-        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
+        r = as_int(rank)
+        if r is None or not 0 <= r < world_size:
             raise ValueError(f"ShmCommunicator: rank must be an int in [0, {world_size}), got {rank!r}")
+        rank = r
         if not isinstance(prefix, str) or not prefix:
             raise ValueError(f"ShmCommunicator: prefix must be a non-empty str, got {prefix!r}")
         self._timeout = self._check_timeout(timeout, "ShmCommunicator: timeout")
         slot = DEFAULT_SLOT_BYTES if slot_bytes is None else slot_bytes
+        sizes = []
         for name, v, lo in (("slot_bytes", slot, 4096), ("heap_bytes", heap_bytes, 0)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < lo or v % 4096:
+            vi = as_int(v)
+            if vi is None or vi < lo or vi % 4096:
                 raise ValueError(f"ShmCommunicator: {name} must be a multiple of 4096 >= {lo}, got {v!r}")
+            sizes.append(vi)
+        slot, heap_bytes = sizes
         if cma is not None and not isinstance(cma, bool):
             raise ValueError(f"ShmCommunicator: cma must be None, True or False, got {cma!r}")
         if not isinstance(pin_cpu, bool):
             raise ValueError(f"ShmCommunicator: pin_cpu must be True or False, got {pin_cpu!r}")
-        cma_thr = DEFAULT_CMA_BYTES if cma_bytes is None else cma_bytes
-        if not isinstance(cma_thr, int) or isinstance(cma_thr, bool) or cma_thr < 1:
+        cma_thr = as_int(DEFAULT_CMA_BYTES if cma_bytes is None else cma_bytes)
+        if cma_thr is None or cma_thr < 1:
             raise ValueError(f"ShmCommunicator: cma_bytes must be an int >= 1, got {cma_bytes!r}")
         if cma is None:
             cma = _cma_from_env()
@@ -729,8 +738,10 @@ class ShmCommunicator:
             raise ValueError(f"shm {op}: send and recv dtypes differ ({a.dtype} vs {b.dtype})")
 
     def _check_rank(self, op: str, what: str, r: Any, allow_self: bool = True) -> int:
-        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < self.world_size:
+        ri = r if type(r) is int else as_int(r)  # the common case without a call
+        if ri is None or not 0 <= ri < self.world_size:
             raise ValueError(f"shm {op}: {what} must be a rank in [0, {self.world_size}), got {r!r}")
+        r = ri
         if not allow_self and r == self.rank:
             raise ValueError(f"shm {op}: {what} must differ from this rank ({self.rank})")
         return r
@@ -915,10 +926,11 @@ class ShmCommunicator:
         """Set on EVERY rank to the same value: each allreduce/reduce carries it in its descriptor,
         and ranks whose values differ raise CommError (on every rank) at their next allreduce or
         reduce. Values above :attr:`slot_bytes` act as slot_bytes (and read back as it)."""
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        v = as_int(value)
+        if v is None or v < 0:
             raise ValueError(f"small_bytes must be an int >= 0, got {value!r}")
         eng = self._open("small_bytes")
-        eng.small_bytes = min(value, eng.slot_bytes)
+        eng.small_bytes = min(v, eng.slot_bytes)
 
     @property
     def timeout(self) -> float:
@@ -1125,8 +1137,7 @@ class ShmCommunicator:
     ) -> None:
         """Like :meth:`allgather`, but only rank ``dst`` receives (``recv`` unused elsewhere)."""
         try:
-            if isinstance(dst, bool) or not isinstance(dst, int) or not 0 <= dst < self.world_size:
-                raise ValueError(f"shm gather: dst must be a rank in [0, {self.world_size}), got {dst!r}")
+            dst = self._check_rank("gather", "dst", dst)
             self._gather_impl("gather", _shm.OP_GATHER, send, recv, dst, timeout)
         except _ViewBits:
             self._resolved(self.gather, (send, recv, dst, timeout), (1,))
@@ -1459,8 +1470,10 @@ class ShmCommunicator:
         eng = self._open("shared_empty")
         if dtype not in _DTYPES:
             raise ValueError(f"shm shared_empty: unsupported dtype {dtype}")
-        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+        n = as_int(numel)
+        if n is None or n < 0:
             raise ValueError(f"shm shared_empty: numel must be an int >= 0, got {numel!r}")
+        numel = n
         es = torch.empty((), dtype=dtype).element_size()
         nbytes = numel * es
         with self._heap_lock:

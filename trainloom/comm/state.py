@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 
 from trainloom.comm import collectives as _core
+from trainloom.comm.env import as_int
 from trainloom.comm.group import Communicator, ProcessGroup
 from trainloom.comm.topology import resolve_comm
 from trainloom.errors import CommError
@@ -41,8 +42,10 @@ CommArg = Union[None, Communicator, ProcessGroup]
 
 
 def _root(root_rank: Any, c: Communicator, opname: str) -> int:
-    if isinstance(root_rank, bool) or not isinstance(root_rank, int):
+    r = as_int(root_rank)
+    if r is None:
         raise TypeError(f"{opname}: root_rank must be an int, got {root_rank!r}")
+    root_rank = r
     if not 0 <= root_rank < c.nranks():
         raise ValueError(
             f"{opname}: root_rank={root_rank} is outside the communicator's ranks 0..{c.nranks() - 1}"

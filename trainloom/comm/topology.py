@@ -405,8 +405,10 @@ def resolve_comm(comm: Union[None, Communicator, ProcessGroup], opname: str) -> 
 def group_rank_of(rank: Any, arg: str, c: Communicator, opname: str) -> int:
     """The group rank of global rank ``rank`` in ``c`` (the ColossalAI and torch-classic styles take
     global ranks); TypeError or ValueError naming ``arg`` otherwise."""
-    if isinstance(rank, bool) or not isinstance(rank, int):
+    r = as_int(rank)
+    if r is None:
         raise TypeError(f"{opname}: {arg} must be an int (global rank), got {rank!r}")
+    rank = r
     if rank not in c.global_ranks:
         raise ValueError(
             f"{opname}: {arg}={rank} is not a member of the group (global ranks {c.global_ranks})"

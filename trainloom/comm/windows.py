@@ -44,6 +44,7 @@ from typing import Any, Dict, List, Mapping, Optional, Union
 import torch
 
 from trainloom.comm import collectives as _core
+from trainloom.comm.env import as_int
 from trainloom.comm.group import Communicator, ProcessGroup
 from trainloom.comm.topology import _check_weight, check_sum, resolve_comm, topology_entry
 from trainloom.comm.work import CompletedWork, Work
@@ -184,8 +185,10 @@ def _weights_for(
         raise TypeError(f"{opname}: {what} must be a dict {{rank: weight}}, got {type(weights).__name__}")
     out: Dict[int, float] = {}
     for r, v in weights.items():
-        if isinstance(r, bool) or not isinstance(r, int):
+        ri = as_int(r)
+        if ri is None:
             raise TypeError(f"{opname}: {what} keys must be int ranks, got {r!r}")
+        r = ri
         if r not in allowed:
             raise ValueError(
                 f"{opname}: rank {r} in {what} is not allowed for rank {w.rank} of window {w.name!r} "
