@@ -935,11 +935,13 @@ def same_objects(list a, list b):
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
-def scan(list params, list grad_views, const int64_t[::1] ptrs, object state, tuple keys,
-         list key_views, list step_objs, Py_ssize_t n_extra, uint8_t[::1] out, bint light=False):
+def scan(list params, list grad_views, const int64_t[::1] ptrs, const int64_t[::1] grad_ptrs,
+         object state, tuple keys, list key_views, list step_objs, Py_ssize_t n_extra, uint8_t[::1] out,
+         bint light=False):
     """Classify the parameters of one bucket before a fused step (runs with the GIL held).
 
-    Per parameter ``out[i]`` is 0 when its gradient is its flat view, its storage is still the
+    Per parameter ``out[i]`` is 0 when its gradient is its flat view (the same object, still at
+    ``grad_ptrs[i]``: ``p.grad.data = t`` re-points the view object), its storage is still the
     flat buffer and its state is in the flat buffers: every tensor named in ``keys`` is its flat
     view, ``step`` is the cached tensor when ``step_objs`` is given, and the state has exactly
     ``n_extra`` other entries (-1: any number; an empty state is fine only when nothing is
@@ -954,7 +956,8 @@ def scan(list params, list grad_views, const int64_t[::1] ptrs, object state, tu
     cdef Py_ssize_t i, k, n = len(params), nk = len(keys), nbad = 0
     cdef object p, g, st, v
     cdef uint8_t code
-    if len(grad_views) != n or ptrs.shape[0] != n or out.shape[0] != n or len(key_views) != nk:
+    if (len(grad_views) != n or ptrs.shape[0] != n or grad_ptrs.shape[0] != n or out.shape[0] != n
+            or len(key_views) != nk):
         raise ValueError("scan: argument lengths differ")
     if step_objs is not None and len(step_objs) != n:
         raise ValueError("scan: step_objs length differs")
@@ -967,7 +970,7 @@ def scan(list params, list grad_views, const int64_t[::1] ptrs, object state, tu
         g = p.grad
         if g is None:
             code = 1
-        elif g is grad_views[i]:
+        elif g is grad_views[i] and <int64_t>g.data_ptr() == grad_ptrs[i]:
             code = 0
         else:
             code = 2

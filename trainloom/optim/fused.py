@@ -19,17 +19,21 @@ torch's own code runs instead.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
+import itertools
 import logging
 import math
 import os
+import sys
 import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
+from torch.optim import optimizer as _torch_optimizer  # the global step hooks
 
 from trainloom._build_check import import_compiled
 from trainloom.errors import ConfigError
@@ -274,6 +278,7 @@ class _Bucket:
         self.scratch: Optional[torch.Tensor] = None
         # fuse_step's per-step check (see _K.scan) and the cached steady-state layout
         self.ptr_arr = np.array(self.ptrs, dtype=np.int64)
+        self.grad_ptr_arr = np.array([v.data_ptr() for v in self.grad_views], dtype=np.int64)
         self.status = np.zeros(len(params), dtype=np.uint8)
         self.keys: Tuple[Any, ...] = ()
         self.key_views: List[List[Optional[torch.Tensor]]] = []
@@ -316,10 +321,10 @@ class _FusedInfo:
         self.warned = False
         self.fast: Optional[List[Any]] = None
         self.step_hook: Any = None
-        self.in_shadow = False
         # per param group: parameters that stay outside the flat buffers (0-d, complex, ...)
         self.outside: List[List[torch.Tensor]] = []
         self.warned_shared = False
+        self.warned_shm = False
         # id() of the parameters whose memory overlaps another's (found when the optimizer is fused
         # or re-fused, not per step: ~6 us a parameter)
         self.shared: set = set()
@@ -358,6 +363,15 @@ def _check_supported(optimizer: torch.optim.Optimizer) -> None:
             f"fuse_optimizer: {cls.__name__} overrides step() of {base.__name__}; its math may not "
             "be elementwise, so it cannot be fused"
         )
+
+
+def _warn(message: str) -> None:
+    """A UserWarning attributed to the first caller outside this module (the user's line)."""
+    level, frame = 1, sys._getframe(0)
+    while frame is not None and frame.f_code.co_filename == __file__:
+        level += 1
+        frame = frame.f_back
+    warnings.warn(message, stacklevel=level)
 
 
 def _unwrap(fn: Any) -> Any:
@@ -515,8 +529,8 @@ class _FusedDeepcopy:
 
 
 def _invalidate(info: _FusedInfo) -> None:
-    if not info.in_shadow:  # our own calls of torch's step() do not count
-        info.fast = None
+    # fuse_step's own calls of torch's step() run no hooks (_torch_step), so this is the user's step()
+    info.fast = None
 
 
 def _fusable_param(p: torch.Tensor) -> bool:
@@ -535,6 +549,15 @@ def _build(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> None:
     if shared:
         _warn_shared(optimizer, info, shared)
     seen: set = set(shared)
+    in_shm = {
+        id(p)
+        for g in optimizer.param_groups
+        for p in g["params"]
+        if id(p) not in seen and p.device.type == "cpu" and p.is_shared()
+    }
+    if in_shm:
+        _warn_shm(optimizer, info, in_shm)
+    seen |= in_shm
     for gi, group in enumerate(optimizer.param_groups):
         by_key: Dict[Tuple[Any, Any], List[torch.Tensor]] = {}
         for p in group["params"]:
@@ -611,11 +634,31 @@ def _warn_shared(optimizer: torch.optim.Optimizer, info: _FusedInfo, shared: set
         if id(p) in shared
     ]
     more = f" and {len(names) - 8} more" if len(names) > 8 else ""
-    warnings.warn(
+    _warn(
         "fuse_optimizer: parameters whose memory overlaps (views of one tensor) would stop sharing it "
         f"in the flat buffers, so they stay where they are and torch updates them per tensor: "
         f"{', '.join(names[:8])}{more}. flat_buffers(optimizer, 'grad') does not hold their gradients.",
-        stacklevel=4,
+    )
+
+
+def _warn_shm(optimizer: torch.optim.Optimizer, info: _FusedInfo, in_shm: set) -> None:
+    """Once per optimizer: which parameters stay out of the flat buffers because they live in
+    shared memory (``model.share_memory()``: Hogwild training, where other processes see them)."""
+    if info.warned_shm:
+        return
+    info.warned_shm = True
+    names = [
+        f"param group {gi} parameter {pi}"
+        for gi, g in enumerate(optimizer.param_groups)
+        for pi, p in enumerate(g["params"])
+        if id(p) in in_shm
+    ]
+    more = f" and {len(names) - 8} more" if len(names) > 8 else ""
+    _warn(
+        f"fuse_optimizer: {len(names)} parameters live in shared memory (model.share_memory(), e.g. "
+        "Hogwild training); moving them into the flat buffers would take them out of it, so the other "
+        "processes would stop seeing their updates. They stay where they are and torch updates them "
+        f"per tensor (not fused): {', '.join(names[:8])}{more}.",
     )
 
 
@@ -639,9 +682,10 @@ def _flatten_state(optimizer: torch.optim.Optimizer, bucket: _Bucket, indices: I
         for key, val in list(st.items()):
             if not _per_element(val, p):
                 continue
-            flat = bucket.state_flat.get(key)
-            if flat is not None and flat.dtype != val.dtype:
-                continue  # a param with an odd state dtype stays per tensor
+            if val.dtype != bucket.dtype:
+                # e.g. model.double() after state exists: the kernels take one dtype per bucket,
+                # so this param stays per tensor and torch does what it does with mixed dtypes
+                continue
             view = bucket.state_view(key, i, val)
             if val is view:
                 continue
@@ -713,7 +757,7 @@ def _sync(optimizer: torch.optim.Optimizer, info: _FusedInfo, moved: Optional[st
     if reason is None:
         return False
     if info.check_flatten and not info.warned:
-        warnings.warn(f"fuse_step: {reason}; re-fusing the optimizer's flat buffers", stacklevel=4)
+        _warn(f"fuse_step: {reason}; re-fusing the optimizer's flat buffers")
         info.warned = True
     logger.info("re-fusing %s: %s", type(optimizer).__name__, reason)
     _check_supported(optimizer)
@@ -775,6 +819,65 @@ def fuse_step(optimizer: torch.optim.Optimizer, closure: Optional[Callable[[], A
     if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
         # an LR scheduler tracks "optimizer stepped before scheduler"; fuse_step is a step too
         optimizer._opt_called = True  # type: ignore[attr-defined]
+    if (
+        _torch_optimizer._global_optimizer_pre_hooks
+        or _torch_optimizer._global_optimizer_post_hooks
+        or optimizer._optimizer_step_pre_hooks
+        or len(optimizer._optimizer_step_post_hooks) > 1  # fuse_optimizer registered one
+        or torch._C._autograd._profiler_enabled()
+    ):
+        return _with_step_hooks(optimizer, info, closure)
+    return _fuse_step(optimizer, info, closure)
+
+
+def _with_step_hooks(
+    optimizer: torch.optim.Optimizer, info: _FusedInfo, closure: Optional[Callable[[], Any]]
+) -> Any:
+    """:func:`fuse_step` as torch's ``step()`` wrapper runs ``step()``: the global and the
+    optimizer's step pre-hooks (which may replace the arguments), the update, then the post-hooks,
+    inside the profiler's ``Optimizer.step#<class>.step`` range. Once per ``fuse_step``, with the
+    real param groups; the internal ``step()`` calls of the torch-math paths run no hooks."""
+    args: Tuple[Any, ...] = (optimizer,) if closure is None else (optimizer, closure)
+    kwargs: Dict[str, Any] = {}
+    profiling = torch._C._autograd._profiler_enabled()
+    name = f"Optimizer.step#{type(optimizer).__name__}.step"
+    with torch.autograd.profiler.record_function(name) if profiling else contextlib.nullcontext():
+        for hook in itertools.chain(
+            _torch_optimizer._global_optimizer_pre_hooks.values(),
+            optimizer._optimizer_step_pre_hooks.values(),
+        ):
+            result = hook(optimizer, args, kwargs)
+            if result is not None:
+                if not (isinstance(result, tuple) and len(result) == 2):
+                    raise RuntimeError(
+                        f"fuse_step: the step pre-hook {hook!r} must return None or a tuple of "
+                        f"(new_args, new_kwargs), but got {result!r}"
+                    )
+                args, kwargs = result
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        out = _fuse_step(optimizer, info, closure)
+        optimizer._optimizer_step_code()
+        mine = info.step_hook.id
+        for key, hook in itertools.chain(
+            optimizer._optimizer_step_post_hooks.items(),
+            _torch_optimizer._global_optimizer_post_hooks.items(),
+        ):
+            if key != mine:
+                hook(optimizer, args, kwargs)
+    return out
+
+
+def _torch_step(optimizer: torch.optim.Optimizer) -> None:
+    """torch's ``step()`` of the optimizer's class without the step hooks (fuse_step runs them)."""
+    step = type(optimizer).step
+    if getattr(step, "hooked", False):  # torch's profile_hook_step wrapper (functools.wraps)
+        step = step.__wrapped__
+    step(optimizer)
+
+
+def _fuse_step(
+    optimizer: torch.optim.Optimizer, info: _FusedInfo, closure: Optional[Callable[[], Any]]
+) -> Any:
     loss = None
     if closure is not None:
         with torch.enable_grad():
@@ -797,7 +900,7 @@ def _sparse_fallback(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> bool
             g = p.grad
             if g is not None and g.is_sparse:
                 info.fast = None
-                optimizer.step()
+                _torch_step(optimizer)
                 for b in info.buckets:
                     _flatten_state(optimizer, b, range(len(b.params)))
                 return True
@@ -823,12 +926,16 @@ _CFG_KEYS = (
 
 
 def _cfg_key(group: Dict[str, Any]) -> Tuple[Any, ...]:
-    """What decides the kernel choice: flags by value, numbers by type (float vs Tensor)."""
+    """What decides the kernel choice: flags by value, numbers by type (float vs Tensor); and
+    whether SGD's momentum is 0 (torch then keeps no momentum buffer, and creates one at the
+    first step with momentum)."""
     out = []
     for k in _CFG_KEYS:
         v = group.get(k)
         if v is None or isinstance(v, bool):
             out.append(v)
+        elif k == "momentum":
+            out.append((type(v), bool(v == 0)))
         elif isinstance(v, tuple):
             out.append(tuple(type(x) for x in v))
         else:
@@ -840,7 +947,17 @@ def _scan(b: _Bucket, state: Any, light: bool = False) -> None:
     """Refresh ``b.status`` (and the pointer array) for the bucket's parameters, grads and state
     (compiled; ``light`` skips the state checks, for the fast path)."""
     _K.scan(
-        b.params, b.grad_views, b.ptr_arr, state, b.keys, b.key_views, b.step_objs, b.n_extra, b.status, light
+        b.params,
+        b.grad_views,
+        b.ptr_arr,
+        b.grad_ptr_arr,
+        state,
+        b.keys,
+        b.key_views,
+        b.step_objs,
+        b.n_extra,
+        b.status,
+        light,
     )
 
 
@@ -930,6 +1047,8 @@ def _step_flat(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> None:
                 for i in np.flatnonzero(status == 2).tolist():
                     p = b.params[i]
                     g, view = p.grad, b.grad_views[i]
+                    if g is view:  # the view object itself was re-pointed (p.grad.data = t, set_)
+                        view = b.grad_views[i] = b._view(b.flat_grad, i)
                     if g.shape == view.shape and g.dtype == view.dtype and g.device == view.device:
                         view.copy_(g)
                         p.grad = view
@@ -1043,11 +1162,9 @@ def _step_torch(
     for sp, _, sst in shadow_states:
         state[sp] = sst
     optimizer.param_groups = shadow_groups
-    info.in_shadow = True
     try:
-        type(optimizer).step(optimizer)
+        _torch_step(optimizer)
     finally:
-        info.in_shadow = False
         optimizer.param_groups = saved_groups
         for sp, _, _ in shadow_states:
             state.pop(sp, None)
@@ -1120,7 +1237,7 @@ def _step_adjacent(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> None:
         state[sp] = sst
     optimizer.param_groups = shadow_groups
     try:
-        type(optimizer).step(optimizer)
+        _torch_step(optimizer)
     finally:
         optimizer.param_groups = saved_groups
         for sp, _, _ in shadow_states:
