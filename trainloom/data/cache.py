@@ -19,6 +19,8 @@ What is guaranteed:
 * a damaged value is detected by its checksum, counted (``stats()["corrupt"]``) and recomputed;
   so is any value that no longer decodes (e.g. a pickled class that was renamed since);
 * a stored ``None`` is a hit like any other value;
+* two loaders open in one process never share a namespace with different fingerprints
+  (:class:`~trainloom.errors.ConfigError`), and a persistent cache reused without a fingerprint warns;
 * a closed loader raises :class:`CacheClosedError` instead of silently reopening its store;
 * a failing store raises :class:`~trainloom.errors.StoreError`, or with ``on_error="bypass"`` is
   skipped with one warning, counted, and retried every ``retry_interval`` seconds while writes wait
@@ -29,16 +31,20 @@ What is guaranteed:
 from __future__ import annotations
 
 import contextlib
+import gc
+import hashlib
 import logging
 import multiprocessing.util
 import operator
 import os
+import shlex
+import struct
 import sys
 import threading
 import time
 import warnings
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -52,13 +58,23 @@ from trainloom.data.stores.base import (
     StoreFullError,
     StoreOutOfMemoryError,
     StoreUnavailableError,
+    StoreValueRefusedError,
+    as_bytes,
     mget_decode_missing,
 )
 from trainloom.errors import ConfigError
 
 _codec = import_compiled("trainloom.data._codec")
 
-__all__ = ["CacheLoader", "CachedDataset", "CacheClosedError", "CodecError", "ChecksumError", "make_store"]
+__all__ = [
+    "CacheLoader",
+    "CachedDataset",
+    "CacheClosedError",
+    "CodecError",
+    "ChecksumError",
+    "make_store",
+    "fingerprint_digest",
+]
 
 log = logging.getLogger("trainloom.data")
 
@@ -116,6 +132,284 @@ class CacheClosedError(StoreError, ValueError):
 def _short_repr(key: Any, limit: int = 80) -> str:
     r = repr(key)
     return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+#: What ``fingerprint=`` accepts (compared by content, see :func:`fingerprint_digest`).
+FINGERPRINT_TYPES = (
+    "str, bytes, int, float, bool, None, tuples, lists and dicts of these, numpy arrays and scalars "
+    "(not of dtype object) and torch tensors (strided)"
+)
+_FP_V1 = b"trainloom-cache-v1|"
+_FP_V2 = b"trainloom-cache-v2|"
+
+
+def _fp_feed(h: Any, x: Any, where: str, depth: int) -> None:
+    """Feed a canonical, type-tagged encoding of ``x`` into the hash ``h`` (TypeError on other types)."""
+    if depth > 100:
+        raise TypeError(f"fingerprint= nests more than 100 levels deep (at {where})")
+    t = type(x)
+    if x is None:
+        h.update(b"N")
+    elif t is bool:
+        h.update(b"T" if x else b"F")
+    elif t is int:
+        b = x.to_bytes((x.bit_length() + 8) // 8, "little", signed=True)
+        h.update(b"i%d:" % len(b) + b)
+    elif t is float:
+        h.update(b"f" + struct.pack("<d", x))
+    elif t is str:
+        b = x.encode("utf-8", "surrogatepass")
+        h.update(b"s%d:" % len(b) + b)
+    elif t is bytes or t is bytearray:
+        h.update(b"b%d:" % len(x) + bytes(x))
+    elif t is tuple or t is list:
+        h.update(b"%c%d:" % (ord("(") if t is tuple else ord("["), len(x)))
+        for i, item in enumerate(x):
+            _fp_feed(h, item, f"{where}[{i}]", depth + 1)
+    elif t is dict:
+        # Order-insensitive: the items sorted by the digest of their key.
+        items = []
+        for k, v in x.items():
+            hk = hashlib.sha256()
+            _fp_feed(hk, k, f"{where} key {_short_repr(k, 40)}", depth + 1)
+            hv = hashlib.sha256()
+            _fp_feed(hv, v, f"{where}[{_short_repr(k, 40)}]", depth + 1)
+            items.append((hk.digest(), hv.digest()))
+        h.update(b"{%d:" % len(items))
+        for kd, vd in sorted(items):
+            h.update(kd + vd)
+    elif t is np.ndarray or isinstance(x, np.generic):
+        a = np.ascontiguousarray(x)
+        if a.dtype.hasobject:
+            raise TypeError(
+                f"fingerprint= does not accept numpy arrays of dtype object (at {where}): their bytes are "
+                f"pointers; convert them, e.g. with .tolist() or .astype(str). It accepts {FINGERPRINT_TYPES}"
+            )
+        head = f"{'a' if t is np.ndarray else 'g'}{a.dtype.str}|{a.dtype!s}|{a.shape}:".encode()
+        h.update(head)
+        h.update(a.tobytes())
+    elif t is torch.Tensor or t is torch.nn.Parameter:
+        if x.layout is not torch.strided or x.is_quantized or x.is_nested or x.is_meta:
+            raise TypeError(
+                f"fingerprint= accepts strided tensors only, got a {x.layout} tensor (at {where}); "
+                f"it accepts {FINGERPRINT_TYPES}"
+            )
+        c = x.detach().cpu().resolve_conj().resolve_neg().contiguous()
+        h.update(f"t{c.dtype}|{tuple(c.shape)}:".encode())
+        h.update(c.reshape(-1).view(torch.uint8).numpy().tobytes())
+    else:
+        raise TypeError(
+            f"fingerprint= does not accept a {t.__module__}.{t.__qualname__} (at {where}): it is compared by "
+            f"content and accepts {FINGERPRINT_TYPES}. Pass what describes the preprocessing, e.g. a version "
+            "string or a tuple of its parameters (not a function or transform object, whose repr changes "
+            "every run)"
+        )
+
+
+def _dataset_fingerprint_digest(length: int, user: Any) -> bytes:
+    """:func:`fingerprint_digest` of ``("len", length, user)``, with errors naming ``user`` alone."""
+    h = hashlib.sha256()
+    h.update(b"(3:")
+    _fp_feed(h, "len", "", 1)
+    _fp_feed(h, length, "len(dataset)", 1)
+    _fp_feed(h, user, "fingerprint", 1)
+    return _FP_V2 + h.hexdigest().encode("ascii")
+
+
+def fingerprint_digest(fingerprint: Any) -> bytes:
+    """The value stored as a namespace's fingerprint: a SHA-256 of ``fingerprint``'s content.
+
+    Two fingerprints get the same digest exactly when they hold the same content: the same types and
+    values for str/bytes/int/float/bool/None, the same items for tuples and lists, the same key/value
+    pairs for dicts (in any order), the same dtype, shape and bytes for numpy arrays/scalars and
+    tensors (whatever their size: no element is summarised).
+
+    Raises:
+        TypeError: ``fingerprint`` holds another type (named, with what is accepted).
+    """
+    h = hashlib.sha256()
+    _fp_feed(h, fingerprint, "fingerprint", 0)
+    return _FP_V2 + h.hexdigest().encode("ascii")
+
+
+def _repr_exact(x: Any, depth: int = 0) -> bool:
+    """Whether ``repr(x)`` is complete and stable across runs (earlier versions stored repr(fingerprint))."""
+    t = type(x)
+    if x is None or t in (bool, int, float, str, bytes, bytearray):
+        return True
+    if depth > 100:
+        return False
+    if t is tuple or t is list:
+        return all(_repr_exact(i, depth + 1) for i in x)
+    if t is dict:
+        return all(_repr_exact(k, depth + 1) and _repr_exact(v, depth + 1) for k, v in x.items())
+    return False
+
+
+class _DatasetFingerprint:
+    """The fingerprint CachedDataset gives its loader: ``("len", len(dataset), fingerprint)``."""
+
+    __slots__ = ("length", "user", "owner")
+
+    def __init__(self, length: int, user: Any, owner: str) -> None:
+        self.length = length
+        self.user = user
+        self.owner = owner
+
+    def value(self) -> tuple:
+        return ("len", self.length, self.user)
+
+
+# -- tensors with Python state ---------------------------------------------------------------------
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
+
+
+#: The types the tensor-state walk looks into (anything else is a leaf without tensor state).
+_STATE_LOOK = frozenset((_Tensor, _Parameter, tuple, list, dict))
+
+
+def _has_tensor_state(x: Any, depth: int = 0) -> bool:
+    """Whether ``x`` (a sample) holds, in its tuples/lists/dicts, an ``nn.Parameter`` or a plain tensor
+    with Python attributes, which the codec's raw tensor path would drop. (On the miss path of every
+    sample: kept to one type test per item.)"""
+    t = type(x)
+    if t is tuple or t is list:
+        items: Any = x
+    elif t is dict:
+        items = x.values()
+    elif t is _Tensor:
+        return bool(x.__dict__)
+    else:
+        return t is _Parameter
+    if depth > 50:
+        return False
+    for item in items:
+        ti = type(item)
+        if ti in _STATE_LOOK:
+            if ti is _Tensor:
+                if item.__dict__:
+                    return True
+            elif _has_tensor_state(item, depth + 1):
+                return True
+    return False
+
+
+class _TensorWithState:
+    """Stands for a Parameter or a tensor with attributes while a sample is encoded: pickled (by the
+    codec) as its plain data, still stored raw, plus its type and attributes."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def __reduce__(self) -> Any:
+        x = self.tensor
+        is_param = type(x) is _Parameter
+        return (
+            _rebuild_tensor_with_state,
+            (is_param, x.detach(), is_param and x.requires_grad, dict(x.__dict__)),
+        )
+
+
+def _rebuild_tensor_with_state(is_param: bool, data: torch.Tensor, requires_grad: bool, state: dict) -> Any:
+    """Decode side of :class:`_TensorWithState` (referenced by name in stored values: keep it here)."""
+    out = _Parameter(data, requires_grad=requires_grad) if is_param else data
+    out.__dict__.update(state)
+    return out
+
+
+def _wrap_tensor_state(x: Any, depth: int = 0) -> Any:
+    """``x`` with every Parameter and tensor with attributes in its tuples/lists/dicts wrapped."""
+    t = type(x)
+    if t is _Parameter or (t is _Tensor and x.__dict__):
+        return _TensorWithState(x)
+    if depth > 50:
+        return x
+    if t is tuple or t is list:
+        return t(_wrap_tensor_state(i, depth + 1) for i in x)
+    if t is dict:
+        return {k: _wrap_tensor_state(v, depth + 1) for k, v in x.items()}
+    return x
+
+
+# -- one namespace, one fingerprint per process ------------------------------------------------------
+#: Loaders created in this process, by (store location, namespace): [(weakref to the loader, fingerprint
+#: digest or None, description, pid)]. Entries of another pid (inherited through fork) are ignored.
+_LIVE: Dict[Tuple[Any, ...], List[Tuple[Any, Optional[bytes], str, int]]] = {}
+_LIVE_LOCK = threading.Lock()
+#: Warnings given once per process ("unnamed", ("reuse", location)).
+_PROCESS_WARNED: set = set()
+#: Store locations opened by a CacheLoader of this process (or of its parent, before a fork): entries
+#: found there later were not written by an earlier run.
+_OPENED: set = set()
+
+
+def _store_location(store: Store) -> Tuple[Any, ...]:
+    """Where ``store`` keeps its data and which namespace it uses (loaders with the same location
+    read and write the same entries)."""
+    from trainloom.data.stores.cluster import ClusterStore
+    from trainloom.data.stores.lmdb_store import LmdbStore
+
+    if isinstance(store, LmdbStore):
+        return ("lmdb", os.path.realpath(store.path), store.namespace)
+    if isinstance(store, ClusterStore):
+        return ("cluster", tuple(_store_location(s) for s in store.stores))
+    host, port = getattr(store, "host", None), getattr(store, "port", None)
+    if store.backend == "redis" and host is not None and port is not None:
+        return ("redis", str(host), int(port), getattr(store, "namespace", None))
+    return ("store", id(store), getattr(store, "namespace", None))
+
+
+def _live_other(location: Tuple[Any, ...], digest: bytes) -> Optional[Tuple[CacheLoader, str]]:
+    """A loader of this process, open, on ``location`` with a fingerprint other than ``digest``."""
+    pid = os.getpid()
+    with _LIVE_LOCK:
+        entries = _LIVE.get(location, [])
+        entries[:] = [e for e in entries if e[3] == pid and e[0]() is not None and not e[0]()._closed]
+        for ref, d, desc, _ in entries:
+            other = ref()
+            if other is not None and d is not None and d != digest:
+                return other, desc
+    return None
+
+
+def _register_live(
+    loader: CacheLoader, location: Tuple[Any, ...], digest: Optional[bytes], desc: str
+) -> None:
+    pid = os.getpid()
+    with _LIVE_LOCK:
+        entries = _LIVE.setdefault(location, [])
+        entries[:] = [e for e in entries if e[3] == pid and e[0]() is not None]
+        entries.append((weakref.ref(loader), digest, desc, pid))
+
+
+def _unregister_live(loader: CacheLoader) -> None:
+    with _LIVE_LOCK:
+        for location in list(_LIVE):
+            entries = [e for e in _LIVE[location] if e[0]() is not None and e[0]() is not loader]
+            if entries:
+                _LIVE[location] = entries
+            else:
+                del _LIVE[location]
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame outside this module (the user's code)."""
+    f = sys._getframe(1)
+    level = 1
+    while f is not None and f.f_code.co_filename == __file__:
+        f = f.f_back
+        level += 1
+    return level
+
+
+def _warn_process_once(key: Any, message: str) -> None:
+    if key not in _PROCESS_WARNED:
+        _PROCESS_WARNED.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=_caller_stacklevel())
+        log.warning(message)
 
 
 def make_store(backend: Any, namespace: str, **store_kwargs: Any) -> Store:
@@ -186,9 +480,13 @@ class CacheLoader:
         backend: ``"lmdb"`` (default, embedded), ``"redis"``, or a :class:`~trainloom.data.stores.Store`.
         dataset_name: name of the dataset; the store namespace and the key prefix.
         writer_buffer_size: number of computed values collected before one batched write.
-        fingerprint: optional str/bytes/int describing how values are computed (dataset version,
-            preprocessing parameters). When it differs from the one stored with the namespace,
-            the stale entries are dropped once, at construction.
+        fingerprint: optional description of how values are computed (dataset version,
+            preprocessing parameters, file list): str, bytes, int, float, bool, None, tuples, lists
+            and dicts of these, numpy arrays/scalars and tensors, compared by content (see
+            :func:`fingerprint_digest`; other types raise ``TypeError``). When it differs from the one
+            stored with the namespace, the stale entries are dropped once, at construction. Without
+            it, a persistent (LMDB) cache that already holds entries of an earlier run is reused as
+            is, with one warning per process.
         on_error: ``"raise"`` (default): a failing store raises :class:`~trainloom.errors.StoreError`.
             ``"bypass"``: warn once, count the error, serve misses (compute with ``load_fn``) and
             retry the store after ``retry_interval`` seconds; writes wait in a buffer of at most
@@ -206,6 +504,14 @@ class CacheLoader:
             the buffer is full, :meth:`flush`, :meth:`close` or the process exits.
         **store_kwargs: passed to the store (``path=``, ``map_size=`` for LMDB; ``hosts=``,
             ``cluster_mode=``, ``capacity_per_node=`` for Redis).
+
+    Raises:
+        ConfigError: another loader of this process, still open, uses the same store and namespace
+            with a different fingerprint (it would drop this one's entries or the reverse, and both
+            would read each other's values): pass distinct ``dataset_name`` values, or close it first.
+        TypeError: ``fingerprint`` holds a type that cannot be compared by content.
+
+    With the persistent LMDB store, an empty ``dataset_name`` (Bagua's default) warns once per process.
 
     Example::
 
@@ -251,6 +557,20 @@ class CacheLoader:
             raise ValueError(
                 f"flush_interval must be None or a finite number of seconds >= 0, got {flush_interval!r}"
             )
+        # The fingerprint is checked (TypeError) before any store is made or opened.
+        if isinstance(fingerprint, _DatasetFingerprint):
+            shown, user_fp, owner = fingerprint.value(), fingerprint.user, fingerprint.owner
+        else:
+            shown, user_fp, owner = fingerprint, fingerprint, f"CacheLoader({dataset_name!r})"
+        digest: Optional[bytes] = None
+        legacy: Optional[bytes] = None
+        if shown is not None:
+            if isinstance(fingerprint, _DatasetFingerprint):
+                digest = _dataset_fingerprint_digest(fingerprint.length, fingerprint.user)
+            else:
+                digest = fingerprint_digest(shown)
+            # What trainloom stored before fingerprints were digests, when repr() was exact for it.
+            legacy = _FP_V1 + repr(shown).encode("utf-8", "surrogatepass") if _repr_exact(shown) else None
         self.dataset_name = dataset_name
         self.writer_buffer_size = writer_buffer_size
         self.on_error = on_error
@@ -268,8 +588,101 @@ class CacheLoader:
         self._closed = False
         self._reset_process_state()
         self._has_meta = False
-        if fingerprint is not None:
-            self._check_fingerprint(fingerprint)
+        self._location = _store_location(self.store)
+        try:
+            self._open_checks(digest, legacy, shown, user_fp, owner)
+        except BaseException:
+            self._closed = self._blocked = True
+            if not isinstance(backend, Store):
+                self.store.close()
+            raise
+
+    def _open_checks(
+        self, digest: Optional[bytes], legacy: Optional[bytes], shown: Any, user_fp: Any, owner: str
+    ) -> None:
+        """At construction: refuse a namespace another open loader of this process uses with another
+        fingerprint, check the fingerprint, and warn (once per process) about an unnamed persistent
+        cache and about entries reused from an earlier run without a fingerprint."""
+        from trainloom.data.stores.lmdb_store import LmdbStore
+
+        store = self.store
+        persistent = isinstance(store, LmdbStore) and not store.readonly
+        where = self._where()
+        if persistent and store.namespace == "":
+            _warn_process_once(
+                "unnamed",
+                f"CacheLoader(''): no dataset_name was given (Bagua's default ''), and {where} persists "
+                "across runs: every unnamed dataset of every run shares its one namespace '', so datasets "
+                "of different lengths drop each other's entries and datasets of the same length read each "
+                "other's samples. Pass a distinct dataset_name= per dataset (e.g. "
+                "dataset_name='imagenet-train-224').",
+            )
+        desc = owner if shown is None else f"{owner} with fingerprint {_short_repr(shown)}"
+        if digest is not None:
+            found = _live_other(self._location, digest)
+            if found is not None:
+                # A loader that is only kept alive by its flush thread (nobody uses it any more) is not a
+                # conflict: write its values (before this one resets the namespace) and let it go.
+                found[0]._quiesce()
+                found = None
+                gc.collect()
+                found = _live_other(self._location, digest)
+            if found is not None:
+                other_desc = found[1]
+                raise ConfigError(
+                    f"{desc} would share the cache namespace "
+                    f"{getattr(store, 'namespace', self.dataset_name)!r} of {where} with {other_desc}, "
+                    "created earlier in this process and still open: their fingerprints differ, so the new "
+                    "one would drop the other's entries and both would then read and write each other's "
+                    "values under the same keys. Pass distinct dataset_name= values (e.g. "
+                    "dataset_name='train' and dataset_name='val'), or close() the other one first if it is "
+                    "no longer used."
+                )
+            self._check_fingerprint(digest, legacy, shown)
+        first_open = self._location not in _OPENED
+        _OPENED.add(self._location)
+        _register_live(self, self._location, digest, desc)
+        if user_fp is None and persistent and first_open:
+            self._warn_reused(where)
+
+    def _where(self) -> str:
+        """The store's location, for messages."""
+        path = getattr(self.store, "path", None)
+        if self.store.backend == "lmdb" and path is not None:
+            return f"the LMDB cache at {str(path)!r}"
+        return repr(self.store)
+
+    def _warn_reused(self, where: str) -> None:
+        """Warn once when a persistent cache opened without a fingerprint already holds entries."""
+        try:
+            with self._store_lock():
+                n = self.store.num_keys()
+                if n and self._has_meta:
+                    n -= self.store.copies(META_KEY)
+        except StoreError as exc:  # the first real use reports it (raised, or bypassed)
+            log.debug("CacheLoader(%r): could not count the reused entries: %s", self.dataset_name, exc)
+            return
+        if n <= 0:
+            return
+        ns = getattr(self.store, "namespace", self.dataset_name)
+        path = str(getattr(self.store, "path", ""))
+        _warn_process_once(
+            ("reuse", self._location),
+            f"CacheLoader({self.dataset_name!r}): reusing {n} cached entries written by an earlier run "
+            f"from {where} (namespace {ns!r}). No fingerprint= was given, so they are served as they are "
+            "even if the preprocessing changed since. Pass fingerprint= (e.g. a version string or the "
+            "transform parameters; a change drops the old entries once), or clear the cache "
+            f"(`trainloom cache clear --path {shlex.quote(path)} --namespace {shlex.quote(ns)}`) when the "
+            "preprocessing changes.",
+        )
+
+    def _quiesce(self) -> None:
+        """Write this loader's buffered values and end its flush thread (another loader of this process
+        is about to reset the namespace; the thread no longer keeps this loader alive)."""
+        if self._pid != os.getpid() or self._closed:
+            return
+        self._flush_on_exit()
+        self._stop_timer(join=True)
 
     # -- process-local state ----------------------------------------------------------------------
     def _reset_process_state(self) -> None:
@@ -552,6 +965,9 @@ class CacheLoader:
 
     def _encode(self, value: Any, what: str) -> bytes:
         try:
+            if _has_tensor_state(value):
+                # Keep what a miss returned (the Parameter type, tensor attributes) for later hits too.
+                return _codec.encode(_wrap_tensor_state(value))
             return _codec.encode(value)
         except (_codec.CodecError, RecursionError, UnicodeEncodeError) as exc:
             raise CodecError(
@@ -598,21 +1014,27 @@ class CacheLoader:
             self._buffer_bytes -= len(self._buffer.pop(k))
             self._stats["dropped"] += 1
 
-    def _check_fingerprint(self, fingerprint: Any) -> None:
-        value = b"trainloom-cache-v1|" + repr(fingerprint).encode("utf-8")
+    def _check_fingerprint(self, digest: bytes, legacy: Optional[bytes], shown: Any) -> None:
+        """Store ``digest`` as the namespace's fingerprint, dropping its entries when another one was
+        stored. A fingerprint stored by an older trainloom (``legacy``: its exact repr) is upgraded in
+        place, without dropping anything."""
         try:
             with self._store_lock():
-                dropped = self.store.reset_if_changed(META_KEY, value)
+                if legacy is not None:
+                    cur = self.store.get(META_KEY)
+                    if cur is not None and as_bytes(cur) == legacy:
+                        self.store.set(META_KEY, digest)
+                dropped = self.store.reset_if_changed(META_KEY, digest)
         except StoreError as exc:
             self._store_failed(exc, "the fingerprint check")
             return
         self._has_meta = True
         if dropped:
             log.warning(
-                "CacheLoader(%r): fingerprint changed (%r); dropped the stale entries of namespace %r",
+                "CacheLoader(%r): fingerprint changed (%s); dropped the stale entries of namespace %r",
                 self.dataset_name,
-                fingerprint,
-                self.dataset_name,
+                _short_repr(shown),
+                getattr(self.store, "namespace", self.dataset_name),
             )
 
     # -- public API -------------------------------------------------------------------------------
@@ -790,7 +1212,11 @@ class CacheLoader:
         if written:
             self._stats["flushes"] += 1
             self._down_until = 0.0
-        item_specific = {k: e for k, e in refused.items() if written or isinstance(e, ConfigError)}
+        item_specific = {
+            k: e
+            for k, e in refused.items()
+            if written or isinstance(e, (ConfigError, StoreValueRefusedError))
+        }
         if refused and not item_specific:
             # Every value failed alone too: the store is failing, not a value. Keep them buffered.
             self._trim_buffer()
@@ -853,6 +1279,7 @@ class CacheLoader:
         finally:
             self._closed = True
             self._blocked = True
+            _unregister_live(self)
             self._stop_timer(join=True)  # no thread outlives close(), none writes after it
             if self._finalizer is not None:
                 self._finalizer.cancel()
@@ -895,8 +1322,11 @@ class CachedDataset(Dataset):
     """A map-style dataset whose samples are computed once by ``dataset`` and then read from a cache.
 
     Samples are stored under ``"{dataset_name}_{index}"``. ``__getitems__`` lets torch's DataLoader
-    fetch a whole batch with one batched read. The cache is invalidated (once, at construction) when
-    ``len(dataset)`` or ``fingerprint`` changes.
+    fetch a whole batch with one batched read (``dataset.__getitems__``, when it exists, must return a
+    list with one sample per index: ``TypeError`` otherwise). The cache is invalidated (once, at
+    construction) when ``len(dataset)`` or ``fingerprint`` changes. The default LMDB cache outlives
+    the run: pass ``fingerprint=`` so that changed preprocessing is not served stale samples, and a
+    distinct ``dataset_name`` per dataset (see :class:`CacheLoader` for the checks).
 
     Args:
         dataset: the map-style dataset to cache.
@@ -936,7 +1366,12 @@ class CachedDataset(Dataset):
             backend,
             dataset_name,
             writer_buffer_size,
-            fingerprint=("len", self._len, fingerprint),
+            fingerprint=_DatasetFingerprint(
+                self._len,
+                fingerprint,
+                f"CachedDataset({type(dataset).__name__} of length {self._len}, "
+                f"dataset_name={dataset_name!r})",
+            ),
             **kwargs,
         )
 
@@ -966,9 +1401,22 @@ class CachedDataset(Dataset):
 
     def _load_many(self, indices: List[int]) -> List[Any]:
         many = getattr(self.dataset, "__getitems__", None)
-        if many is not None:
-            return list(many(indices))
-        return [self.dataset[i] for i in indices]
+        if many is None:
+            return [self.dataset[i] for i in indices]
+        out = many(indices)
+        if type(out) is not list:
+            raise TypeError(
+                f"{type(self.dataset).__name__}.__getitems__ returned a {type(out).__name__}; CachedDataset "
+                "(like torch's DataLoader) needs it to return a list with one sample per index, which it "
+                "caches one by one. Return [sample for each index] and batch them in collate_fn, or remove "
+                "__getitems__."
+            )
+        if len(out) != len(indices):
+            raise ValueError(
+                f"{type(self.dataset).__name__}.__getitems__ returned {len(out)} samples for "
+                f"{len(indices)} indices; it must return a list with one sample per index"
+            )
+        return out
 
     def __getitem__(self, index: Any) -> Any:
         i = self._index(index)

@@ -10,6 +10,7 @@ from trainloom.data.stores.base import (
     StoreFullError,
     StoreOutOfMemoryError,
     StoreUnavailableError,
+    StoreValueRefusedError,
 )
 from trainloom.data.stores.cluster import ClusterStore, shard_of
 from trainloom.data.stores.lmdb_store import LmdbStore, default_cache_dir
@@ -20,6 +21,7 @@ __all__ = [
     "StoreFullError",
     "StoreOutOfMemoryError",
     "StoreUnavailableError",
+    "StoreValueRefusedError",
     "ClusterStore",
     "LmdbStore",
     "RedisStore",

@@ -19,6 +19,7 @@ __all__ = [
     "StoreUnavailableError",
     "StoreFullError",
     "StoreOutOfMemoryError",
+    "StoreValueRefusedError",
     "Key",
     "Value",
 ]
@@ -38,6 +39,14 @@ class StoreFullError(StoreError):
 
 class StoreOutOfMemoryError(StoreError):
     """A Redis server refused a write because it reached ``maxmemory`` (policy ``noeviction``)."""
+
+
+class StoreValueRefusedError(StoreError):
+    """The store refuses one value itself (e.g. larger than a Redis server's ``proto-max-bulk-len``),
+    before anything is sent; the store is fine and other values can be written.
+
+    The cache drops such a value (not cached, recomputed when next read) and writes the others.
+    """
 
 
 def key_bytes(key: Key) -> bytes:

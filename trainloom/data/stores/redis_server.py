@@ -87,6 +87,9 @@ class RedisServer:
             reports and stops writing; ``allkeys-lru`` makes it evict old entries instead.
         binary: the redis-server executable (default: :func:`trainloom._locate.find_redis_server`).
         startup_timeout: seconds to wait for the server to answer PING.
+        proto_max_bulk_len: the largest value the server accepts, in bytes (Redis's
+            ``proto-max-bulk-len``; at least 1 MiB). Default: Redis's own (512 MiB). Larger values are
+            refused by the store before they are sent.
     """
 
     def __init__(
@@ -98,7 +101,16 @@ class RedisServer:
         maxmemory_policy: str = "noeviction",
         binary: Optional[str] = None,
         startup_timeout: float = 10.0,
+        proto_max_bulk_len: Optional[int] = None,
     ) -> None:
+        if proto_max_bulk_len is not None and (
+            not isinstance(proto_max_bulk_len, int) or proto_max_bulk_len < (1 << 20)
+        ):
+            raise ValueError(
+                "RedisServer: proto_max_bulk_len must be an int >= 1 MiB (1048576), "
+                f"got {proto_max_bulk_len!r}"
+            )
+        self.proto_max_bulk_len = proto_max_bulk_len
         self.bind = bind
         self.port = port
         self.password = password if password is not None else secrets.token_hex(16)
@@ -146,6 +158,8 @@ class RedisServer:
                 "--protected-mode", "yes",
                 "--loglevel", "warning",
             ]  # fmt: skip
+            if self.proto_max_bulk_len is not None:
+                argv += ["--proto-max-bulk-len", str(self.proto_max_bulk_len)]
             parent = os.getpid()
             log_path = os.path.join(self._dir, "redis.log")
             with open(log_path, "wb") as logf:

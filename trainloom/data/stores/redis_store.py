@@ -25,6 +25,7 @@ from trainloom.data.stores.base import (
     StoreError,
     StoreOutOfMemoryError,
     StoreUnavailableError,
+    StoreValueRefusedError,
     Value,
     check_mapping,
     check_namespace,
@@ -48,6 +49,11 @@ _MGET_CHUNK = 64
 _MGET_BYTES = 8 << 20
 #: bytes per MSET command, so one huge batch does not stall the server.
 _MSET_BYTES = 16 << 20
+#: Redis's default ``proto-max-bulk-len`` (the largest value it accepts), assumed when CONFIG GET is
+#: not allowed (managed services rename or disable it); and the smallest value Redis allows for it, so
+#: smaller values never need the server's setting.
+_DEFAULT_MAX_BULK = 512 << 20
+_MIN_MAX_BULK = 1 << 20
 
 # Servers this process started for hosts=None, by (bind, capacity, policy): shared by every
 # RedisStore of the process (and through the job store, by every rank of the node).
@@ -118,6 +124,8 @@ class RedisNodeStore(Store):
         self._client: Any = None
         self._pid = -1
         self._mean_size = 0
+        #: The server's proto-max-bulk-len, read once when a value over 1 MiB is first written.
+        self._max_bulk: Optional[int] = None
 
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
@@ -205,7 +213,49 @@ class RedisNodeStore(Store):
 
         return _codec.decode_list(self.mget_apply(keys, _identity), missing)
 
+    def max_value_size(self) -> int:
+        """The largest value the server accepts: its ``proto-max-bulk-len`` (512 MiB by default; the
+        default is assumed when ``CONFIG GET`` is not allowed). A larger value makes Redis drop the
+        connection, so :meth:`mset` refuses it before sending anything."""
+        if self._max_bulk is None:
+            redis = _import_redis()
+
+            def run(c: Any) -> int:
+                try:
+                    got = c.config_get("proto-max-bulk-len")
+                except redis.exceptions.ResponseError as exc:  # CONFIG renamed/disabled (managed Redis)
+                    log.debug("RedisStore: CONFIG GET proto-max-bulk-len refused (%s); assuming 512 MiB", exc)
+                    return _DEFAULT_MAX_BULK
+                value = got.get("proto-max-bulk-len") or got.get(b"proto-max-bulk-len")
+                return int(value) if value is not None else _DEFAULT_MAX_BULK
+
+            self._max_bulk = self._run("config_get", run)
+        return self._max_bulk
+
+    def _check_size(self, key: Key, vb: Any) -> None:
+        n = len(vb) if not isinstance(vb, memoryview) else vb.nbytes
+        if n <= _MIN_MAX_BULK:
+            return
+        limit = self.max_value_size()
+        if n > limit:
+            shown = key_bytes(key).decode("utf-8", "replace")
+            raise StoreValueRefusedError(
+                f"RedisStore.mset on {self.host}:{self.port} (namespace {self.namespace!r}): the value of "
+                f"key {shown[:80]!r} is {n} bytes, over the server's proto-max-bulk-len of {limit} bytes "
+                "(Redis would drop the connection); not sent. Raise the server's limit "
+                "(redis-server --proto-max-bulk-len, CONFIG SET) or use the LMDB backend for values this "
+                "large",
+                backend="redis",
+                key=shown,
+            )
+
     def mset(self, dictionary: Mapping[Key, Value]) -> None:
+        """Set the pairs (MSET commands of at most 16 MiB each, pipelined).
+
+        Raises:
+            StoreValueRefusedError: a value is larger than the server's ``proto-max-bulk-len``;
+                nothing was sent.
+        """
         check_mapping(dictionary, "RedisStore")
         if not dictionary:
             return
@@ -214,6 +264,7 @@ class RedisNodeStore(Store):
         size = 0
         for k, v in dictionary.items():
             vb = value_bytes(k, v)
+            self._check_size(k, vb)
             if size > _MSET_BYTES:
                 chunks.append({})
                 size = 0

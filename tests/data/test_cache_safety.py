@@ -1,0 +1,470 @@
+"""Cache safety: one namespace per fingerprint, reused entries, content fingerprints, Redis value limit,
+``__getitems__`` contract, tensors with Python state. Real LMDB files, real redis-server processes,
+real DataLoader workers."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import subprocess
+import sys
+import textwrap
+import threading
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import trainloom.data.cache as cache_mod
+from trainloom.data.cache import META_KEY, CachedDataset, CacheLoader, fingerprint_digest
+from trainloom.data.stores import LmdbStore, StoreError, StoreValueRefusedError
+from trainloom.data.stores.redis_server import RedisServer
+from trainloom.errors import ConfigError
+
+
+@pytest.fixture(autouse=True)
+def fresh_process_state(monkeypatch):
+    """Each test sees the cache module as a new process would (nothing warned, nothing opened yet)."""
+    monkeypatch.setattr(cache_mod, "_PROCESS_WARNED", set())
+    monkeypatch.setattr(cache_mod, "_OPENED", set())
+    monkeypatch.setattr(cache_mod, "_LIVE", {})
+
+
+class Tagged(Dataset):
+    """Sample i is (tag, i)."""
+
+    def __init__(self, tag: str, n: int) -> None:
+        self.tag, self.n = tag, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        return (self.tag, i)
+
+
+def _messages(rec, needle: str) -> list:
+    return [str(r.message) for r in rec if needle in str(r.message)]
+
+
+# -- F1: one namespace, one fingerprint per process ------------------------------------------------
+
+
+def test_two_unnamed_datasets_of_different_lengths_raise_naming_both(tmp_path):
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        train = CachedDataset(Tagged("train", 10), path=tmp_path)
+        assert [train[i] for i in range(10)][3] == ("train", 3)
+        train.cache_loader.flush()
+        with pytest.raises(ConfigError) as err:
+            CachedDataset(Tagged("val", 5), path=tmp_path)
+    assert str(err.value) == (
+        "CachedDataset(Tagged of length 5, dataset_name='') with fingerprint ('len', 5, None) would share "
+        f"the cache namespace '' of the LMDB cache at {str(tmp_path)!r} with CachedDataset(Tagged of length "
+        "10, dataset_name='') with fingerprint ('len', 10, None), created earlier in this process and "
+        "still open: their fingerprints differ, so the new one would drop the other's entries and both "
+        "would then read and write each other's values under the same keys. Pass distinct dataset_name= "
+        "values (e.g. dataset_name='train' and dataset_name='val'), or close() the other one first if it "
+        "is no longer used."
+    )
+    # Refused before the namespace was touched: train's entries are intact and still served.
+    assert train.cache_loader.num_keys() == 10
+    assert train[3] == ("train", 3) and train.stats()["hits"] == 1
+    # The unnamed persistent cache was warned about once in this process (two constructions).
+    unnamed = _messages(rec, "no dataset_name was given")
+    assert unnamed == [
+        "CacheLoader(''): no dataset_name was given (Bagua's default ''), and the LMDB cache at "
+        f"{str(tmp_path)!r} persists across runs: every unnamed dataset of every run shares its one "
+        "namespace '', so datasets of different lengths drop each other's entries and datasets of the "
+        "same length read each other's samples. Pass a distinct dataset_name= per dataset (e.g. "
+        "dataset_name='imagenet-train-224')."
+    ]
+    # Distinct names: both live, each reads its own samples.
+    train.close()
+    tr = CachedDataset(Tagged("train", 10), path=tmp_path, dataset_name="train")
+    va = CachedDataset(Tagged("val", 5), path=tmp_path, dataset_name="val")
+    assert [tr[3], va[3], tr[3], va[3]] == [("train", 3), ("val", 3)] * 2
+
+
+def test_same_dataset_wrapped_twice_is_not_a_conflict(tmp_path):
+    a = CachedDataset(Tagged("x", 6), path=tmp_path, dataset_name="x", fingerprint={"v": 1, "size": 224})
+    b = CachedDataset(Tagged("x", 6), path=tmp_path, dataset_name="x", fingerprint={"size": 224, "v": 1})
+    assert [a[i] for i in range(6)] == [b[i] for i in range(6)] == [("x", i) for i in range(6)]
+    a.cache_loader.flush()
+    assert b.cache_loader.num_keys() == 6
+    # Loaders without a fingerprint never conflict (a CacheLoader opened to inspect the namespace).
+    assert CacheLoader(path=tmp_path, dataset_name="x").num_keys() == 7  # 6 samples, the fingerprint
+
+
+def test_conflict_between_cache_loaders_and_on_redis(tmp_path, own_redis):
+    first = CacheLoader(path=tmp_path, dataset_name="k", fingerprint="v1")
+    with pytest.raises(ConfigError, match=r"^CacheLoader\('k'\) with fingerprint 'v2' would share the cache"):
+        CacheLoader(path=tmp_path, dataset_name="k", fingerprint="v2")
+    CacheLoader(path=tmp_path / "other", dataset_name="k", fingerprint="v2")  # another LMDB: fine
+    first.close()
+    CacheLoader(path=tmp_path, dataset_name="k", fingerprint="v2")  # closed first: fine
+    hosts = [own_redis().address()]
+    keep = CacheLoader("redis", "k", hosts=hosts, fingerprint="v1")
+    with pytest.raises(ConfigError, match=r"with fingerprint 'v1', created earlier in this process"):
+        CacheLoader("redis", "k", hosts=hosts, fingerprint="v2")
+    keep.get(1, lambda k: "one")
+    keep.flush()
+    assert keep.num_keys() == 1  # the refused loader dropped nothing
+    CacheLoader("redis", "k", hosts=[own_redis().address()], fingerprint="v2")  # another server: fine
+
+
+def test_a_closed_or_collected_loader_is_not_a_conflict(tmp_path):
+    old = CachedDataset(Tagged("a", 4), path=tmp_path, dataset_name="d")
+    [old[i] for i in range(4)]
+    old.close()
+    new = CachedDataset(Tagged("b", 3), path=tmp_path, dataset_name="d")  # closed first: fine
+    assert new.cache_loader.num_keys() == 0  # the length changed: the old entries were dropped
+    new.close()
+
+    # Dropped without close(), with values buffered: its flush thread (flush_interval=600) still holds
+    # the loader. The buffered values are written before the new one resets the namespace, then dropped.
+    old = CachedDataset(Tagged("a", 4), path=tmp_path, dataset_name="d", flush_interval=600)
+    [old[i] for i in range(4)]
+    assert old.stats()["buffered"] == 4
+    assert [t for t in threading.enumerate() if t.name == "trainloom-cache-flush[d]"]
+    del old
+    gc.collect()
+    new = CachedDataset(Tagged("b", 3), path=tmp_path, dataset_name="d")
+    assert not [t for t in threading.enumerate() if t.name == "trainloom-cache-flush[d]"]
+    assert new.cache_loader.num_keys() == 0  # no stale value can be written after the reset
+    assert [new[i] for i in range(3)] == [("b", i) for i in range(3)]
+
+    # Rebinding a still-referenced dataset is refused (the old one is alive during the construction).
+    keep = new
+    with pytest.raises(ConfigError, match="close\\(\\) the other one first"):
+        new = CachedDataset(Tagged("c", 7), path=tmp_path, dataset_name="d")
+    assert keep[1] == ("b", 1)
+
+
+class Squares(Dataset):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        return torch.tensor([i * i])
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_dataloader_workers_are_not_conflicts(tmp_path, method):
+    train = CachedDataset(Squares(12), path=tmp_path, dataset_name="train", writer_buffer_size=3)
+    val = CachedDataset(Squares(5), path=tmp_path, dataset_name="val", writer_buffer_size=3)
+    for _epoch in range(2):
+        for ds, n in ((train, 12), (val, 5)):
+            dl = DataLoader(ds, batch_size=2, num_workers=2, multiprocessing_context=method)
+            assert torch.cat(list(dl)).flatten().tolist() == [i * i for i in range(n)]
+    # A worker process creating its own loader on the parent's namespace (same fingerprint) is fine too.
+    again = DataLoader(_Reopen(str(tmp_path)), batch_size=None, num_workers=1, multiprocessing_context=method)
+    assert list(again) == [12]
+
+
+class _Reopen(Dataset):
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: int) -> int:
+        ds = CachedDataset(Squares(12), path=self.path, dataset_name="train")
+        n = ds.cache_loader.num_keys()
+        ds.close()
+        return n
+
+
+# -- F2: entries reused from an earlier run without a fingerprint ------------------------------------
+
+
+def _earlier_run(path, name: str, n: int, fingerprint=None) -> None:
+    code = textwrap.dedent(
+        f"""
+        import torch
+        from trainloom.data import CachedDataset
+        class DS(torch.utils.data.Dataset):
+            def __len__(self): return {n}
+            def __getitem__(self, i): return torch.tensor([float(i)])
+        ds = CachedDataset(DS(), path={str(path)!r}, dataset_name={name!r}, fingerprint={fingerprint!r})
+        [ds[i] for i in range({n})]
+        ds.close()
+        """
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_entries_of_an_earlier_run_without_fingerprint_warn_once(tmp_path, caplog):
+    _earlier_run(tmp_path, "imgs", 8)
+    caplog.set_level(logging.WARNING, logger="trainloom.data")
+    with pytest.warns(RuntimeWarning) as rec:
+        ds = CachedDataset(Squares(8), path=tmp_path, dataset_name="imgs")
+    expected = (
+        f"CacheLoader('imgs'): reusing 8 cached entries written by an earlier run from the LMDB cache at "
+        f"{str(tmp_path)!r} (namespace 'imgs'). No fingerprint= was given, so they are served as they are "
+        "even if the preprocessing changed since. Pass fingerprint= (e.g. a version string or the "
+        "transform parameters; a change drops the old entries once), or clear the cache (`trainloom cache "
+        f"clear --path {tmp_path} --namespace imgs`) when the preprocessing changes."
+    )
+    assert _messages(rec, "reusing") == [expected]
+    assert rec[0].filename == __file__  # points at the caller, not at trainloom
+    assert caplog.messages.count(expected) == 1
+    assert ds[3].tolist() == [3.0]  # the earlier run's value, as the warning says
+    ds.close()
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        CachedDataset(Squares(8), path=tmp_path, dataset_name="imgs").close()  # once per process
+        fresh = CachedDataset(Squares(8), path=tmp_path, dataset_name="new")
+        [fresh[i] for i in range(8)]
+        fresh.close()
+        CachedDataset(Squares(8), path=tmp_path, dataset_name="new").close()  # written by this run
+        CachedDataset(Squares(8), path=tmp_path / "fp", dataset_name="v", fingerprint="v1")
+    assert not _messages(again, "reusing")
+
+    # With a fingerprint nothing is said, and a changed fingerprint drops the old samples.
+    _earlier_run(tmp_path / "fp2", "imgs", 8, fingerprint={"scale": 1.0})
+    cache_mod._OPENED.clear()
+    with warnings.catch_warnings(record=True) as rec2:
+        warnings.simplefilter("always")
+        ds = CachedDataset(
+            Squares(8), path=tmp_path / "fp2", dataset_name="imgs", fingerprint={"scale": 10.0}
+        )
+    assert not _messages(rec2, "reusing") and ds.cache_loader.num_keys() == 0
+    assert ds[3].tolist() == [9]
+
+
+# -- F3: fingerprints compared by content ---------------------------------------------------------
+
+
+def test_large_array_fingerprint_change_is_detected(tmp_path):
+    names = np.array([f"img_{i:05d}.jpg" for i in range(5000)])
+    ds = CachedDataset(Tagged("A", 3), path=tmp_path, dataset_name="f", fingerprint=names)
+    [ds[i] for i in range(3)]
+    ds.close()
+    ds = CachedDataset(Tagged("A", 3), path=tmp_path, dataset_name="f", fingerprint=names.copy())
+    assert ds.cache_loader.num_keys() == 3  # same content: kept
+    ds.close()
+    changed = names.copy()
+    changed[2500] = "other.jpg"  # repr() shows neither element: "..." in the middle
+    assert repr(changed) == repr(names)
+    ds = CachedDataset(Tagged("B", 3), path=tmp_path, dataset_name="f", fingerprint=changed)
+    assert ds.cache_loader.num_keys() == 0 and ds[1] == ("B", 1)
+    ds.close()
+    t = torch.arange(5000, dtype=torch.bfloat16)
+    ds = CachedDataset(Tagged("B", 3), path=tmp_path, dataset_name="f", fingerprint=("t", t))
+    [ds[i] for i in range(3)]
+    ds.close()
+    t2 = t.clone()
+    t2[2500] = 1
+    ds = CachedDataset(Tagged("B", 3), path=tmp_path, dataset_name="f", fingerprint=("t", t2))
+    assert ds.cache_loader.num_keys() == 0
+
+
+def transform(x):
+    return x
+
+
+def test_fingerprint_of_other_types_is_a_type_error_and_touches_nothing(tmp_path):
+    ds = CachedDataset(Tagged("A", 3), path=tmp_path, dataset_name="f", fingerprint="v1")
+    [ds[i] for i in range(3)]
+    ds.close()
+    with pytest.raises(TypeError) as err:
+        CachedDataset(Tagged("A", 3), path=tmp_path, dataset_name="f", fingerprint=("v1", transform))
+    assert str(err.value) == (
+        "fingerprint= does not accept a builtins.function (at fingerprint[1]): it is compared by content "
+        "and accepts str, bytes, int, float, bool, None, tuples, lists and dicts of these, numpy arrays "
+        "and scalars (not of dtype object) and torch tensors (strided). Pass what describes the "
+        "preprocessing, e.g. a version string or a tuple of its parameters (not a function or transform "
+        "object, whose repr changes every run)"
+    )
+    with pytest.raises(TypeError, match=r"numpy arrays of dtype object \(at fingerprint\)"):
+        CacheLoader(path=tmp_path, dataset_name="f", fingerprint=np.array([object()]))
+    with pytest.raises(TypeError, match="accepts strided tensors only"):
+        CacheLoader(path=tmp_path, dataset_name="f", fingerprint=torch.eye(2).to_sparse())
+    ds = CachedDataset(Tagged("A", 3), path=tmp_path, dataset_name="f", fingerprint="v1")
+    assert ds.cache_loader.num_keys() == 3  # nothing was dropped by the refused constructions
+
+
+def test_digest_is_by_content():
+    d = fingerprint_digest
+    assert d({"a": 1, "b": [2.0, "x"]}) == d({"b": [2.0, "x"], "a": 1})
+    assert len({d(1), d(True), d(1.0), d("1"), d(b"1"), d((1,)), d([1]), d(None)}) == 8
+    assert d(np.arange(3, dtype=np.int64)) != d(np.arange(3, dtype=np.int32))
+    assert d(np.arange(6).reshape(2, 3)) != d(np.arange(6).reshape(3, 2))
+    assert d(np.arange(6).reshape(2, 3).T) == d(np.ascontiguousarray(np.arange(6).reshape(2, 3).T))
+    assert d(torch.arange(4)) == d(torch.arange(4).clone()) != d(torch.arange(4).float())
+    assert d(np.float32(1.5)) != d(1.5)
+    assert d(2**100) != d(2**100 + 1)
+
+
+def test_fingerprints_stored_by_older_versions_are_kept(tmp_path):
+    # What trainloom stored before: b"trainloom-cache-v1|" + repr(("len", n, fingerprint)).
+    store = LmdbStore(tmp_path, namespace="old")
+    store.mset({META_KEY: b"trainloom-cache-v1|" + repr(("len", 3, "v1")).encode()})
+    store.mset({f"old_{i}": cache_mod._codec.encode(("old", i)) for i in range(3)})
+    store.close()
+    ds = CachedDataset(Tagged("new", 3), path=tmp_path, dataset_name="old", fingerprint="v1")
+    assert ds.cache_loader.num_keys() == 3 and ds[2] == ("old", 2)  # upgraded in place, kept
+    assert ds.cache_loader.store.get(META_KEY) == fingerprint_digest(("len", 3, "v1"))
+    ds.close()
+    # An array fingerprint of an older version: its repr was not exact; recomputed once.
+    store = LmdbStore(tmp_path, namespace="arr")
+    fp = np.arange(3)
+    store.mset({META_KEY: b"trainloom-cache-v1|" + repr(("len", 3, fp)).encode(), "arr_0": b"x"})
+    store.close()
+    ds = CachedDataset(Tagged("new", 3), path=tmp_path, dataset_name="arr", fingerprint=fp)
+    assert ds.cache_loader.num_keys() == 0
+
+
+# -- F4: Redis values over proto-max-bulk-len ------------------------------------------------------
+
+
+def test_redis_value_over_the_server_limit_is_refused_alone(own_redis):
+    srv = own_redis(proto_max_bulk_len=1 << 20)
+    hosts = [srv.address()]
+    big = np.ones((1 << 20) + 1, dtype=np.uint8)  # encoded: over 1 MiB
+    loader = CacheLoader("redis", "big", writer_buffer_size=4, hosts=hosts, on_error="bypass")
+    assert loader.store.stores[0].max_value_size() == 1 << 20
+    with pytest.warns(RuntimeWarning) as rec:
+        for i in range(8):
+            loader.get(i, lambda k: big if k == 5 else np.full(1000, k))
+    msgs = _messages(rec, "refused")
+    assert len(msgs) == 1
+    size = len(cache_mod._codec.encode(big))
+    assert (
+        f"the redis store refused 1 value(s), dropped (not cached; recomputed when next read): key "
+        f"b'big_5': RedisStore.mset on {srv.host}:{srv.port} (namespace 'big'): the value of key 'big_5' "
+        f"is {size} bytes, over the server's proto-max-bulk-len of 1048576 bytes (Redis would drop the "
+        "connection); not sent." in msgs[0]
+    )
+    s = loader.stats()
+    assert (s["writes"], s["dropped"], s["bypassed"], s["buffered"]) == (7, 1, 0, 0)
+    assert loader.num_keys() == 7 and loader.store.status()
+    out = loader.get_many(list(range(8)), lambda k: big if k == 5 else None)
+    assert [int(v[0]) for i, v in enumerate(out) if i != 5] == [0, 1, 2, 3, 4, 6, 7]
+    assert loader.stats()["hits"] == 7 and loader.stats()["bypassed"] == 0
+
+    # on_error="raise": the others are written, the StoreError names the key, its size and the limit.
+    strict = CacheLoader("redis", "big2", writer_buffer_size=2, hosts=hosts)
+    strict.get(0, lambda k: np.zeros(3))
+    with pytest.raises(StoreError, match=rf"key b'big2_1'.*is {size} bytes, over the server's proto-max"):
+        strict.get(1, lambda k: big)
+    assert strict.num_keys() == 1 and strict.stats()["buffered"] == 0
+    # Alone in its batch it is still a refused value, not a failing store (nothing stays buffered).
+    strict.get(2, lambda k: big)
+    with pytest.raises(StoreError, match="refused 1 value"):
+        strict.flush()
+    assert strict.stats()["buffered"] == 0 and strict.store.status()
+    # The store itself refuses before sending anything.
+    with pytest.raises(StoreValueRefusedError, match="over the server's proto-max-bulk-len"):
+        strict.store.mset({"x": b"1", "y": bytes((1 << 20) + 1)})
+    assert strict.store.get("x") is None
+
+
+def test_redis_server_proto_max_bulk_len_argument():
+    with pytest.raises(ValueError, match=r"proto_max_bulk_len must be an int >= 1 MiB \(1048576\), got 10"):
+        RedisServer(proto_max_bulk_len=10)
+
+
+# -- F6: __getitems__ must return a list of samples -------------------------------------------------
+
+
+class BatchedGetitems(Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int):
+        return {"x": torch.tensor([i]), "y": torch.tensor(i % 2)}
+
+    def __getitems__(self, idx):
+        return {"x": torch.tensor(idx).view(-1, 1), "y": torch.tensor(idx) % 2}
+
+
+class ShortGetitems(BatchedGetitems):
+    def __getitems__(self, idx):
+        return [self[i] for i in idx[:-1]]
+
+
+def test_getitems_returning_a_batch_is_a_type_error(tmp_path):
+    ds = CachedDataset(BatchedGetitems(), path=tmp_path, dataset_name="b")
+    dl = DataLoader(ds, batch_size=2, collate_fn=lambda b: b)
+    with pytest.raises(TypeError) as err:
+        next(iter(dl))
+    assert str(err.value) == (
+        "BatchedGetitems.__getitems__ returned a dict; CachedDataset (like torch's DataLoader) needs it to "
+        "return a list with one sample per index, which it caches one by one. Return [sample for each "
+        "index] and batch them in collate_fn, or remove __getitems__."
+    )
+    assert ds.cache_loader.num_keys() == 0
+    short = CachedDataset(ShortGetitems(), path=tmp_path, dataset_name="s")
+    with pytest.raises(ValueError, match=r"ShortGetitems.__getitems__ returned 3 samples for 4 indices"):
+        short.__getitems__([0, 1, 2, 3])
+
+
+# -- F7: tensors with Python state ----------------------------------------------------------------
+
+
+class WithState(Dataset):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int):
+        x = torch.full((3,), float(i))
+        x.source = f"img_{i:04d}.jpg"
+        w = torch.nn.Parameter(torch.ones(2) * i)
+        return {"x": x, "w": [w], "plain": torch.arange(i + 1)}
+
+
+def _describe(sample):
+    x, w, plain = sample["x"], sample["w"][0], sample["plain"]
+    return (
+        type(x).__name__,
+        getattr(x, "source", None),
+        x.tolist(),
+        type(w).__name__,
+        w.requires_grad,
+        w.tolist(),
+        type(plain).__name__,
+        plain.__dict__,
+        plain.tolist(),
+    )
+
+
+def test_tensor_attributes_and_parameters_survive_the_cache(tmp_path):
+    ds = CachedDataset(WithState(), path=tmp_path, dataset_name="st", writer_buffer_size=1)
+    epoch0 = [_describe(ds[i]) for i in range(4)]
+    epoch1 = [_describe(ds[i]) for i in range(4)]
+    assert ds.stats()["hits"] == 4
+    assert epoch1 == epoch0
+    assert epoch0[2] == (
+        "Tensor",
+        "img_0002.jpg",
+        [2.0] * 3,
+        "Parameter",
+        True,
+        [2.0, 2.0],
+        "Tensor",
+        {},
+        [0, 1, 2],
+    )
+    # Through DataLoader workers, cached samples arrive as the uncached ones do (torch's own transfer
+    # between processes drops tensor attributes: the same for both).
+    for workers in (0, 2):
+        kw = dict(batch_size=None, num_workers=workers, multiprocessing_context="fork" if workers else None)
+        uncached = [_describe(s) for s in DataLoader(WithState(), **kw)]
+        assert [_describe(s) for s in DataLoader(ds, **kw)] == uncached
+        assert workers or uncached == epoch0
+    # The data of such a tensor is still stored raw (not pickled twice); plain tensors never pickle.
+    big = torch.zeros(1 << 18)
+    big.note = "n"
+    enc = ds.cache_loader._encode({"x": big}, "x")
+    assert len(enc) < big.numel() * 4 + 4096
+    assert b"_rebuild_tensor_with_state" in enc
+    plain = (torch.zeros(3), {"y": [torch.ones(2)]}, 1)
+    assert ds.cache_loader._encode(plain, "x") == cache_mod._codec.encode(plain)  # the raw path, as before
