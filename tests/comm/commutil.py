@@ -1042,3 +1042,249 @@ def agent_store(rank: int, ws: int) -> Dict[str, Any]:
         err.seek(0)
         stderr = err.read().decode(errors="replace")
     return {"stderr": stderr, "allreduce": results[0], "allreduce_after_reinit": results[1]}
+
+
+# --------------------------------------------------------------------------- ordering, AVG, lifetime
+def _two_nodes(rank: int, ws: int) -> None:
+    """ws=4: logical nodes a={0,1}, b={2,3} (global gloo, intra shm, inter gloo); ws=2: one node."""
+    if ws == 4:
+        os.environ["TRAINLOOM_NODE_ID"] = "a" if rank < 2 else "b"
+
+
+def hier_async_ordering(rank: int, ws: int, iters: int) -> List[str]:
+    """An async hierarchical allreduce followed by calls on the communicators it drives, same order
+    on every rank: every result must be exact (before the fix they were swapped or mixed)."""
+    _two_nodes(rank, ws)
+    pg = C.init_process_group(timeout=30)
+    intra = pg.get_intra_node_communicator()
+    inter = pg.get_inter_node_communicator()
+    total = float(sum(range(1, ws + 1)))
+    bad: List[str] = []
+
+    def check(what: str, it: int, t: torch.Tensor, want: float) -> None:
+        if not bool((t == want).all()):
+            bad.append(f"rank {rank} it {it} {what}: got {t[0].item()} want {want}")
+
+    for it in range(iters):
+        # (a) async hierarchical, then a sync hierarchical
+        a = torch.full((64,), float(rank + 1))
+        b = torch.full((64,), 100.0 * (rank + 1))
+        w = C.allreduce(a, a, hierarchical=True, async_op=True)
+        C.allreduce(b, b, hierarchical=True)
+        w.wait()
+        check("a/async-hier", it, a, total)
+        check("a/sync-hier", it, b, 100 * total)
+        # (b) async hierarchical, then a sync broadcast on the intra-node communicator
+        t = torch.full((33,), float(rank + 1))
+        x = torch.full((33,), 10.0 * (rank + 1))
+        w = C.allreduce(t, t, hierarchical=True, async_op=True)
+        C.broadcast(x, 0, comm=intra)
+        w.wait()
+        check("b/async-hier", it, t, total)
+        check("b/intra-broadcast", it, x, 10.0 * (intra.global_ranks[0] + 1))
+        # (c) async hierarchical, async intra allreduce, async inter allreduce, async global op
+        t = torch.full((17,), float(rank + 1))
+        y = torch.full((17,), float(rank + 1))
+        z = torch.full((5,), float(rank + 1))
+        g = torch.full((9,), float(rank + 1))
+        works = [C.allreduce(t, t, ReduceOp.AVG, hierarchical=True, async_op=True)]
+        works.append(C.allreduce_inplace(y, comm=intra, async_op=True))
+        works.append(C.allreduce_inplace(z, comm=inter, async_op=True))
+        works.append(C.allreduce_inplace(g, ReduceOp.MAX, async_op=True))
+        for wk in works:
+            wk.wait()
+        check("c/async-hier-avg", it, t, total / ws)
+        check("c/intra", it, y, float(sum(r + 1 for r in intra.global_ranks)))
+        if inter:
+            check("c/inter", it, z, float(sum(r + 1 for r in inter.global_ranks)))
+        check("c/global-max", it, g, float(ws))
+    C.destroy_process_group()
+    return bad
+
+
+def _half_avg_want(dtype: torch.dtype, ws: int) -> torch.Tensor:
+    """What the shared-memory engine computes: sum in fp32, divide, round once."""
+    rows = torch.stack([_half_avg_input(r, dtype) for r in range(ws)]).float()
+    return (rows.sum(0) / ws).to(dtype)
+
+
+def _half_avg_input(rank: int, dtype: torch.dtype) -> torch.Tensor:
+    # fp16: 40000 + 32 * rank sums past 65504 (inf) in fp16; bf16: the same idea near 1e38 / 4
+    base = 40000.0 if dtype == torch.float16 else 8.0e37
+    step = 32.0 if dtype == torch.float16 else 2.0e35
+    return torch.tensor([base + step * rank, -base, 1.5, base / 2], dtype=torch.float32).to(dtype)
+
+
+def half_avg(rank: int, ws: int, engine: str) -> Dict[str, Any]:
+    """fp16/bf16 AVG on every path returns what the shared-memory engine returns (finite)."""
+    os.environ["TRAINLOOM_CPU_ENGINE"] = engine
+    _two_nodes(rank, ws)
+    pg = C.init_process_group(timeout=30)
+    out: Dict[str, Any] = {"engine": pg.get_global_communicator().cpu_engine_kind()}
+    for dt in (torch.float16, torch.bfloat16):
+        name = str(dt).replace("torch.", "")
+        want = _half_avg_want(dt, ws)
+        x = _half_avg_input(rank, dt)
+        got: Dict[str, Any] = {}
+        t = x.clone()
+        C.allreduce_inplace(t, ReduceOp.AVG)
+        got["allreduce"] = t
+        t = x.clone()
+        C.allreduce_inplace(t, ReduceOp.AVG, hierarchical=True)
+        got["hierarchical"] = t
+        t = x.clone()
+        C.allreduce_inplace(t, ReduceOp.AVG, hierarchical=True, async_op=True).wait()
+        got["hierarchical_async"] = t
+        m = torch.zeros(4, 3, dtype=dt)  # a non-contiguous output (a column)
+        C.allreduce(x, m[:, 1], ReduceOp.AVG, hierarchical=True, async_op=True).wait()
+        got["hierarchical_async_column"] = m[:, 1].clone()
+        out[f"{name}/column_neighbours_zero"] = bool((m[:, 0] == 0).all() and (m[:, 2] == 0).all())
+        r = torch.zeros_like(x)
+        C.reduce(x, r, ws - 1, ReduceOp.AVG)
+        if rank == ws - 1:
+            got["reduce"] = r
+        rs_in = torch.cat([x] * ws)
+        rs = torch.zeros_like(x)
+        C.reduce_scatter(rs_in, rs, ReduceOp.AVG)
+        got["reduce_scatter"] = rs
+        for k, v in got.items():
+            out[f"{name}/{k}"] = "ok" if torch.equal(v, want) else f"got {v.tolist()} want {want.tolist()}"
+    C.destroy_process_group()
+    return out
+
+
+def reinit_keeping_groups(rank: int, ws: int) -> Dict[str, Any]:
+    """Plain launch (rank 0 hosts the TCPStore): init, keep a group, destroy, init again, 3 times."""
+    kept = []
+    out: Dict[str, Any] = {"sums": []}
+    for gen in range(3):
+        pg = C.init_process_group(timeout=30)
+        kept.append((pg, C.new_group([0, 1])))
+        t = torch.full((3,), float(gen + rank))
+        C.allreduce_inplace(t, comm=kept[-1][1].get_global_communicator())
+        out["sums"].append(t.tolist())
+        C.destroy_process_group()
+    out["old_default"] = _expect(
+        C.allreduce_inplace, CommError, torch.ones(2), comm=kept[0][0].get_global_communicator()
+    )
+    out["old_sub"] = _expect(
+        C.broadcast, CommError, torch.ones(2), 0, comm=kept[1][1].get_global_communicator()
+    )
+    return out
+
+
+def store_port_in_use(rank: int, ws: int) -> str:
+    """Rank 0 of a plain launch cannot host the store: the port is taken. Raised at once, no timeout."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        os.environ.update(MASTER_PORT=str(s.getsockname()[1]), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+        return _expect(C.init_process_group, CommError, timeout=30)
+
+
+def store_host_gone(rank: int, ws: int) -> Dict[str, Any]:
+    """Rank 0 (the store host) is not in group [1, 2] and exits; 1 and 2 then use the group."""
+    os.environ["TRAINLOOM_CPU_ENGINE"] = "gloo"
+    C.init_process_group(timeout=20)
+    comm = C.new_group([1, 2]).get_global_communicator()
+    if rank == 0:
+        C.destroy_process_group()
+        return {}
+    store = C.group._STATE.store
+    deadline = time.monotonic() + 40
+    while time.monotonic() < deadline:  # until rank 0's process (and its store server) is gone
+        try:
+            store.check(["nothing"])
+        except RuntimeError:
+            break
+        time.sleep(0.1)
+    err = _expect(C.allreduce_inplace, CommError, torch.ones(2), comm=comm)
+    return {"error": err}
+
+
+def p2p_exchange(rank: int, ws: int) -> Dict[str, Any]:
+    """isend + recv with the same peer (and the other mixes) on gloo: exact data, no deadlock."""
+    os.environ["TRAINLOOM_CPU_ENGINE"] = "gloo"
+    C.init_process_group(timeout=20)
+    peer = rank ^ 1
+    out: Dict[str, Any] = {}
+    got = []
+    for i in range(3):  # async send, then a synchronous receive from the same peer
+        o = torch.zeros(4)
+        w = C.send(torch.full((4,), float(10 * rank + i)), peer, async_op=True)
+        C.recv(o, peer)
+        w.wait()
+        got.append(o.tolist())
+    out["isend_recv"] = got
+    # both asynchronous, then a collective waits for both
+    o = torch.zeros(3)
+    ws_ = [C.send(torch.full((3,), float(rank + 5)), peer, async_op=True), C.recv(o, peer, async_op=True)]
+    t = torch.ones(2)
+    C.allreduce_inplace(t)
+    out["isend_irecv_allreduce"] = (o.tolist(), t.tolist(), all(w.is_completed() for w in ws_))
+    # asynchronous receive first, then a synchronous send
+    o = torch.zeros(2)
+    w = C.recv(o, peer, async_op=True)
+    C.send(torch.full((2,), float(rank + 7)), peer)
+    w.wait()
+    out["irecv_send"] = o.tolist()
+    # several sends in flight to the same peer keep their order
+    outs = [torch.zeros(1) for _ in range(3)]
+    sends = [C.send(torch.full((1,), float(k)), peer, async_op=True) for k in range(3)]
+    for o in outs:
+        C.recv(o, peer)
+    for w in sends:
+        w.wait()
+    out["ordered"] = [o.item() for o in outs]
+    C.destroy_process_group()
+    return out
+
+
+def sub_comm_timeout(rank: int, ws: int) -> Dict[str, Any]:
+    """Group [1, 2] on gloo: global rank 2 skips the second allreduce; rank 1 names global rank 2."""
+    os.environ["TRAINLOOM_CPU_ENGINE"] = "gloo"
+    C.init_process_group(timeout=3)
+    comm = C.new_group([1, 2]).get_global_communicator()
+    C.allreduce_inplace(torch.ones(2), comm=comm)
+    out: Dict[str, Any] = {}
+    store = C.group._STATE.store
+    if rank == 1:
+        try:
+            C.allreduce_inplace(torch.ones(2), comm=comm)
+        except CommTimeoutError as exc:
+            out["error"] = str(exc)
+            out["attrs"] = (
+                exc.op,  # type: ignore[attr-defined]
+                exc.seq,  # type: ignore[attr-defined]
+                exc.missing_ranks,  # type: ignore[attr-defined]
+                exc.global_missing_ranks,  # type: ignore[attr-defined]
+                exc.communicator,  # type: ignore[attr-defined]
+            )
+        store.set("sub_timeout_done", "1")
+    else:
+        store.wait(["sub_timeout_done"], datetime.timedelta(seconds=30))
+    C.destroy_process_group()
+    return out
+
+
+def hier_timeout(rank: int, ws: int) -> Dict[str, Any]:
+    """2x2 nodes: global rank 3 skips the second hierarchical allreduce. Rank 2 (waiting on the
+    intra-node communicator) and rank 0 (on the inter-node one) name the global ranks they miss."""
+    _two_nodes(rank, ws)
+    C.init_process_group(timeout=3)
+    C.allreduce_inplace(torch.ones(2), hierarchical=True)  # every engine connected
+    out: Dict[str, Any] = {}
+    store = C.group._STATE.store
+    if rank != 3:
+        try:
+            C.allreduce_inplace(torch.ones(2), hierarchical=True)
+        except CommError as exc:
+            out["error"] = f"{type(exc).__name__}: {exc}"
+            out["global_missing"] = getattr(exc, "global_missing_ranks", None)
+        store.set(f"hier_timeout_done/{rank}", "1")
+    else:
+        store.wait([f"hier_timeout_done/{r}" for r in range(3)], datetime.timedelta(seconds=30))
+    C.destroy_process_group()
+    return out

@@ -96,6 +96,10 @@ _MAGIC = 0x746C6F6F6D  # "tloom"
 _HDR = 16
 _MAX_DIMS = 6
 _NO = -1  # header field that does not apply to this operation
+# send/recv header tags, one per direction (data goes with tag 0): a send to a peer and a receive
+# from it may run at once (separate queues), and must not take each other's header.
+_TAG_TO_RECV = 1  # the sender's header, to the receiver
+_TAG_TO_SEND = 2  # the receiver's header, back to the sender
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -228,8 +232,11 @@ class GlooEngine:
         self._broken: Optional[str] = None
         self._closed = False
         self._check = _check_enabled()
-        # Mark arrival first: if connecting times out, the store tells which members never came.
-        store.set(f"{prefix}/joined/{rank}", "1")
+        try:
+            # Mark arrival first: if connecting times out, the store tells which members never came.
+            store.set(f"{prefix}/joined/{rank}", "1")
+        except RuntimeError as exc:  # DistNetworkError: the store's host is gone
+            raise self._store_gone(exc) from None
         try:
             self._pg = dist.ProcessGroupGloo(
                 dist.PrefixStore(prefix + "/pg", store),
@@ -238,16 +245,34 @@ class GlooEngine:
                 datetime.timedelta(seconds=self.timeout),
             )
         except RuntimeError as exc:  # DistStoreError / DistNetworkError / gloo's connect errors
-            missing = [r for r in range(world_size) if not store.check([f"{prefix}/joined/{r}"])]
+            try:
+                missing = [r for r in range(world_size) if not store.check([f"{prefix}/joined/{r}"])]
+            except RuntimeError as exc2:  # the store itself is unreachable too
+                raise self._store_gone(exc2, exc) from None
             who = f"ranks {missing} never joined" if missing else "every rank joined but could not connect"
             # A member that never joined is a timeout whatever words torch or gloo chose for it
             # (the store says "timeout", a pair's connect "Timed out": testing only the first made
             # this a CommError now and then).
-            err = CommTimeoutError if missing or _is_timeout(exc) else CommError
-            raise err(
+            kind = CommTimeoutError if missing or _is_timeout(exc) else CommError
+            err = kind(
                 f"gloo communicator {prefix} (rank {rank} of {world_size}): connecting failed after "
                 f"{self.timeout:g}s; {who} ({str(exc).splitlines()[0][:160]})"
-            ) from None
+            )
+            err.op, err.seq, err.missing_ranks = "connect", 0, missing  # type: ignore[attr-defined]
+            raise err from None
+
+    def _store_gone(self, exc: BaseException, first: Optional[BaseException] = None) -> CommError:
+        """The error for a store that went away while this communicator was connecting."""
+        detail = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+        if first is not None:
+            detail = f"{str(first).splitlines()[0][:160]}; then asking the store: {detail}"
+        return CommError(
+            f"gloo communicator {self._prefix} (rank {self.rank} of {self.world_size}): could not connect "
+            f"because the store is gone ({detail}). Under a plain launch global rank 0 hosts the "
+            "TCPStore and communicators connect at their first collective, so rank 0 must stay alive "
+            "until every group has been used once: call barrier() on the default group before rank 0 "
+            "exits (or destroys the process group), or launch with torchrun, whose agent hosts the store"
+        )
 
     # ----------------------------------------------------------------- plumbing
     def _begin(self, opname: str, p2p: bool = False) -> int:
@@ -278,11 +303,13 @@ class GlooEngine:
             missing = self._missing_ranks(seq)
             who = f"ranks {missing} did not arrive" if missing else "a peer stopped responding"
             self._broken = f"{opname} #{seq} timed out"
-            raise CommTimeoutError(
+            err = CommTimeoutError(
                 f"{opname} #{seq} (gloo, rank {self.rank} of {self.world_size}): timed out after "
                 f"{timeout:g}s; {who}. Check that every rank calls the same collectives in the same "
                 f"order, or raise the timeout"
-            ) from None
+            )
+            err.op, err.seq, err.missing_ranks = opname, seq, missing  # type: ignore[attr-defined]
+            raise err from None
         self._broken = f"{opname} #{seq} failed: {text.splitlines()[0][:200]}"
         if "closed" in low or "reset" in low or "broken pipe" in low or "connection" in low:
             raise CommError(
@@ -352,6 +379,10 @@ class GlooEngine:
         work_t = buf
         if buf.dtype == torch.int16:  # gloo has no int16: reduce in int32, wrap back (same modulo 2**16)
             work_t = buf.to(torch.int32)
+        elif op == AVG and buf.dtype in (torch.float16, torch.bfloat16):
+            # Sum in fp32, divide, round once (as the shared-memory engine does): a half sum of
+            # world_size values overflows long before their average does (4 x 40000 in fp16).
+            work_t = buf.float()
         elif buf.dtype.is_complex:
             work_t = torch.view_as_real(buf)
         if root is None:
@@ -364,6 +395,10 @@ class GlooEngine:
             opts.rootRank = root
             opts.rootTensor = 0
             self._run(opname, seq, timeout, lambda: self._pg.reduce([work_t], opts))
+        if op == AVG and buf.dtype in (torch.float16, torch.bfloat16):
+            if root is None or root == self.rank:
+                buf.copy_(work_t.div_(self.world_size))
+            return
         if work_t is not buf and buf.dtype == torch.int16:
             buf.copy_(work_t)
         if op == AVG and (root is None or root == self.rank):
@@ -508,9 +543,9 @@ class GlooEngine:
         seq = self._begin("send", p2p=True)
         if self._check:
             hdr = make_header("send", 0, tensor)
-            self._run("send", seq, timeout, lambda: self._pg.send([hdr], dst, 1))
+            self._run("send", seq, timeout, lambda: self._pg.send([hdr], dst, _TAG_TO_RECV))
             peer = torch.empty(_HDR, dtype=torch.int64)
-            self._run("send", seq, timeout, lambda: self._pg.recv([peer], dst, 1))
+            self._run("send", seq, timeout, lambda: self._pg.recv([peer], dst, _TAG_TO_SEND))
             self._compare_p2p("send", hdr.tolist(), peer.tolist(), self.rank, dst)
         if tensor.numel():
             b = _bytes(tensor)
@@ -521,8 +556,8 @@ class GlooEngine:
         if self._check:
             hdr = make_header("recv", 0, tensor)
             peer = torch.empty(_HDR, dtype=torch.int64)
-            self._run("recv", seq, timeout, lambda: self._pg.recv([peer], src, 1))
-            self._run("recv", seq, timeout, lambda: self._pg.send([hdr], src, 1))
+            self._run("recv", seq, timeout, lambda: self._pg.recv([peer], src, _TAG_TO_RECV))
+            self._run("recv", seq, timeout, lambda: self._pg.send([hdr], src, _TAG_TO_SEND))
             self._compare_p2p("recv", peer.tolist(), hdr.tolist(), src, self.rank)
         if tensor.numel():
             b = _bytes(tensor)

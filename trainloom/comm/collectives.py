@@ -25,7 +25,7 @@ import torch.distributed as dist
 from trainloom.comm.env import as_int
 from trainloom.comm.group import _STATE, NON_COMM_MEMBER, Communicator, NonCommMember
 from trainloom.comm.ops import ReduceOp
-from trainloom.comm.work import CompletedWork, Work
+from trainloom.comm.work import CompletedWork, FutureWork, Work
 from trainloom.errors import CommError
 
 __all__ = [
@@ -340,8 +340,9 @@ def _go(
     staged: _Staged,
     keep: Sequence[torch.Tensor] = (),
     check: Optional[Tuple[Any, ...]] = None,
+    p2p: Optional[str] = None,
 ) -> Optional[Work]:
-    return comm.execute(opname, device, fn, async_op, result, staged.finish(), keep, check=check)
+    return comm.execute(opname, device, fn, async_op, result, staged.finish(), keep, check=check, p2p=p2p)
 
 
 def _where(t: torch.Tensor) -> Union[str, torch.device]:
@@ -473,35 +474,128 @@ def allreduce_inplace(
     return allreduce(tensor, tensor, op, comm, async_op, hierarchical)
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
 def _hierarchical(
     c: Communicator, s: torch.Tensor, r: torch.Tensor, o: ReduceOp, async_op: bool
 ) -> Optional[Work]:
+    """Reduce to the node leader (intra rank 0), combine the leaders, then fan out inside the node.
+
+    AVG sums and divides by the world size on the leader before the broadcast; fp16/bf16 AVG sums
+    in fp32 and rounds once, as the shared-memory engine does, so that an average that fits the dtype
+    never overflows on the way. Asynchronous CPU calls queue each step on the communicator it uses
+    (intra, inter, intra), each after the previous one, so every later call on the global, intra-
+    or inter-node communicator is ordered after them on every rank.
+    """
     if c.intra is None:
         raise ValueError(
             "allreduce(hierarchical=True): comm must be a process group's global communicator "
             f"(got {c.name}), which knows its intra- and inter-node communicators"
         )
     intra, inter, leader = c.intra, c.inter, c.is_inter_leader
-    sub = ReduceOp.SUM if o == ReduceOp.AVG else o
+    if inter is not None and inter.nranks() == 1:
+        inter = None
+    n = c.nranks()
+    avg = o == ReduceOp.AVG
+    wide = avg and s.dtype in _HALF  # accumulate in fp32
+    sub = ReduceOp.SUM if avg else o
 
     def body() -> None:
-        # Reduce to the node leader (intra rank 0), combine leaders, then fan out inside the node.
-        reduce(s, r, 0, sub, comm=intra)
-        if leader and inter is not None and inter.nranks() > 1:
-            allreduce(r, r, sub, comm=inter)
-        broadcast(r, 0, comm=intra)
-        if o == ReduceOp.AVG:
+        acc = s.detach().float() if wide else s
+        out = acc if wide else r
+        reduce(acc, out, 0, sub, comm=intra)
+        if leader:
+            if inter is not None:
+                allreduce(out, out, sub, comm=inter)
             with torch.no_grad():
-                r.div_(c.nranks())
+                if wide:
+                    r.copy_(out.div_(n).reshape(r.shape))
+                elif avg:
+                    r.div_(n)
+        broadcast(r, 0, comm=intra)
 
-    if not async_op:
-        body()
-        return None
     if s.device.type == "cuda":
         body()  # every step is enqueued on CUDA streams and ordered before the current stream
-        return CompletedWork("allreduce(hierarchical)", r)
-    # CPU: run the three steps on the global communicator's worker thread, in issue order.
-    return c.execute("allreduce(hierarchical)", s.device, lambda _e: body(), True, r, needs_engine=False)
+        return CompletedWork("allreduce(hierarchical)", r) if async_op else None
+    if not async_op:
+        c.wait_pending()  # a synchronous call follows the asynchronous ones issued before it
+        body()
+        return None
+    return _hierarchical_async(c, intra, inter, leader, s, r, sub, n, avg, wide)
+
+
+def _hierarchical_async(
+    c: Communicator,
+    intra: Communicator,
+    inter: Optional[Communicator],
+    leader: bool,
+    s: torch.Tensor,
+    r: torch.Tensor,
+    sub: ReduceOp,
+    n: int,
+    avg: bool,
+    wide: bool,
+) -> Work:
+    """The CPU asynchronous hierarchical allreduce: three queued steps, each after the previous one."""
+    name = "allreduce(hierarchical)"
+    st = _Staged()
+    out = st.output(r, load=False)  # contiguous r, or a staging tensor copied back by Work.wait()
+    src = st.input(s)
+    if not _same_view(src, out) and _overlaps(src, out):
+        src = src.clone()
+    acc = torch.empty(out.shape, dtype=torch.float32) if wide else out
+    one = intra.nranks() == 1
+
+    def prior(dep: Any, what: str) -> None:
+        """Stop when the previous step failed: this step would run on wrong data."""
+        exc = dep.exception()  # done: the step was queued after it
+        if exc is not None:
+            raise CommError(f"{name}: the {what} did not run because an earlier step failed: {exc}") from exc
+
+    def fan_in(e: Any) -> None:
+        with torch.no_grad():
+            if wide:
+                acc.copy_(src.reshape(acc.shape))
+                if not one:
+                    e.reduce(acc, acc, 0, int(sub))
+            elif one:
+                _copy(acc, src)
+            else:
+                e.reduce(src, acc, 0, int(sub))
+
+    def across(dep: Any) -> Callable[[Any], None]:
+        def step(e: Any) -> None:
+            prior(dep, "inter-node allreduce")
+            with torch.no_grad():
+                e.allreduce(acc, acc, int(sub))
+
+        return step
+
+    def fan_out(dep: Any) -> Callable[[Any], None]:
+        def step(e: Any) -> None:
+            prior(dep, "intra-node broadcast")
+            with torch.no_grad():
+                if leader:
+                    if wide:
+                        out.copy_(acc.div_(n))
+                    elif avg:
+                        out.div_(n)
+                if not one:
+                    e.broadcast(out, 0)
+
+        return step
+
+    cpu = "cpu"
+    w = intra.execute(name, cpu, fan_in, True, None, after=c.pending_futures(), needs_engine=not one)
+    dep = w._future  # type: ignore[union-attr]
+    if leader and inter is not None:
+        w = inter.execute(name, cpu, across(dep), True, None, after=[dep])
+        dep = w._future  # type: ignore[union-attr]
+    w = intra.execute(name, cpu, fan_out(dep), True, None, after=[dep], needs_engine=not one)
+    last = w._future  # type: ignore[union-attr]
+    c.set_fence(last)  # later calls on the global communicator wait for the whole operation
+    return FutureWork(name, last, r, st.finish())
 
 
 def reduce(
@@ -1275,7 +1369,7 @@ def send(tensor: torch.Tensor, dst: int, comm: CommArg = None, async_op: bool = 
         raise ValueError(f"{name}: dst={d} is this rank; send to another rank")
     st = _Staged()
     tc = st.input(t)
-    return _go(c, name, _where(t), lambda e: e.send(tc, d), async_op, None, st, (tc,))
+    return _go(c, name, _where(t), lambda e: e.send(tc, d), async_op, None, st, (tc,), p2p="send")
 
 
 def recv(tensor: torch.Tensor, src: int, comm: CommArg = None, async_op: bool = False) -> Optional[Work]:
@@ -1308,7 +1402,7 @@ def recv(tensor: torch.Tensor, src: int, comm: CommArg = None, async_op: bool = 
         raise ValueError(f"{name}: src={s} is this rank; receive from another rank")
     st = _Staged()
     tc = st.output(t, load=False)
-    return _go(c, name, _where(t), lambda e: e.recv(tc, s), async_op, t, st, (tc,))
+    return _go(c, name, _where(t), lambda e: e.recv(tc, s), async_op, t, st, (tc,), p2p="recv")
 
 
 def barrier(comm: CommArg = None, async_op: bool = False) -> Optional[Work]:

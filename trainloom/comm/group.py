@@ -27,6 +27,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -74,6 +75,7 @@ class _State:
     names: Dict[str, int] = dataclasses.field(default_factory=dict)
     owns_torch_pg: bool = False
     generation: int = 0
+    base_store: Optional[Any] = None  # the TCPStore init_process_group created (plain launch)
 
 
 _STATE = _State()
@@ -199,7 +201,9 @@ class Communicator:
     the collectives. Its ranks are numbered ``0..nranks()-1`` in the order of the group's ranks.
 
     Calls on one communicator are serialised: asynchronous CPU operations run in order on one worker
-    thread, and a synchronous call first waits for the asynchronous ones issued before it.
+    thread, and a synchronous call first waits for the asynchronous ones issued before it. On gloo,
+    send and recv have a queue each (a gloo send needs the matching receive to complete): they
+    follow the earlier collectives and the earlier operations of their own direction only.
     """
 
     def __init__(
@@ -227,6 +231,16 @@ class Communicator:
         self._tls = threading.local()  # .inside: this thread is running one of our operations
         self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._last: Optional[concurrent.futures.Future] = None
+        # The last asynchronous operation issued on this communicator that runs on another
+        # communicator's worker thread (the final step of an async hierarchical allreduce): later
+        # calls here wait for it, as for ``_last``.
+        self._fence: Optional[concurrent.futures.Future] = None
+        # gloo send/recv: one queue (worker thread, lock, last operation) per direction, so that a
+        # pending asynchronous send does not hold up a receive from the same peer (see execute()).
+        self._p2p_executors: Dict[str, concurrent.futures.ThreadPoolExecutor] = {}
+        self._p2p_locks = {"send": threading.Lock(), "recv": threading.Lock()}
+        self._p2p_last: Dict[str, concurrent.futures.Future] = {}
+        self._engine_lock = threading.Lock()  # engine creation (send and recv may run at once)
         self._destroyed = False
         self._xseq = 0
         # Set by ProcessGroup on global communicators: what hierarchical allreduce uses.
@@ -266,29 +280,44 @@ class Communicator:
             device = torch.device(device)
         if device.type == "cpu":
             if self._cpu is None:
-                kind = self.cpu_engine_kind()
-                if kind == "shm":
-                    from trainloom.comm.shm import ShmCommunicator
-
-                    self._cpu = ShmCommunicator(
-                        self._store,
-                        self._rank,
-                        self.nranks(),
-                        prefix=self._prefix("shm"),
-                        timeout=self.timeout,
-                    )
-                else:
-                    from trainloom.comm._gloo import GlooEngine
-
-                    self._cpu = GlooEngine(
-                        self._store,
-                        self._rank,
-                        self.nranks(),
-                        prefix=self._prefix("gloo"),
-                        timeout=self.timeout,
-                    )
-                logger.debug("%s: CPU engine %s", self.name, kind)
+                with self._engine_lock:
+                    if self._cpu is None:
+                        self._cpu = self._new_cpu_engine()
             return self._cpu
+        return self._cuda_engine(device)
+
+    def _new_cpu_engine(self) -> Any:
+        if self._store is None:
+            raise CommError(
+                f"communicator {self.name} was used after destroy_process_group(); "
+                "call init_process_group()/new_group() again and use the new communicators"
+            )
+        kind = self.cpu_engine_kind()
+        engine: Any
+        if kind == "shm":
+            from trainloom.comm.shm import ShmCommunicator
+
+            engine = ShmCommunicator(
+                self._store,
+                self._rank,
+                self.nranks(),
+                prefix=self._prefix("shm"),
+                timeout=self.timeout,
+            )
+        else:
+            from trainloom.comm._gloo import GlooEngine
+
+            engine = GlooEngine(
+                self._store,
+                self._rank,
+                self.nranks(),
+                prefix=self._prefix("gloo"),
+                timeout=self.timeout,
+            )
+        logger.debug("%s: CPU engine %s", self.name, kind)
+        return engine
+
+    def _cuda_engine(self, device: torch.device) -> Any:
         index = device.index if device.index is not None else torch.cuda.current_device()
         if self._cuda_device is None:
             self._cuda_device = index
@@ -340,12 +369,17 @@ class Communicator:
         keep_alive: Sequence[torch.Tensor] = (),
         needs_engine: bool = True,
         check: Optional[Tuple[Any, ...]] = None,
+        after: Sequence[concurrent.futures.Future] = (),
+        p2p: Optional[str] = None,
     ) -> Optional[Work]:
         """Run ``fn(engine)`` with the engine for ``device``; a Work when ``async_op``.
 
         ``needs_engine=False`` runs ``fn(None)`` (composite operations over other communicators).
         ``check`` = ``(tensor, op, root, numel, counts)`` describes the call for the cross-rank check of
-        CUDA operations (the CPU engines check for themselves).
+        CUDA operations (the CPU engines check for themselves). ``after``: futures of operations on
+        other communicators that must finish before this one starts (captured at issue time, so the
+        order is the issue order on every rank). ``p2p`` (``"send"``/``"recv"``): a point-to-point
+        operation; on gloo it is queued per direction (see :meth:`_pending`).
         """
         self.check_alive(opname)
         is_cpu = device == "cpu" if isinstance(device, str) else device.type == "cpu"
@@ -360,38 +394,118 @@ class Communicator:
             if finish is not None:
                 finish()
             return None
+        # gloo send and recv take their own queues: a gloo send does not complete before the peer
+        # posts the matching receive, so an asynchronous send followed by a receive from the same
+        # peer (the isend/recv exchange) would deadlock on one queue. The shared-memory engine runs
+        # one operation at a time (its sends are eager up to two pair buffers) and keeps one queue.
+        queue = p2p if p2p is not None and self.cpu_engine_kind() == "gloo" else None
+        lock = self._lock if queue is None else self._p2p_locks[queue]
 
-        def run() -> None:
-            with self._lock:
+        def run(deps: Sequence[concurrent.futures.Future]) -> None:
+            if deps:
+                # Completion, not success: a failed earlier operation is reported by its own Work.
+                concurrent.futures.wait(deps)
+            with lock:
+                inside = getattr(self._tls, "inside", False)
                 self._tls.inside = True
                 try:
                     if not needs_engine:
                         fn(None)
                     else:
                         fn(self._cpu if self._cpu is not None else self.engine(device))
+                except CommError as exc:
+                    self._annotate(exc)
+                    raise
                 finally:
-                    self._tls.inside = False
+                    self._tls.inside = inside
 
         if async_op:
             # Only the submission is serialised here, not the operation: the worker thread takes
-            # self._lock per operation, so several asynchronous operations can be in flight.
+            # the lock per operation, so several asynchronous operations can be in flight.
             with self._submit_lock:
-                if self._executor is None:
-                    self._executor = concurrent.futures.ThreadPoolExecutor(
-                        max_workers=1, thread_name_prefix=f"trainloom-{self.name}"
-                    )
-                fut = self._executor.submit(run)
-                self._last = fut
+                deps = self._pending(queue, same_queue=False) + [f for f in after if not f.done()]
+                if queue is None:
+                    if self._executor is None:
+                        self._executor = concurrent.futures.ThreadPoolExecutor(
+                            max_workers=1, thread_name_prefix=f"trainloom-{self.name}"
+                        )
+                    fut = self._executor.submit(run, deps)
+                    self._last = fut
+                else:
+                    executor = self._p2p_executors.get(queue)
+                    if executor is None:
+                        executor = concurrent.futures.ThreadPoolExecutor(
+                            max_workers=1, thread_name_prefix=f"trainloom-{self.name}-{queue}"
+                        )
+                        self._p2p_executors[queue] = executor
+                    fut = executor.submit(run, deps)
+                    self._p2p_last[queue] = fut
             return FutureWork(opname, fut, result, finish)
-        last = self._last
         # (not from inside a running operation: a composite op calling this communicator would
         # otherwise wait for itself)
-        if last is not None and not last.done() and not getattr(self._tls, "inside", False):
-            concurrent.futures.wait([last])  # keep the issue order identical on every rank
-        run()
+        if not getattr(self._tls, "inside", False):
+            deps = self._pending(queue)
+            if after:
+                deps += [f for f in after if not f.done()]
+            if deps:
+                concurrent.futures.wait(deps)  # keep the issue order identical on every rank
+        run(())
         if finish is not None:
             finish()
         return None
+
+    def _pending(self, queue: Optional[str], same_queue: bool = True) -> List[concurrent.futures.Future]:
+        """The unfinished asynchronous operations a new call on ``queue`` must follow.
+
+        A collective (``queue`` None) follows every earlier operation: this communicator's worker
+        queue, the fence left by an asynchronous hierarchical allreduce and the gloo send/recv
+        queues. A gloo send (recv) follows the collectives and the earlier sends (receives), but not
+        the receives (sends). ``same_queue=False`` leaves out the queue's own last operation (a
+        worker thread runs its queue in order anyway).
+        """
+        last, fence = self._last, self._fence
+        if (last is None or last.done()) and fence is None and not self._p2p_last:
+            return []  # the common case: nothing in flight, no point to point ever issued
+        if queue is None:
+            cands = [self._last if same_queue else None, self._fence, *self._p2p_last.values()]
+        else:
+            cands = [self._last, self._fence, self._p2p_last.get(queue) if same_queue else None]
+        return [f for f in cands if f is not None and not f.done()]
+
+    def wait_pending(self) -> None:
+        """Block until every asynchronous operation issued on this communicator has finished."""
+        if not getattr(self._tls, "inside", False):
+            deps = self._pending(None)
+            if deps:
+                concurrent.futures.wait(deps)
+
+    def pending_futures(self) -> List[concurrent.futures.Future]:
+        """The unfinished asynchronous operations issued on this communicator (for ``after=``)."""
+        return self._pending(None)
+
+    def set_fence(self, fut: concurrent.futures.Future) -> None:
+        """Make later calls on this communicator wait for ``fut`` (an operation queued elsewhere)."""
+        with self._submit_lock:
+            self._fence = fut
+
+    def _annotate(self, exc: CommError) -> None:
+        """Add the global ranks behind the engine's communicator-local ranks to ``exc``'s message."""
+        if getattr(exc, "communicator", None) is not None:
+            return
+        exc.communicator = self.name  # type: ignore[attr-defined]
+        local = getattr(exc, "missing_ranks", None)
+        if local is not None:
+            exc.global_missing_ranks = [  # type: ignore[attr-defined]
+                self.global_ranks[r] for r in local if 0 <= r < self.nranks()
+            ]
+        if self.global_ranks == list(range(self.nranks())):
+            return  # local ranks are global ranks
+        mapping = ", ".join(f"{i}->{g}" for i, g in enumerate(self.global_ranks))
+        note = f" [communicator {self.name}: its ranks are global ranks {mapping}"
+        if local:
+            note += f"; missing: global ranks {exc.global_missing_ranks}"  # type: ignore[attr-defined]
+        note += "]"
+        exc.args = (f"{exc.args[0] if exc.args else ''}{note}",) + tuple(exc.args[1:])
 
     def nccl_checks(self) -> bool:
         """Whether CUDA operations exchange a header through the CPU engine first.
@@ -444,6 +558,15 @@ class Communicator:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        for executor in self._p2p_executors.values():
+            executor.shutdown(wait=True)
+        self._p2p_executors = {}
+        self._p2p_last = {}
+        self._fence = None
+        self._last = None
+        # Old groups the caller still holds must not keep the job's store (and with it the TCPStore
+        # server rank 0 hosts on MASTER_PORT) alive: a later init_process_group() binds that port.
+        self._store = None
         engines = ([self._cpu] if self._cpu is not None else []) + list(self._cuda.values())
         self._cpu = None
         self._cuda = {}
@@ -569,6 +692,35 @@ def _use_agent_store() -> bool:
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
 
 
+#: Set in a TCPStore that init_process_group() created once destroy_process_group() let go of it:
+#: a rank re-initializing before rank 0 has closed that server must not rendezvous through it.
+_DESTROYED_KEY = "trainloom/destroyed"
+
+
+def _connect_store(launch: LaunchEnv, host: bool, timeout: float) -> Any:
+    """The job's TCPStore on MASTER_ADDR:MASTER_PORT (rank 0 hosts it; torchrun's agent under torchrun).
+
+    A client that reaches a store an earlier generation destroyed (rank 0 has not closed it yet)
+    drops it and connects again, until ``timeout``.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        left = datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+        base = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size, host, timeout=left)
+        if host or _use_agent_store() or not base.check([_DESTROYED_KEY]):
+            base.set_timeout(datetime.timedelta(seconds=timeout))
+            return base
+        del base
+        if time.monotonic() >= deadline:
+            raise CommTimeoutError(
+                f"init_process_group (rank {launch.rank} of {launch.world_size}): within {timeout:g}s only "
+                f"reached the TCPStore of an earlier init_process_group() at {launch.master_addr}:"
+                f"{launch.master_port}; rank 0 did not re-create it (did rank 0 call destroy_process_group() "
+                "and init_process_group() again?)"
+            )
+        time.sleep(0.05)
+
+
 def init_process_group(
     store: Optional[Any] = None,
     timeout: Union[None, float, datetime.timedelta] = None,
@@ -616,6 +768,7 @@ def init_process_group(
     launch = read_launch_env(rank, world_size, local_world_size, need_master=store is None)
     td = datetime.timedelta(seconds=t)
     owns_torch = False
+    owns_store = False
     if dist.is_initialized():
         if dist.get_rank() != launch.rank or dist.get_world_size() != launch.world_size:
             raise ConfigError(
@@ -635,10 +788,21 @@ def init_process_group(
             # an error line for it).
             host = launch.rank == 0 and not _use_agent_store()
             try:
-                base = dist.TCPStore(
-                    launch.master_addr, launch.master_port, launch.world_size, host, timeout=td
-                )
+                base = _connect_store(launch, host, t)
+                owns_store = not _use_agent_store()  # torchrun's agent store outlives generations
             except (RuntimeError, TimeoutError) as exc:  # DistNetworkError/DistStoreError are RuntimeErrors
+                text = str(exc)
+                if host and ("EADDRINUSE" in text or "address already in use" in text.lower()):
+                    # Immediate, not a timeout: something already listens on the port.
+                    raise CommError(
+                        f"init_process_group (rank 0 of {launch.world_size}): could not host the TCPStore "
+                        f"at {launch.master_addr}:{launch.master_port}: the port is already in use "
+                        f"({text.splitlines()[0][:160]}). Another process (an earlier job, or a "
+                        "torchrun agent: launch with torchrun, which sets TORCHELASTIC_USE_AGENT_STORE) "
+                        "listens there, or a TCPStore this process created itself is still alive "
+                        "(passed as store=, or kept by torch.distributed). Pick a free MASTER_PORT or "
+                        "release the other store"
+                    ) from None
                 role = "host" if host else "reach"
                 raise CommTimeoutError(
                     f"init_process_group (rank {launch.rank} of {launch.world_size}): could not {role} the "
@@ -682,6 +846,7 @@ def init_process_group(
         ) from None
     _STATE.launch = launch
     _STATE.store = tl_store
+    _STATE.base_store = base if owns_store else None
     _STATE.timeout = t
     _STATE.node_ids = node_ids
     _STATE.owns_torch_pg = owns_torch
@@ -846,6 +1011,14 @@ def destroy_process_group() -> None:
     st.default = None
     st.launch = None
     st.store = None
+    base, st.base_store = st.base_store, None
+    if base is not None:
+        # Mark the server as the old generation's for ranks that re-initialize before rank 0 has
+        # closed it (its last reference goes with this function's).
+        try:
+            base.set(_DESTROYED_KEY, "1")
+        except RuntimeError as exc:  # the host (rank 0) is gone already: nothing to mark
+            logger.debug("destroy_process_group: could not mark the store: %s", exc)
     st.node_ids = []
     if st.owns_torch_pg and dist.is_initialized():
         dist.destroy_process_group()

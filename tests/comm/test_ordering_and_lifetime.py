@@ -1,0 +1,133 @@
+"""Async hierarchical ordering, fp16/bf16 AVG, re-init, a vanished store host, gloo send/recv queues and
+global ranks in errors: real 2- to 4-process runs (4 ranks = 2 logical nodes via TRAINLOOM_NODE_ID)."""
+
+from __future__ import annotations
+
+import pytest
+from commutil import (
+    half_avg,
+    hier_async_ordering,
+    hier_timeout,
+    p2p_exchange,
+    reinit_keeping_groups,
+    shm_segments,
+    store_host_gone,
+    store_port_in_use,
+    sub_comm_timeout,
+)
+from multiproc import run_ranks
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_async_hierarchical_allreduce_is_ordered_before_later_calls(ws):
+    # ws=2: one node (global and intra on shm); ws=4: 2x2 (global and inter on gloo, intra on shm)
+    before = shm_segments()
+    res = run_ranks(hier_async_ordering, ws, 25, timeout=240)
+    assert res == [[]] * ws, "\n".join(line for r in res for line in r[:10])
+    assert shm_segments() == before
+
+
+@pytest.mark.parametrize(("ws", "engine"), [(2, "gloo"), (2, "auto"), (4, "auto")])
+def test_half_precision_avg_sums_in_fp32_on_every_path(ws, engine):
+    res = run_ranks(half_avg, ws, engine, timeout=120)
+    for rank, r in enumerate(res):
+        assert r.pop("engine") == ("gloo" if engine == "gloo" or ws == 4 else "shm")
+        assert r.pop("float16/column_neighbours_zero") is True
+        assert r.pop("bfloat16/column_neighbours_zero") is True
+        want = {
+            f"{dt}/{k}": "ok"
+            for dt in ("float16", "bfloat16")
+            for k in (
+                "allreduce",
+                "hierarchical",
+                "hierarchical_async",
+                "hierarchical_async_column",
+                "reduce_scatter",
+            )
+            + (("reduce",) if rank == ws - 1 else ())
+        }
+        assert r == want, (rank, r)
+
+
+def test_reinit_while_holding_old_groups_under_a_plain_launch():
+    res = run_ranks(reinit_keeping_groups, 2, timeout=120)
+    for r in res:
+        assert r["sums"] == [[1.0] * 3, [3.0] * 3, [5.0] * 3]
+        assert r["old_default"] == (
+            "CommError: allreduce: communicator default/global was used after destroy_process_group(); "
+            "call init_process_group()/new_group() again and use the new communicators"
+        )
+        assert r["old_sub"].startswith("CommError: broadcast: communicator g"), r["old_sub"]
+        assert r["old_sub"].endswith(
+            "/global was used after destroy_process_group(); "
+            "call init_process_group()/new_group() again and use the new communicators"
+        )
+
+
+def test_store_port_in_use_is_reported_at_once_and_as_such():
+    (err,) = run_ranks(store_port_in_use, 1, timeout=60)
+    assert err.startswith("CommError: init_process_group (rank 0 of 2): could not host the TCPStore at "), err
+    assert ": the port is already in use (" in err
+    assert "EADDRINUSE" in err
+    assert "within" not in err
+
+
+def test_group_connecting_after_the_store_host_exited_says_so():
+    res = run_ranks(store_host_gone, 3, timeout=120)
+    assert res[0] == {}
+    for rank in (1, 2):
+        err = res[rank]["error"]
+        assert err.startswith("CommError: gloo communicator tl/1/g"), err
+        assert f"/global/gloo (rank {rank - 1} of 2): could not connect because the store is gone (" in err
+        assert "rank 0 must stay alive until every group has been used once" in err
+        assert err.endswith("[communicator " + err.split("[communicator ")[1])
+        assert "its ranks are global ranks 0->1, 1->2]" in err
+
+
+def test_gloo_async_send_then_recv_with_the_same_peer():
+    res = run_ranks(p2p_exchange, 2, timeout=120)
+    for rank, r in enumerate(res):
+        peer = rank ^ 1
+        assert r["isend_recv"] == [[float(10 * peer + i)] * 4 for i in range(3)]
+        assert r["isend_irecv_allreduce"] == ([float(peer + 5)] * 3, [2.0, 2.0], True)
+        assert r["irecv_send"] == [float(peer + 7)] * 2
+        assert r["ordered"] == [0.0, 1.0, 2.0]
+
+
+def test_timeout_on_a_sub_communicator_names_global_ranks():
+    res = run_ranks(sub_comm_timeout, 3, timeout=120)
+    assert res[0] == {} and res[2] == {}
+    err = res[1]["error"]
+    assert err.startswith(
+        "allreduce #2 (gloo, rank 0 of 2): timed out after 3s; ranks [1] did not arrive."
+    ), err
+    assert err.endswith("its ranks are global ranks 0->1, 1->2; missing: global ranks [2]]"), err
+    op, seq, missing, global_missing, name = res[1]["attrs"]
+    assert (op, seq, missing, global_missing) == ("allreduce", 2, [1], [2])
+    assert name.startswith("g") and name.endswith("/global")
+
+
+def test_hierarchical_timeout_names_the_global_ranks_each_rank_waits_for():
+    before = shm_segments()
+    res = run_ranks(hier_timeout, 4, timeout=120)
+    assert res[3] == {}
+    # rank 2 waits in the intra-node reduce (shm) for its node peer, global rank 3
+    err2 = res[2]["error"]
+    assert err2.startswith(
+        "CommTimeoutError: shm reduce #3 on rank 0/2 (prefix 'tl/1/default/intra1/shm'): "
+        "timed out after 3 s waiting for ranks [1]."
+    ), err2
+    assert err2.endswith(
+        " [communicator default/intra1: its ranks are global ranks 0->2, 1->3; missing: global ranks [3]]"
+    ), err2
+    assert res[2]["global_missing"] == [3]
+    # rank 0 waits in the inter-node allreduce (gloo) for the other leader, global rank 2
+    err0 = res[0]["error"]
+    assert err0.startswith(
+        "CommTimeoutError: allreduce #2 (gloo, rank 0 of 2): timed out after 3s; ranks [1] did not arrive."
+    ), err0
+    assert err0.endswith(
+        " [communicator default/inter: its ranks are global ranks 0->0, 1->2; missing: global ranks [2]]"
+    ), err0
+    assert res[0]["global_missing"] == [2]
+    assert shm_segments() == before
