@@ -33,12 +33,18 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import numpy as np
 import torch
-from torch.optim import optimizer as _torch_optimizer  # the global step hooks
+from torch.optim import optimizer as _torch_optimizer
 
 from trainloom._build_check import import_compiled
 from trainloom.errors import ConfigError
 
 _K = import_compiled("trainloom.optim._fused")
+
+# torch's global step hooks (dicts that register_optimizer_step_*_hook fill in place) and its check
+# for a recording profiler, bound once: fuse_step looks at them on every call.
+_GLOBAL_PRE_HOOKS = _torch_optimizer._global_optimizer_pre_hooks
+_GLOBAL_POST_HOOKS = _torch_optimizer._global_optimizer_post_hooks
+_profiler_enabled = torch._C._autograd._profiler_enabled
 
 logger = logging.getLogger("trainloom.optim")
 
@@ -816,15 +822,17 @@ def fuse_step(optimizer: torch.optim.Optimizer, closure: Optional[Callable[[], A
         ...     opt.zero_grad()
     """
     info = _info(optimizer, "fuse_step")
-    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
-        # an LR scheduler tracks "optimizer stepped before scheduler"; fuse_step is a step too
-        optimizer._opt_called = True  # type: ignore[attr-defined]
+    # An LR scheduler tracks "optimizer stepped before scheduler" by wrapping the instance's step
+    # (an instance attribute; looked up in __dict__: hasattr on the bound method costs ~0.7 us).
+    lr_step = optimizer.__dict__.get("step")
+    if lr_step is not None and hasattr(lr_step, "_wrapped_by_lr_sched"):
+        optimizer._opt_called = True  # type: ignore[attr-defined]  # fuse_step is a step too
     if (
-        _torch_optimizer._global_optimizer_pre_hooks
-        or _torch_optimizer._global_optimizer_post_hooks
+        _GLOBAL_PRE_HOOKS
+        or _GLOBAL_POST_HOOKS
         or optimizer._optimizer_step_pre_hooks
         or len(optimizer._optimizer_step_post_hooks) > 1  # fuse_optimizer registered one
-        or torch._C._autograd._profiler_enabled()
+        or _profiler_enabled()
     ):
         return _with_step_hooks(optimizer, info, closure)
     return _fuse_step(optimizer, info, closure)
@@ -839,13 +847,10 @@ def _with_step_hooks(
     real param groups; the internal ``step()`` calls of the torch-math paths run no hooks."""
     args: Tuple[Any, ...] = (optimizer,) if closure is None else (optimizer, closure)
     kwargs: Dict[str, Any] = {}
-    profiling = torch._C._autograd._profiler_enabled()
+    profiling = _profiler_enabled()
     name = f"Optimizer.step#{type(optimizer).__name__}.step"
     with torch.autograd.profiler.record_function(name) if profiling else contextlib.nullcontext():
-        for hook in itertools.chain(
-            _torch_optimizer._global_optimizer_pre_hooks.values(),
-            optimizer._optimizer_step_pre_hooks.values(),
-        ):
+        for hook in itertools.chain(_GLOBAL_PRE_HOOKS.values(), optimizer._optimizer_step_pre_hooks.values()):
             result = hook(optimizer, args, kwargs)
             if result is not None:
                 if not (isinstance(result, tuple) and len(result) == 2):
@@ -858,10 +863,8 @@ def _with_step_hooks(
         out = _fuse_step(optimizer, info, closure)
         optimizer._optimizer_step_code()
         mine = info.step_hook.id
-        for key, hook in itertools.chain(
-            optimizer._optimizer_step_post_hooks.items(),
-            _torch_optimizer._global_optimizer_post_hooks.items(),
-        ):
+        post = itertools.chain(optimizer._optimizer_step_post_hooks.items(), _GLOBAL_POST_HOOKS.items())
+        for key, hook in post:
             if key != mine:
                 hook(optimizer, args, kwargs)
     return out
@@ -907,7 +910,8 @@ def _sparse_fallback(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> bool
     return False
 
 
-_CFG_KEYS = (
+#: Configuration flags: compared by value.
+_CFG_FLAGS = (
     "fused",
     "foreach",
     "differentiable",
@@ -916,31 +920,24 @@ _CFG_KEYS = (
     "maximize",
     "nesterov",
     "decoupled_weight_decay",
-    "lr",
-    "betas",
-    "weight_decay",
-    "eps",
-    "momentum",
-    "dampening",
 )
+#: Hyperparameters: compared by type (float vs Tensor decides the math torch runs).
+_CFG_NUMBERS = ("lr", "weight_decay", "eps", "dampening")
 
 
 def _cfg_key(group: Dict[str, Any]) -> Tuple[Any, ...]:
     """What decides the kernel choice: flags by value, numbers by type (float vs Tensor); and
     whether SGD's momentum is 0 (torch then keeps no momentum buffer, and creates one at the
-    first step with momentum)."""
-    out = []
-    for k in _CFG_KEYS:
-        v = group.get(k)
-        if v is None or isinstance(v, bool):
-            out.append(v)
-        elif k == "momentum":
-            out.append((type(v), bool(v == 0)))
-        elif isinstance(v, tuple):
-            out.append(tuple(type(x) for x in v))
-        else:
-            out.append(type(v))
-    return tuple(out)
+    first step with momentum). Computed on every fuse_step: kept to a few list comprehensions."""
+    get = group.get
+    betas = get("betas")
+    momentum = get("momentum")
+    return (
+        tuple([get(k) for k in _CFG_FLAGS]),
+        tuple([type(get(k)) for k in _CFG_NUMBERS]),
+        None if betas is None else tuple([type(b) for b in betas]),
+        None if momentum is None else (type(momentum), bool(momentum == 0)),
+    )
 
 
 def _scan(b: _Bucket, state: Any, light: bool = False) -> None:
