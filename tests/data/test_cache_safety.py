@@ -200,6 +200,20 @@ def _earlier_run(path, name: str, n: int, fingerprint=None) -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+def test_only_local_rank_0_judges_whether_entries_are_from_an_earlier_run(tmp_path, monkeypatch):
+    # Another rank of the same job may have flushed before this one opened: not an earlier run.
+    _earlier_run(tmp_path, "imgs", 8)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        CachedDataset(Squares(8), path=tmp_path, dataset_name="imgs").close()
+    assert not _messages(rec, "reusing")
+    cache_mod._OPENED.clear()
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.warns(RuntimeWarning, match="reusing 8 cached entries written by an earlier run"):
+        CachedDataset(Squares(8), path=tmp_path, dataset_name="imgs").close()
+
+
 def test_entries_of_an_earlier_run_without_fingerprint_warn_once(tmp_path, caplog):
     _earlier_run(tmp_path, "imgs", 8)
     caplog.set_level(logging.WARNING, logger="trainloom.data")

@@ -642,7 +642,11 @@ class CacheLoader:
         first_open = self._location not in _OPENED
         _OPENED.add(self._location)
         _register_live(self, self._location, digest, desc)
-        if user_fp is None and persistent and first_open:
+        # Only one process per node judges: the ranks of one job open the node's LMDB at about the
+        # same time, and one that opens after another rank has flushed would take that for an earlier
+        # run (DataLoader workers never get here: their loaders are unpickled, not constructed).
+        local_leader = os.environ.get("LOCAL_RANK", "0").strip() in ("", "0")
+        if user_fp is None and persistent and first_open and local_leader:
             self._warn_reused(where)
 
     def _where(self) -> str:
