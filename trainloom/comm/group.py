@@ -293,27 +293,12 @@ class Communicator:
                 "call init_process_group()/new_group() again and use the new communicators"
             )
         kind = self.cpu_engine_kind()
-        engine: Any
+        cls: Any
         if kind == "shm":
-            from trainloom.comm.shm import ShmCommunicator
-
-            engine = ShmCommunicator(
-                self._store,
-                self._rank,
-                self.nranks(),
-                prefix=self._prefix("shm"),
-                timeout=self.timeout,
-            )
+            from trainloom.comm.shm import ShmCommunicator as cls
         else:
-            from trainloom.comm._gloo import GlooEngine
-
-            engine = GlooEngine(
-                self._store,
-                self._rank,
-                self.nranks(),
-                prefix=self._prefix("gloo"),
-                timeout=self.timeout,
-            )
+            from trainloom.comm._gloo import GlooEngine as cls
+        engine = cls(self._store, self._rank, self.nranks(), prefix=self._prefix(kind), timeout=self.timeout)
         logger.debug("%s: CPU engine %s", self.name, kind)
         return engine
 

@@ -633,18 +633,24 @@ def _warn_shared(optimizer: torch.optim.Optimizer, info: _FusedInfo, shared: set
     if info.warned_shared:
         return
     info.warned_shared = True
-    names = [
-        f"param group {gi} parameter {pi} (shape {tuple(p.shape)})"
-        for gi, g in enumerate(optimizer.param_groups)
-        for pi, p in enumerate(g["params"])
-        if id(p) in shared
-    ]
-    more = f" and {len(names) - 8} more" if len(names) > 8 else ""
+    _, names = _param_names(optimizer, shared, shapes=True)
     _warn(
         "fuse_optimizer: parameters whose memory overlaps (views of one tensor) would stop sharing it "
         f"in the flat buffers, so they stay where they are and torch updates them per tensor: "
-        f"{', '.join(names[:8])}{more}. flat_buffers(optimizer, 'grad') does not hold their gradients.",
+        f"{names}. flat_buffers(optimizer, 'grad') does not hold their gradients.",
     )
+
+
+def _param_names(optimizer: torch.optim.Optimizer, ids: set, shapes: bool) -> Tuple[int, str]:
+    """How many of the optimizer's parameters have their ``id()`` in ``ids``, and the first 8 named."""
+    names = [
+        f"param group {gi} parameter {pi}" + (f" (shape {tuple(p.shape)})" if shapes else "")
+        for gi, g in enumerate(optimizer.param_groups)
+        for pi, p in enumerate(g["params"])
+        if id(p) in ids
+    ]
+    more = f" and {len(names) - 8} more" if len(names) > 8 else ""
+    return len(names), ", ".join(names[:8]) + more
 
 
 def _warn_shm(optimizer: torch.optim.Optimizer, info: _FusedInfo, in_shm: set) -> None:
@@ -653,18 +659,12 @@ def _warn_shm(optimizer: torch.optim.Optimizer, info: _FusedInfo, in_shm: set) -
     if info.warned_shm:
         return
     info.warned_shm = True
-    names = [
-        f"param group {gi} parameter {pi}"
-        for gi, g in enumerate(optimizer.param_groups)
-        for pi, p in enumerate(g["params"])
-        if id(p) in in_shm
-    ]
-    more = f" and {len(names) - 8} more" if len(names) > 8 else ""
+    n, names = _param_names(optimizer, in_shm, shapes=False)
     _warn(
-        f"fuse_optimizer: {len(names)} parameters live in shared memory (model.share_memory(), e.g. "
+        f"fuse_optimizer: {n} parameters live in shared memory (model.share_memory(), e.g. "
         "Hogwild training); moving them into the flat buffers would take them out of it, so the other "
         "processes would stop seeing their updates. They stay where they are and torch updates them "
-        f"per tensor (not fused): {', '.join(names[:8])}{more}.",
+        f"per tensor (not fused): {names}.",
     )
 
 
