@@ -11,7 +11,7 @@ import os
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -1286,5 +1286,100 @@ def hier_timeout(rank: int, ws: int) -> Dict[str, Any]:
         store.set(f"hier_timeout_done/{rank}", "1")
     else:
         store.wait([f"hier_timeout_done/{r}" for r in range(3)], datetime.timedelta(seconds=30))
+    C.destroy_process_group()
+    return out
+
+
+def concurrent_first_ops(rank: int, ws: int, engine: str, rounds: int) -> List[str]:
+    """Fresh communicators whose engines connect at the same time: two asynchronous first operations
+    back to back (two worker threads), then two user threads each making a first call. Returns the
+    failures (none expected)."""
+    import threading
+
+    os.environ["TRAINLOOM_CPU_ENGINE"] = engine
+    torch.set_num_threads(1)
+    C.init_process_group(timeout=20)
+    bad: List[str] = []
+    want = float(sum(range(1, ws + 1)))
+    for i in range(rounds):
+        a = C.new_group().get_global_communicator()
+        b = C.new_group().get_global_communicator()
+        x, y = torch.full((8,), rank + 1.0), torch.full((8,), 10.0 * (rank + 1))
+        wa = C.allreduce_inplace(x, comm=a, async_op=True)
+        wb = C.allreduce_inplace(y, comm=b, async_op=True)
+        for name, w, t, v in (("async a", wa, x, want), ("async b", wb, y, 10 * want)):
+            try:
+                w.wait()
+                if not bool((t == v).all()):
+                    bad.append(f"round {i} {name}: {t[0].item()} != {v}")
+            except CommError as exc:
+                bad.append(f"round {i} {name}: {exc}")
+        c = C.new_group().get_global_communicator()
+        d = C.new_group().get_global_communicator()
+        out: Dict[str, Any] = {}
+
+        def first_call(name: str, comm: Any, scale: float, out: Dict[str, Any] = out) -> None:
+            t = torch.full((4,), scale * (rank + 1))
+            try:
+                C.allreduce_inplace(t, comm=comm)
+                out[name] = t[0].item() == scale * want
+            except CommError as exc:
+                out[name] = str(exc)
+
+        calls = (("c", c, 1.0), ("d", d, 3.0))
+        threads = [threading.Thread(target=first_call, args=call) for call in calls]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        bad += [f"round {i} thread {n}: {v}" for n, v in sorted(out.items()) if v is not True]
+        if bad:
+            break
+    C.destroy_process_group()
+    return bad
+
+
+def one_element_strided(rank: int, ws: int) -> Dict[str, Any]:
+    """A one-element column view (stride 3; torch calls it contiguous) through gloo's byte paths."""
+    os.environ["TRAINLOOM_CPU_ENGINE"] = "gloo"
+    torch.set_num_threads(1)
+    C.init_process_group(timeout=30)
+
+    def col(v: float) -> Tuple[torch.Tensor, torch.Tensor]:
+        m = torch.full((1, 3), 7.0)
+        m[0, 1] = v
+        return m, m[:, 1]
+
+    out: Dict[str, Any] = {}
+    m, c = col(rank + 1.0)
+    C.broadcast(c, 1)
+    out["broadcast"] = m.tolist()
+    m, c = col(0.0)
+    C.allreduce(torch.tensor([rank + 1.0]), c, hierarchical=True)
+    out["hierarchical"] = m.tolist()
+    m, c = col(0.0)
+    C.allreduce(torch.tensor([rank + 1.0]), c, hierarchical=True, async_op=True).wait()
+    out["hierarchical_async"] = m.tolist()
+    m, c = col(rank + 5.0)
+    C.send(c, 1) if rank == 0 else C.recv(c, 0)
+    out["send_recv"] = m.tolist()
+    C.destroy_process_group()
+    return out
+
+
+def p2p_recv_timeout(rank: int, ws: int) -> Dict[str, Any]:
+    """Rank 0 receives from rank 1, which never sends (the other ranks are idle): the gloo timeout
+    names the missing matching send, not every rank but the peer."""
+    os.environ["TRAINLOOM_CPU_ENGINE"] = "gloo"
+    C.init_process_group(timeout=3)
+    C.barrier()
+    out: Dict[str, Any] = {}
+    if rank == 0:
+        try:
+            C.recv(torch.zeros(4), 1)
+        except CommError as exc:
+            out = {"error": f"{type(exc).__name__}: {exc}", "missing": getattr(exc, "missing_ranks", "unset")}
+    else:
+        time.sleep(5)  # past rank 0's timeout, so that rank 0 never gets its send
     C.destroy_process_group()
     return out

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import pytest
 from commutil import (
+    concurrent_first_ops,
     half_avg,
     hier_async_ordering,
     hier_timeout,
+    one_element_strided,
     p2p_exchange,
+    p2p_recv_timeout,
     reinit_keeping_groups,
     shm_segments,
     store_host_gone,
@@ -131,3 +134,34 @@ def test_hierarchical_timeout_names_the_global_ranks_each_rank_waits_for():
     ), err0
     assert res[0]["global_missing"] == [2]
     assert shm_segments() == before
+
+
+@pytest.mark.parametrize("engine", ["gloo", "auto"])
+def test_communicators_whose_engines_connect_at_the_same_time(engine):
+    """Engines connect at their communicator's first operation; two at once (async first operations on
+    two worker threads, or first calls from two user threads) each use a store client of their own:
+    over one shared TCPStore client such rendezvous failed at random (timeouts, cross-wired pairs)."""
+    before = shm_segments()
+    res = run_ranks(concurrent_first_ops, 2, engine, 8, timeout=240)
+    assert res == [[], []], "\n".join(line for r in res for line in r[:5])
+    assert shm_segments() == before
+
+
+def test_one_element_strided_views_through_gloo():
+    """m[:, 1] of a 1 x 3 m has stride 3 and is contiguous by torch's rule; gloo's byte view needed
+    stride 1 (RuntimeError "stride(-1) must be 1") for broadcast, send/recv and hierarchical."""
+    res = run_ranks(one_element_strided, 2, timeout=120)
+    for r in res:
+        assert r["broadcast"] == [[7.0, 2.0, 7.0]]
+        assert r["hierarchical"] == r["hierarchical_async"] == [[7.0, 3.0, 7.0]]
+        assert r["send_recv"] == [[7.0, 5.0, 7.0]]
+
+
+def test_gloo_recv_timeout_names_the_missing_send_not_the_idle_ranks():
+    res = run_ranks(p2p_recv_timeout, 3, timeout=120)
+    assert res[0] == {
+        "error": "CommTimeoutError: recv #1 (gloo, rank 0 of 3): timed out after 3s; the peer did not post "
+        "the matching send. Check that every recv has a matching send on the peer, or raise the timeout",
+        "missing": None,
+    }
+    assert res[1] == res[2] == {}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import threading
 import time
 from typing import List, Optional, Sequence
 
@@ -105,6 +106,10 @@ _TAG_TO_SEND = 2  # the receiver's header, back to the sender
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous tensor (data movement does not care about the dtype)."""
     flat = t.reshape(-1)
+    if flat.numel() <= 1 and flat.stride(0) != 1:
+        # torch calls a one-element view with any stride contiguous (e.g. m[:, 1] of a 1 x 3 m), and
+        # reshape keeps that stride; the byte view needs stride 1 (same memory, one element)
+        flat = flat.as_strided((flat.numel(),), (1,))
     if flat.dtype.is_complex:
         flat = torch.view_as_real(flat).reshape(-1)
     return flat.view(torch.uint8)
@@ -229,6 +234,7 @@ class GlooEngine:
         self._store = store
         self._seq = 0
         self._p2p_seq = 0
+        self._p2p_lock = threading.Lock()
         self._broken: Optional[str] = None
         self._closed = False
         self._check = _check_enabled()
@@ -284,8 +290,9 @@ class GlooEngine:
                 "destroy the process group and create a new one"
             )
         if p2p:  # only two ranks take part: a separate count keeps collective numbers equal everywhere
-            self._p2p_seq += 1
-            return self._p2p_seq
+            with self._p2p_lock:  # send and recv run on their own threads (one queue each)
+                self._p2p_seq += 1
+                return self._p2p_seq
         self._seq += 1
         return self._seq
 
@@ -300,13 +307,25 @@ class GlooEngine:
         text = str(exc)
         low = text.lower()
         if _is_timeout(exc):
-            missing = self._missing_ranks(seq)
-            who = f"ranks {missing} did not arrive" if missing else "a peer stopped responding"
             self._broken = f"{opname} #{seq} timed out"
+            if opname in ("send", "recv"):
+                # Only the peer takes part (and p2p numbers are per rank): no store census of arrivals.
+                missing: Optional[List[int]] = None
+                other = "recv" if opname == "send" else "send"
+                msg = (
+                    f"the peer did not post the matching {other}. Check that every {opname} has a "
+                    f"matching {other} on the peer, or raise the timeout"
+                )
+            else:
+                missing = self._missing_ranks(seq)
+                who = f"ranks {missing} did not arrive" if missing else "a peer stopped responding"
+                msg = (
+                    f"{who}. Check that every rank calls the same collectives in the same order, or raise "
+                    "the timeout"
+                )
             err = CommTimeoutError(
                 f"{opname} #{seq} (gloo, rank {self.rank} of {self.world_size}): timed out after "
-                f"{timeout:g}s; {who}. Check that every rank calls the same collectives in the same "
-                f"order, or raise the timeout"
+                f"{timeout:g}s; {msg}"
             )
             err.op, err.seq, err.missing_ranks = opname, seq, missing  # type: ignore[attr-defined]
             raise err from None

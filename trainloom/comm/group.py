@@ -298,7 +298,8 @@ class Communicator:
             from trainloom.comm.shm import ShmCommunicator as cls
         else:
             from trainloom.comm._gloo import GlooEngine as cls
-        engine = cls(self._store, self._rank, self.nranks(), prefix=self._prefix(kind), timeout=self.timeout)
+        store = _own_client(self._store)
+        engine = cls(store, self._rank, self.nranks(), prefix=self._prefix(kind), timeout=self.timeout)
         logger.debug("%s: CPU engine %s", self.name, kind)
         return engine
 
@@ -670,6 +671,22 @@ def _seconds(timeout: Union[None, float, int, datetime.timedelta]) -> float:
     if not value > 0:
         raise ConfigError(f"timeout must be > 0 seconds, got {value}")
     return value
+
+
+def _own_client(store: Any) -> Any:
+    """A client connection of its own to ``store`` for one engine (``Store.clone()``).
+
+    Engines connect at their communicator's first operation, so two communicators may connect at
+    once (asynchronous first operations run on their worker threads, or two user threads). Two
+    rendezvous over one TCPStore client at once fail at random in torch itself (timeouts, a peer
+    "gone", cross-wired pairs), and with a client each they do not. Stores that cannot be cloned
+    (HashStore, FileStore, custom ones) are shared as they are.
+    """
+    try:
+        return store.clone()
+    except (RuntimeError, NotImplementedError, AttributeError) as exc:
+        logger.debug("store %s cannot be cloned (%s); the engine shares it", type(store).__name__, exc)
+        return store
 
 
 def _use_agent_store() -> bool:
