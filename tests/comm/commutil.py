@@ -1291,11 +1291,8 @@ def hier_timeout(rank: int, ws: int) -> Dict[str, Any]:
 
 
 def concurrent_first_ops(rank: int, ws: int, engine: str, rounds: int) -> List[str]:
-    """Fresh communicators whose engines connect at the same time: two asynchronous first operations
-    back to back (two worker threads), then two user threads each making a first call. Returns the
-    failures (none expected)."""
-    import threading
-
+    """Fresh communicators whose first operations are asynchronous, issued back to back (they would
+    connect on two worker threads at once). Returns the failures (none expected)."""
     os.environ["TRAINLOOM_CPU_ENGINE"] = engine
     torch.set_num_threads(1)
     C.init_process_group(timeout=20)
@@ -1307,32 +1304,13 @@ def concurrent_first_ops(rank: int, ws: int, engine: str, rounds: int) -> List[s
         x, y = torch.full((8,), rank + 1.0), torch.full((8,), 10.0 * (rank + 1))
         wa = C.allreduce_inplace(x, comm=a, async_op=True)
         wb = C.allreduce_inplace(y, comm=b, async_op=True)
-        for name, w, t, v in (("async a", wa, x, want), ("async b", wb, y, 10 * want)):
+        for name, w, t, v in (("a", wa, x, want), ("b", wb, y, 10 * want)):
             try:
                 w.wait()
                 if not bool((t == v).all()):
                     bad.append(f"round {i} {name}: {t[0].item()} != {v}")
             except CommError as exc:
                 bad.append(f"round {i} {name}: {exc}")
-        c = C.new_group().get_global_communicator()
-        d = C.new_group().get_global_communicator()
-        out: Dict[str, Any] = {}
-
-        def first_call(name: str, comm: Any, scale: float, out: Dict[str, Any] = out) -> None:
-            t = torch.full((4,), scale * (rank + 1))
-            try:
-                C.allreduce_inplace(t, comm=comm)
-                out[name] = t[0].item() == scale * want
-            except CommError as exc:
-                out[name] = str(exc)
-
-        calls = (("c", c, 1.0), ("d", d, 3.0))
-        threads = [threading.Thread(target=first_call, args=call) for call in calls]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        bad += [f"round {i} thread {n}: {v}" for n, v in sorted(out.items()) if v is not True]
         if bad:
             break
     C.destroy_process_group()

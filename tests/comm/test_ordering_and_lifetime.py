@@ -138,9 +138,9 @@ def test_hierarchical_timeout_names_the_global_ranks_each_rank_waits_for():
 
 @pytest.mark.parametrize("engine", ["gloo", "auto"])
 def test_communicators_whose_engines_connect_at_the_same_time(engine):
-    """Engines connect at their communicator's first operation; two at once (async first operations on
-    two worker threads, or first calls from two user threads) each use a store client of their own:
-    over one shared TCPStore client such rendezvous failed at random (timeouts, cross-wired pairs)."""
+    """Engines connect at their communicator's first operation; an asynchronous first operation
+    connects in the issuing thread, so two of them back to back connect in issue order: on two
+    worker threads at once, over the one TCPStore client, they failed at random (timeouts)."""
     before = shm_segments()
     res = run_ranks(concurrent_first_ops, 2, engine, 8, timeout=240)
     assert res == [[], []], "\n".join(line for r in res for line in r[:5])

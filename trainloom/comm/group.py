@@ -298,8 +298,7 @@ class Communicator:
             from trainloom.comm.shm import ShmCommunicator as cls
         else:
             from trainloom.comm._gloo import GlooEngine as cls
-        store = _own_client(self._store)
-        engine = cls(store, self._rank, self.nranks(), prefix=self._prefix(kind), timeout=self.timeout)
+        engine = cls(self._store, self._rank, self.nranks(), prefix=self._prefix(kind), timeout=self.timeout)
         logger.debug("%s: CPU engine %s", self.name, kind)
         return engine
 
@@ -406,6 +405,11 @@ class Communicator:
                     self._tls.inside = inside
 
         if async_op:
+            if needs_engine and is_cpu and self._cpu is None:
+                # Connect now, in the issuing thread: engines then connect in issue order on every
+                # rank. Two rendezvous at once over the one store client (two first operations
+                # running on two worker threads) failed at random, in torch too.
+                self.engine(device)
             # Only the submission is serialised here, not the operation: the worker thread takes
             # the lock per operation, so several asynchronous operations can be in flight.
             with self._submit_lock:
@@ -671,22 +675,6 @@ def _seconds(timeout: Union[None, float, int, datetime.timedelta]) -> float:
     if not value > 0:
         raise ConfigError(f"timeout must be > 0 seconds, got {value}")
     return value
-
-
-def _own_client(store: Any) -> Any:
-    """A client connection of its own to ``store`` for one engine (``Store.clone()``).
-
-    Engines connect at their communicator's first operation, so two communicators may connect at
-    once (asynchronous first operations run on their worker threads, or two user threads). Two
-    rendezvous over one TCPStore client at once fail at random in torch itself (timeouts, a peer
-    "gone", cross-wired pairs), and with a client each they do not. Stores that cannot be cloned
-    (HashStore, FileStore, custom ones) are shared as they are.
-    """
-    try:
-        return store.clone()
-    except (RuntimeError, NotImplementedError, AttributeError) as exc:
-        logger.debug("store %s cannot be cloned (%s); the engine shares it", type(store).__name__, exc)
-        return store
 
 
 def _use_agent_store() -> bool:
