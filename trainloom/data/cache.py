@@ -51,6 +51,7 @@ import torch
 from torch.utils.data import Dataset
 
 from trainloom._build_check import import_compiled
+from trainloom._warnings import warn_at_caller
 from trainloom.data.codec import ChecksumError, CodecError
 from trainloom.data.stores.base import (
     Store,
@@ -395,20 +396,10 @@ def _unregister_live(loader: CacheLoader) -> None:
                 del _LIVE[location]
 
 
-def _caller_stacklevel() -> int:
-    """The ``stacklevel`` of the first frame outside this module (the user's code)."""
-    f = sys._getframe(1)
-    level = 1
-    while f is not None and f.f_code.co_filename == __file__:
-        f = f.f_back
-        level += 1
-    return level
-
-
 def _warn_process_once(key: Any, message: str) -> None:
     if key not in _PROCESS_WARNED:
         _PROCESS_WARNED.add(key)
-        warnings.warn(message, RuntimeWarning, stacklevel=_caller_stacklevel())
+        warn_at_caller(message, RuntimeWarning, __file__)
         log.warning(message)
 
 

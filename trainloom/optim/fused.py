@@ -26,8 +26,6 @@ import itertools
 import logging
 import math
 import os
-import sys
-import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -36,6 +34,7 @@ import torch
 from torch.optim import optimizer as _torch_optimizer
 
 from trainloom._build_check import import_compiled
+from trainloom._warnings import warn_at_caller
 from trainloom.errors import ConfigError
 
 _K = import_compiled("trainloom.optim._fused")
@@ -373,11 +372,7 @@ def _check_supported(optimizer: torch.optim.Optimizer) -> None:
 
 def _warn(message: str) -> None:
     """A UserWarning attributed to the first caller outside this module (the user's line)."""
-    level, frame = 1, sys._getframe(0)
-    while frame is not None and frame.f_code.co_filename == __file__:
-        level += 1
-        frame = frame.f_back
-    warnings.warn(message, stacklevel=level)
+    warn_at_caller(message, UserWarning, __file__)
 
 
 def _unwrap(fn: Any) -> Any:
