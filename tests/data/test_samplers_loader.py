@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import itertools
+import operator
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import BatchSampler, DataLoader, Dataset
 
 from trainloom.data.samplers import LoadBalancingDistributedBatchSampler, LoadBalancingDistributedSampler
+from trainloom.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -104,3 +108,103 @@ def test_benchmark_quick_run(tmp_path):
     assert len(cold) == 1 and float(cold[0].split("|")[-2]) > 0
     assert (tmp_path / "out" / "sampler_plan_time.png").stat().st_size > 0
     assert np.load(tmp_path / "lengths.npy").size > 100
+
+
+def make_plain(rank=1):
+    s = LoadBalancingDistributedSampler(Tokens(LENS), complexities=LENS, num_replicas=2, rank=rank, seed=5)
+    s.set_epoch(2)
+    return s
+
+
+def test_plain_sampler_track_counts_the_samples_the_loop_received_under_prefetch():
+    ds = Tokens(LENS)
+    ref = make_plain().rank_indices().tolist()
+    s = make_plain()
+    loader = DataLoader(
+        ds, sampler=s, batch_size=16, num_workers=2, prefetch_factor=2, collate_fn=collate_ids
+    )
+    got = []
+    for batch in s.track(loader):
+        got += batch
+        if len(got) == 5 * 16:
+            break
+    yielded = s._iter_end - operator.length_hint(s._iter)
+    assert yielded > 80  # the workers' prefetch drew indices ahead of the loop...
+    state = s.state_dict()
+    assert state["consumed"] == 80  # ...the state counts the 5 batches the loop received
+    del loader
+
+    resumed = make_plain()
+    resumed.load_state_dict(state)
+    loader = DataLoader(ds, sampler=resumed, batch_size=16, num_workers=2, collate_fn=collate_ids)
+    more = []
+    for batch in resumed.track(loader):  # a resumed iteration counts on from the saved position
+        more += batch
+        if len(more) == 2 * 16:
+            break
+    assert resumed.state_dict()["consumed"] == 80 + 32
+    assert got + more == ref[: 80 + 32]
+    del loader
+
+    again = make_plain()
+    again.load_state_dict(resumed.state_dict())
+    rest = [
+        i for batch in DataLoader(ds, sampler=again, batch_size=16, collate_fn=collate_ids) for i in batch
+    ]
+    assert got + more + rest == ref
+
+
+def test_plain_sampler_track_through_a_batch_sampler_and_to_the_end_of_the_epoch():
+    ds = Tokens(LENS)
+    s = make_plain()
+    loader = DataLoader(
+        ds, batch_sampler=BatchSampler(s, 7, drop_last=False), num_workers=2, collate_fn=collate_ids
+    )
+    seen = [i for batch in s.track(loader) for i in batch]
+    assert seen == make_plain().rank_indices().tolist()
+    assert s.state_dict()["consumed"] == 300  # 42 batches of 7 and one of 6, not 43 x 7
+    s = make_plain()
+    items = DataLoader(ds, sampler=s, batch_size=None, collate_fn=lambda x: int(x[0]))  # unbatched: 1 each
+    first = list(itertools.islice(s.track(items), 9))
+    assert s.state_dict()["consumed"] == 9 and first == make_plain().rank_indices()[:9].tolist()
+
+
+def test_track_rejects_loaders_it_cannot_count():
+    ds = Tokens(LENS)
+    s = make_plain()
+    other = DataLoader(ds, sampler=make_plain(), batch_size=4)
+    with pytest.raises(ConfigError) as e:
+        s.track(other)
+    assert str(e.value) == (
+        "track: the DataLoader does not draw its indices from this LoadBalancingDistributedSampler; "
+        "pass the loader that was built with it"
+    )
+    with pytest.raises(ConfigError) as e:
+        s.track(DataLoader(ds, sampler=s, batch_size=4, num_workers=2, in_order=False))
+    assert str(e.value) == (
+        "track: the DataLoader was built with in_order=False, so the batches it delivers are not a "
+        "prefix of the epoch and a count of them cannot be resumed from; use in_order=True"
+    )
+    with pytest.raises(ConfigError) as e:
+        s.track([3, 1, 2])
+    assert str(e.value) == (
+        "track: cannot tell how many samples each batch of this loader holds; pass batch_size="
+    )
+    with pytest.raises(ConfigError) as e:
+        s.track([3, 1, 2], batch_size=0)
+    assert str(e.value) == "track: batch_size must be >= 1, got 0"
+    with pytest.raises(ConfigError) as e:
+        s.track([3, 1, 2], batch_size=2.0)
+    assert str(e.value) == "track: batch_size must be an integer, got 2.0"
+    bs = make()
+    with pytest.raises(ConfigError) as e:
+        bs.track(DataLoader(ds, batch_sampler=make(), collate_fn=collate_ids))
+    assert str(e.value) == (
+        "track: the DataLoader does not draw its indices from this LoadBalancingDistributedBatchSampler; "
+        "pass the loader that was built with it"
+    )
+    # any iterable that draws in order can be counted with an explicit batch size
+    s = make_plain()
+    it = s.track(iter(s), batch_size=1)
+    assert [next(it) for _ in range(3)] == make_plain().rank_indices()[:3].tolist()
+    assert s.state_dict()["consumed"] == 3

@@ -291,6 +291,22 @@ class _ResumeMixin:
             return self._resume[1]
         return 0
 
+    def _check_tracked_loader(self, loader: Iterable[Any], draws_from_self: bool) -> None:
+        """``track()``'s checks: counting delivered batches gives the consumed prefix of the epoch
+        only when the loader draws from this sampler and delivers its batches in order."""
+        if not isinstance(loader, torch.utils.data.DataLoader):
+            return
+        if not draws_from_self:
+            raise ConfigError(
+                f"track: the DataLoader does not draw its indices from this {type(self).__name__}; "
+                "pass the loader that was built with it"
+            )
+        if getattr(loader, "in_order", True) is False:
+            raise ConfigError(
+                "track: the DataLoader was built with in_order=False, so the batches it delivers are "
+                "not a prefix of the epoch and a count of them cannot be resumed from; use in_order=True"
+            )
+
 
 class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
     """Sampler that gives every rank, at every position, samples of similar complexity.
@@ -388,7 +404,10 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
         self._digest: Optional[str] = None
         self._cache: Optional[Tuple[int, np.ndarray, np.ndarray, np.ndarray]] = None
         self._iter: Optional[Iterator[int]] = None
+        self._iter_start = 0
         self._iter_end = 0
+        # Set by track(): the samples of this iteration the training loop has received.
+        self._tracked_pos: Optional[int] = None
         self._init_resume()
 
     # ----------------------------------------------------------------------------- plan
@@ -496,13 +515,63 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
         # not a list (a million int objects per rank at N = 2M, W = 2): each int is made when the
         # consumer asks for it. The position is read back from its length hint in state_dict().
         self._iter = _P.IntStream(self.rank_indices(), start)
+        self._iter_start = start
         self._iter_end = self.num_samples
+        self._tracked_pos = None
         return self._iter
 
     def _consumed(self) -> int:
+        if self._tracked_pos is not None:
+            return self._tracked_pos
         if self._iter is None:
             return self._position
         return self._iter_end - operator.length_hint(self._iter)
+
+    def track(self, loader: Iterable[Any], batch_size: Optional[int] = None) -> Iterator[Any]:
+        """Iterate ``loader`` and count the samples handed to the training loop.
+
+        A DataLoader with workers draws indices from this sampler ahead of the loop (prefetch);
+        with ``track``, :meth:`state_dict` counts the samples of the batches the loop actually
+        received (each batch ``batch_size`` samples, the last one what is left of the epoch).
+
+        Args:
+            loader: a DataLoader built with ``sampler=`` this sampler (or with a ``batch_sampler``
+                that wraps it), or any iterable that draws from it in order.
+            batch_size: samples per delivered batch. Default: the DataLoader's (1 when it does not
+                batch); required for other iterables.
+
+        Raises:
+            ConfigError: the DataLoader draws from another sampler or delivers out of order
+                (``in_order=False``); ``batch_size`` is not a positive int or cannot be found.
+
+        Example::
+
+            >>> for batch in sampler.track(loader):  # doctest: +SKIP
+            ...     train_step(batch)
+            ...     if time_to_checkpoint:
+            ...         save(sampler.state_dict())
+        """
+        bsampler = getattr(loader, "batch_sampler", None)
+        if getattr(loader, "sampler", None) is self:  # DataLoader(sampler=self, batch_size=...)
+            found, draws = (loader.batch_size or 1), True  # type: ignore[attr-defined]
+        elif bsampler is not None and getattr(bsampler, "sampler", None) is self:
+            found, draws = getattr(bsampler, "batch_size", None), True
+        else:
+            found, draws = None, False
+        self._check_tracked_loader(loader, draws)
+        size = found if batch_size is None else batch_size
+        if size is None:
+            raise ConfigError(
+                "track: cannot tell how many samples each batch of this loader holds; pass batch_size="
+            )
+        return self._track(loader, _as_int(size, "track: batch_size", minimum=1))
+
+    def _track(self, loader: Iterable[Any], size: int) -> Iterator[Any]:
+        received = 0
+        for batch in loader:  # __iter__ (start and end of this iteration) ran before the first batch
+            received += 1
+            self._tracked_pos = min(self._iter_start + received * size, self._iter_end)
+            yield batch
 
     def __len__(self) -> int:
         """Indices the next iteration yields: ``num_samples``, less what a restored state consumed."""
@@ -517,6 +586,7 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
         epoch = _as_int(epoch, "set_epoch: epoch")
         if epoch != self.epoch:
             self._iter = None
+            self._tracked_pos = None
             self._position = 0
         self.epoch = epoch
         if self._resume is not None and self._resume[0] != self.epoch:
@@ -531,9 +601,9 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
                 sampler has yielded, which equals it without DataLoader workers.
 
         .. warning::
-            A DataLoader with workers draws indices ahead of the training loop (prefetching).
-            Pass ``consumed=`` (batches seen times batch size) in that case, or use
-            :class:`LoadBalancingDistributedBatchSampler` and its ``track()``.
+            A DataLoader with workers draws indices ahead of the training loop (prefetching):
+            iterate it through :meth:`track` (or pass ``consumed=``, batches seen times batch
+            size) or the resumed run skips the prefetched samples.
 
         Returns:
             dict: epoch, seed, consumed, num_replicas, rank, dataset size and digest.
@@ -585,6 +655,7 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
         self.epoch = int(state["epoch"])
         self._resume = (self.epoch, int(state["consumed"]))
         self._iter = None
+        self._tracked_pos = None
         self._position = int(state["consumed"])
 
     # ----------------------------------------------------------------------------- diagnostics
@@ -1116,6 +1187,10 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         A DataLoader with workers draws batches from this sampler ahead of the loop (prefetch);
         with ``track``, :meth:`state_dict` counts the batches the loop actually received.
 
+        Raises:
+            ConfigError: a DataLoader that draws from another batch sampler, or that delivers out
+                of order (``in_order=False``).
+
         Example::
 
             >>> for batch in batch_sampler.track(loader):  # doctest: +SKIP
@@ -1123,6 +1198,10 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
             ...     if time_to_checkpoint:
             ...         save(batch_sampler.state_dict())
         """
+        self._check_tracked_loader(loader, getattr(loader, "batch_sampler", None) is self)
+        return self._track(loader)
+
+    def _track(self, loader: Iterable[Any]) -> Iterator[Any]:
         self._tracked = True
         for batch in loader:
             self._delivered += 1
