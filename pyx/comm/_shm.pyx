@@ -1064,7 +1064,9 @@ cdef class Engine:
     cdef readonly int rank
     cdef readonly int world
     cdef readonly object name
-    cdef int busy
+    cdef int busy       # a collective (or barrier) is running
+    cdef int busy_send  # a send is running: sends and receives use disjoint channel state
+    cdef int busy_recv  # a receive is running
     cdef int pid
     cdef int exports   # live HeapBuffer objects: the mapping must outlive them
     cdef int closed
@@ -1403,17 +1405,34 @@ cdef class Engine:
         return 0
 
     cdef int _enter(self) except -1:
+        """Start a collective: no other call may be running (the GIL makes check-and-set atomic)."""
+        self._check_usable(self.busy or self.busy_send or self.busy_recv)
+        self.busy = 1
+        return 0
+
+    cdef int _enter_p2p(self, bint send) except -1:
+        """Start a send or a receive. A send (my -> peer channels, p2p_sent) and a receive (peer ->
+        my channels, p2p_recv) touch disjoint state, so one of each may run at once on two threads:
+        a receive posted first no longer holds back the send the peer waits for."""
+        if send:
+            self._check_usable(self.busy or self.busy_send)
+            self.busy_send = 1
+        else:
+            self._check_usable(self.busy or self.busy_recv)
+            self.busy_recv = 1
+        return 0
+
+    cdef int _check_usable(self, bint running) except -1:
         if self.st.base == NULL or self.closed:
             raise CommError("shared-memory engine used after close()")
-        if self.busy:
+        if running:
             raise CommError(
-                "a communicator is used by one thread at a time; another call is running on it "
-                "(serialise calls, e.g. on one worker thread)")
+                "a communicator is used by one thread at a time (a send and a receive may overlap); "
+                "another call is running on it (serialise calls, e.g. on one worker thread)")
         if getpid() != self.pid:
             raise CommError(
                 f"this communicator was created in process {self.pid} and cannot be used in forked "
                 f"child {getpid()}; create a new one in the child")
-        self.busy = 1
         return 0
 
     cdef int _fail(self, int rc) noexcept nogil:
@@ -1454,13 +1473,13 @@ cdef class Engine:
         cdef double t0
         if self.st.base == NULL or self.closed:
             return
-        if self.busy:
+        if self.busy or self.busy_send or self.busy_recv:
             # another thread is inside an op: make its waits give up, then wait for it to leave
             self.st.local_closing = 1
             t0 = tl_now()
-            while self.busy and tl_now() - t0 < 5.0:
+            while (self.busy or self.busy_send or self.busy_recv) and tl_now() - t0 < 5.0:
                 _time.sleep(0.001)
-            if self.busy:
+            if self.busy or self.busy_send or self.busy_recv:
                 raise CommError("close(): an operation running on another thread did not stop within 5 s")
         self.st.ranks[self.st.rank].closed = 1
         tl_fence()
@@ -1625,12 +1644,12 @@ cdef class Engine:
         cdef double deadline = tl_now() + timeout
         cdef int rc
         _fill_desc(&d, desc)
-        self._enter()
+        self._enter_p2p(True)
         with nogil:
             rc = _send(&self.st, &d, <const char*>buf, nbytes, dst, deadline)
             if rc != 0 and rc != E_POISON:
                 self._fail(rc)
-        self.busy = 0
+        self.busy_send = 0
         if rc == E_INTERRUPTED:
             _reraise_pending()
         return rc
@@ -1640,12 +1659,12 @@ cdef class Engine:
         cdef double deadline = tl_now() + timeout
         cdef int rc
         _fill_desc(&d, desc)
-        self._enter()
+        self._enter_p2p(False)
         with nogil:
             rc = _recv(&self.st, &d, <char*>buf, nbytes, src, deadline)
             if rc != 0 and rc != E_POISON:
                 self._fail(rc)
-        self.busy = 0
+        self.busy_recv = 0
         if rc == E_INTERRUPTED:
             _reraise_pending()
         return rc

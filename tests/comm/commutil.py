@@ -1204,12 +1204,12 @@ def store_host_gone(rank: int, ws: int) -> Dict[str, Any]:
     return {"error": err}
 
 
-def p2p_exchange(rank: int, ws: int) -> Dict[str, Any]:
-    """isend + recv with the same peer (and the other mixes) on gloo: exact data, no deadlock."""
-    os.environ["TRAINLOOM_CPU_ENGINE"] = "gloo"
+def p2p_exchange(rank: int, ws: int, engine: str) -> Dict[str, Any]:
+    """isend + recv with the same peer (and the other mixes) on ``engine``: exact data, no deadlock."""
+    os.environ["TRAINLOOM_CPU_ENGINE"] = engine
     C.init_process_group(timeout=20)
+    out: Dict[str, Any] = {"engine": C.get_default_group().get_global_communicator().cpu_engine_kind()}
     peer = rank ^ 1
-    out: Dict[str, Any] = {}
     got = []
     for i in range(3):  # async send, then a synchronous receive from the same peer
         o = torch.zeros(4)
@@ -1230,6 +1230,12 @@ def p2p_exchange(rank: int, ws: int) -> Dict[str, Any]:
     C.send(torch.full((2,), float(rank + 7)), peer)
     w.wait()
     out["irecv_send"] = o.tolist()
+    # the same with a message of 4 MiB, over two pair buffers: the send waits for the peer's receive
+    big = torch.empty(1 << 20)
+    w = C.recv(big, peer, async_op=True)
+    C.send(torch.arange(1 << 20, dtype=torch.float32) + 100 * peer + 100 * (1 - peer), peer)
+    w.wait()
+    out["irecv_send_big"] = torch.equal(big, torch.arange(1 << 20, dtype=torch.float32) + 100)
     # several sends in flight to the same peer keep their order
     outs = [torch.zeros(1) for _ in range(3)]
     sends = [C.send(torch.full((1,), float(k)), peer, async_op=True) for k in range(3)]

@@ -87,10 +87,15 @@ def test_group_connecting_after_the_store_host_exited_says_so():
         assert "its ranks are global ranks 0->1, 1->2]" in err
 
 
-def test_gloo_async_send_then_recv_with_the_same_peer():
-    res = run_ranks(p2p_exchange, 2, timeout=120)
+@pytest.mark.parametrize("engine", ["gloo", "shm"])
+def test_async_send_or_recv_first_exchange_with_the_same_peer(engine):
+    """Sends and receives have a queue each on both CPU engines: neither an isend/recv nor an
+    irecv/send exchange deadlocks, also with messages larger than the shm pair channel."""
+    res = run_ranks(p2p_exchange, 2, engine, timeout=120)
     for rank, r in enumerate(res):
         peer = rank ^ 1
+        assert r["engine"] == engine
+        assert r["irecv_send_big"] is True
         assert r["isend_recv"] == [[float(10 * peer + i)] * 4 for i in range(3)]
         assert r["isend_irecv_allreduce"] == ([float(peer + 5)] * 3, [2.0, 2.0], True)
         assert r["irecv_send"] == [float(peer + 7)] * 2

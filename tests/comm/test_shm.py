@@ -667,6 +667,51 @@ def test_gil_is_released_and_close_from_another_thread_stops_a_wait():
     assert "rank 0 closed its communicator while this rank waited for it" in out[1], out[1]
 
 
+def _w_p2p_threads(rank, world):
+    import threading
+
+    comm = _comm(rank, world, timeout=30.0)
+    peer = 1 - rank
+    n = 1 << 20  # 4 MiB: more than two pair buffers, so each send waits for the peer's receive
+    box = {}
+    big = torch.empty(n)
+    th = threading.Thread(target=lambda: box.update(recv=_catch(lambda: comm.recv(big, peer))))
+    th.start()  # both ranks receive on a thread and send on the main thread at the same time
+    sent = _catch(lambda: comm.send(torch.arange(n, dtype=torch.float32) + 10 * rank, peer))
+    th.join(30)
+    exchange = (sent, box["recv"], torch.equal(big, torch.arange(n, dtype=torch.float32) + 10 * peer))
+    if rank == 0:
+        small = torch.zeros(2)
+        th = threading.Thread(target=lambda: box.update(recv2=_catch(lambda: comm.recv(small, peer))))
+        th.start()
+        time.sleep(0.3)  # the receive now waits for rank 1, which waits for the send below
+        second_recv = _catch(lambda: comm.recv(torch.zeros(2), peer))
+        collective = _catch(lambda: comm.barrier())
+        comm.send(torch.full((2,), 5.0), peer)  # a send may run beside the waiting receive
+        th.join(30)
+        comm.barrier()
+        return exchange, second_recv, collective, box["recv2"], small.tolist()
+    got = torch.zeros(2)
+    comm.recv(got, peer)
+    comm.send(torch.full((2,), 7.0), peer)
+    comm.barrier()
+    return exchange, got.tolist()
+
+
+def test_a_send_and_a_recv_run_at_once_on_two_threads_and_nothing_else_does():
+    out = run_ranks(_w_p2p_threads, 2, timeout=60)
+    for rank in (0, 1):
+        assert out[rank][0] == ("no error", "no error", True)
+    _, second_recv, collective, recv2, small = out[0]
+    busy = (
+        "CommError: a communicator is used by one thread at a time (a send and a receive may overlap); "
+        "another call is running on it (serialise calls, e.g. on one worker thread)"
+    )
+    assert second_recv == busy and collective == busy
+    assert recv2 == "no error" and small == [7.0, 7.0]
+    assert out[1][1] == [5.0, 5.0]
+
+
 def test_abort_makes_peers_fail_fast():
     out = run_ranks(_w_die, 2, "abort", timeout=40)
     msg = out[0][0]

@@ -364,7 +364,7 @@ class Communicator:
         CUDA operations (the CPU engines check for themselves). ``after``: futures of operations on
         other communicators that must finish before this one starts (captured at issue time, so the
         order is the issue order on every rank). ``p2p`` (``"send"``/``"recv"``): a point-to-point
-        operation; on gloo it is queued per direction (see :meth:`_pending`).
+        operation, queued per direction (see :meth:`_pending`).
         """
         self.check_alive(opname)
         is_cpu = device == "cpu" if isinstance(device, str) else device.type == "cpu"
@@ -379,11 +379,12 @@ class Communicator:
             if finish is not None:
                 finish()
             return None
-        # gloo send and recv take their own queues: a gloo send does not complete before the peer
-        # posts the matching receive, so an asynchronous send followed by a receive from the same
-        # peer (the isend/recv exchange) would deadlock on one queue. The shared-memory engine runs
-        # one operation at a time (its sends are eager up to two pair buffers) and keeps one queue.
-        queue = p2p if p2p is not None and self.cpu_engine_kind() == "gloo" else None
+        # Sends and receives take their own queues (as torch's gloo): a send does not complete
+        # before the peer takes the message (gloo: posts the matching receive; shm: beyond two pair
+        # buffers), so an asynchronous send followed by a receive from the same peer, or a receive
+        # posted first and then a send, would deadlock on one queue. Both engines run one send and
+        # one receive at once.
+        queue = p2p
         lock = self._lock if queue is None else self._p2p_locks[queue]
 
         def run(deps: Sequence[concurrent.futures.Future]) -> None:
@@ -448,9 +449,9 @@ class Communicator:
         """The unfinished asynchronous operations a new call on ``queue`` must follow.
 
         A collective (``queue`` None) follows every earlier operation: this communicator's worker
-        queue, the fence left by an asynchronous hierarchical allreduce and the gloo send/recv
-        queues. A gloo send (recv) follows the collectives and the earlier sends (receives), but not
-        the receives (sends). ``same_queue=False`` leaves out the queue's own last operation (a
+        queue, the fence left by an asynchronous hierarchical allreduce and the send/recv queues. A
+        send (recv) follows the collectives and the earlier sends (receives), but not the receives
+        (sends). ``same_queue=False`` leaves out the queue's own last operation (a
         worker thread runs its queue in order anyway).
         """
         last, fence = self._last, self._fence

@@ -278,8 +278,9 @@ class ShmCommunicator:
         comm.allreduce(t, t, ReduceOp.SUM)
         comm.close()
 
-    .. warning:: one communicator is used by one thread at a time; every rank must issue the same
-       collectives in the same order.
+    .. warning:: one communicator is used by one thread at a time (except that one :meth:`send` and
+       one :meth:`recv` may run at once on two threads); every rank must issue the same collectives
+       in the same order.
     """
 
     def __init__(
@@ -821,6 +822,9 @@ class ShmCommunicator:
     def _raise(self, rc: int, op: str, seq: int, timeout: float, peer: Optional[int] = None) -> None:
         eng = self._engine
         info = eng.error_info()
+        if peer is not None:
+            # a send and a receive may fail at once on two threads: each knows its own peer
+            info["peer"] = peer
         where = f"shm {op} #{seq} on rank {self.rank}/{self.world_size} (prefix {self.prefix!r})"
         if rc == _shm.ERR_TIMEOUT:
             missing = info["missing"] if peer is None else [peer]
