@@ -1185,10 +1185,11 @@ def store_port_in_use(rank: int, ws: int) -> str:
 
 
 def store_host_gone(rank: int, ws: int) -> Dict[str, Any]:
-    """Rank 0 (the store host) is not in group [1, 2] and exits; 1 and 2 then use the group."""
+    """Rank 0 (the store host) is not in group [1, 2] and exits; 1 and 2 then ask for (which
+    connects it) and use the group's communicator."""
     os.environ["TRAINLOOM_CPU_ENGINE"] = "gloo"
     C.init_process_group(timeout=20)
-    comm = C.new_group([1, 2]).get_global_communicator()
+    pg = C.new_group([1, 2])
     if rank == 0:
         C.destroy_process_group()
         return {}
@@ -1200,7 +1201,7 @@ def store_host_gone(rank: int, ws: int) -> Dict[str, Any]:
         except RuntimeError:
             break
         time.sleep(0.1)
-    err = _expect(C.allreduce_inplace, CommError, torch.ones(2), comm=comm)
+    err = _expect(lambda: C.allreduce_inplace(torch.ones(2), comm=pg.get_global_communicator()), CommError)
     return {"error": err}
 
 
@@ -1365,5 +1366,35 @@ def p2p_recv_timeout(rank: int, ws: int) -> Dict[str, Any]:
             out = {"error": f"{type(exc).__name__}: {exc}", "missing": getattr(exc, "missing_ranks", "unset")}
     else:
         time.sleep(5)  # past rank 0's timeout, so that rank 0 never gets its send
+    C.destroy_process_group()
+    return out
+
+
+def bagua_example_flow(rank: int, ws: int, engine: str) -> Dict[str, Any]:
+    """The start of Bagua's examples/communication_primitives/main.py on 4 ranks: every rank takes
+    the global communicator, then ranks 0/1 exchange with send/recv while ranks 2/3 go on to a
+    collective. Plus the other names Bagua scripts use from its communication module."""
+    import trainloom.comm.communication as B
+
+    os.environ["TRAINLOOM_CPU_ENGINE"] = engine
+    C.init_process_group(timeout=10)
+    out: Dict[str, Any] = {}
+    comm = B._get_default_group().get_global_communicator()  # Bagua connects here, collectively
+    out["engine"] = comm.cpu_engine_kind()
+    t = torch.zeros(3)
+    if rank == 0:
+        C.send(torch.full((3,), 4.0), 1, comm=comm)
+    elif rank == 1:
+        C.recv(t, 0, comm=comm)
+    dist.barrier()  # ranks 2/3 reach a collective while 0/1 are still in their first operation
+    out["recv"] = t.tolist()
+    x = torch.ones(2) * (rank + 1)
+    C.allreduce_inplace(x, comm=B.CommMember.WORLD)  # Bagua's alias of comm=None
+    out["world"] = x.tolist()
+    out["env"] = (B.get_rank(), B.get_world_size(), B.get_local_rank(), B.get_local_size())
+    g = B.from_torch_group(dist.new_group([1]))  # every rank calls it, as Bagua's test does
+    gc = g.get_global_communicator()
+    out["from_torch_group"] = (g.ranks, gc is B.NON_COMM_MEMBER or (gc.rank(), gc.nranks()))
+    out["object"] = B.broadcast_object({"from": rank} if rank == 1 else None, 1)
     C.destroy_process_group()
     return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from commutil import (
+    bagua_example_flow,
     concurrent_first_ops,
     half_avg,
     hier_async_ordering,
@@ -170,3 +171,17 @@ def test_gloo_recv_timeout_names_the_missing_send_not_the_idle_ranks():
         "missing": None,
     }
     assert res[1] == res[2] == {}
+
+
+@pytest.mark.parametrize("engine", ["shm", "gloo"])
+def test_bagua_example_p2p_between_two_ranks_first_while_the_others_go_on(engine):
+    """Bagua connects a communicator when ranks ask for it: the p2p-first start of Bagua's
+    communication example ran into the connection of ranks 2/3 and waited for the timeout."""
+    res = run_ranks(bagua_example_flow, 4, engine, timeout=90)
+    for rank, r in enumerate(res):
+        assert r["engine"] == engine
+        assert r["recv"] == ([4.0] * 3 if rank == 1 else [0.0] * 3)
+        assert r["world"] == [10.0, 10.0]
+        assert r["env"] == (rank, 4, rank, 4)
+        assert r["from_torch_group"] == (([1], (0, 1)) if rank == 1 else ([], True))
+        assert r["object"] == {"from": 1}

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from trainloom.comm.env import as_int
-from trainloom.comm.group import _STATE, NON_COMM_MEMBER, Communicator, NonCommMember
+from trainloom.comm.group import _STATE, NON_COMM_MEMBER, WORLD, Communicator, NonCommMember
 from trainloom.comm.ops import ReduceOp
 from trainloom.comm.work import CompletedWork, FutureWork, Work
 from trainloom.errors import CommError
@@ -123,18 +123,18 @@ def _early_tensor(opname: str, send_tensor: Any, recv_tensor: Any, tensor: Any) 
 
 def _is_comm(x: Any) -> bool:
     """Whether ``x`` is a communicator argument (Bagua's early positional ``comm``)."""
-    return isinstance(x, Communicator) or x is NON_COMM_MEMBER
+    return isinstance(x, Communicator) or x is NON_COMM_MEMBER or x is WORLD
 
 
 def _comm(comm: Optional[Communicator], opname: str) -> Communicator:
-    if comm is None:
+    if comm is None or comm is WORLD:
         pg = _STATE.default
         if pg is None:
             raise CommError(
                 f"{opname}: the default process group is not initialized; call "
                 "trainloom.comm.init_process_group() first (or pass comm=)"
             )
-        comm = pg.get_global_communicator()
+        comm = pg.global_communicator_unconnected()
     if not isinstance(comm, Communicator):
         raise TypeError(
             f"{opname}: comm must be a trainloom Communicator (group.get_global_communicator()), "

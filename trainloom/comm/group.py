@@ -188,10 +188,33 @@ class NonCommMember:
 NON_COMM_MEMBER = NonCommMember()
 
 
+class _World:
+    """Bagua's ``CommMember.WORLD``: as ``comm=``, the default group's global communicator."""
+
+    _instance: Optional[_World] = None
+
+    def __new__(cls) -> _World:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "CommMember.WORLD"
+
+    def __reduce__(self) -> str:
+        return "WORLD"
+
+
+#: ``comm=WORLD`` is ``comm=None``: the default group's global communicator (Bagua's ``CommMember.WORLD``).
+WORLD = _World()
+
+
 class CommMember:
-    """Bagua's ``CommMember`` namespace: ``CommMember.NON_COMM_MEMBER is NON_COMM_MEMBER``."""
+    """Bagua's ``CommMember`` namespace: ``CommMember.NON_COMM_MEMBER is NON_COMM_MEMBER`` and
+    ``CommMember.WORLD`` (as ``comm=``, the same as ``None``)."""
 
     NON_COMM_MEMBER = NON_COMM_MEMBER
+    WORLD = WORLD
 
 
 class Communicator:
@@ -201,9 +224,9 @@ class Communicator:
     the collectives. Its ranks are numbered ``0..nranks()-1`` in the order of the group's ranks.
 
     Calls on one communicator are serialised: asynchronous CPU operations run in order on one worker
-    thread, and a synchronous call first waits for the asynchronous ones issued before it. On gloo,
-    send and recv have a queue each (a gloo send needs the matching receive to complete): they
-    follow the earlier collectives and the earlier operations of their own direction only.
+    thread, and a synchronous call first waits for the asynchronous ones issued before it. Send and
+    recv have a queue each (a send may need the matching receive to complete): they follow the
+    earlier collectives and the earlier operations of their own direction only.
     """
 
     def __init__(
@@ -226,6 +249,7 @@ class Communicator:
         self._cpu: Optional[Any] = None
         self._cuda: Dict[int, Any] = {}
         self._cuda_device: Optional[int] = None
+        self._connected = False  # connect() has run: the getters then return at once
         self._lock = threading.RLock()  # held while an operation runs on an engine
         self._submit_lock = threading.Lock()  # held while queueing an asynchronous operation
         self._tls = threading.local()  # .inside: this thread is running one of our operations
@@ -273,6 +297,30 @@ class Communicator:
 
     def _prefix(self, kind: str) -> str:
         return f"tl/{_STATE.generation}/{self.name}/{kind}"
+
+    def connect(self) -> None:
+        """Connect the engine of the default device now; collective over this communicator's ranks.
+
+        Bagua creates a communicator (``ncclCommInitRank``) when a rank asks for it, so scripts may
+        start with point-to-point operations between some ranks while others go on to a collective.
+        The public getters (:meth:`ProcessGroup.get_global_communicator` and friends) call this;
+        later calls return at once. The default device is the current CUDA device when CUDA and NCCL
+        are available, else the CPU; an engine for another device connects at its first operation.
+        """
+        if self._connected or self._store is None:
+            return  # connected, or destroyed (its operations raise saying so)
+        device: Union[str, torch.device] = "cpu"
+        if torch.cuda.is_available():
+            from trainloom.comm import nccl
+
+            if nccl.is_available():
+                device = torch.device("cuda", torch.cuda.current_device())
+        try:
+            self.engine(device)
+        except CommError as exc:
+            self._annotate(exc)
+            raise
+        self._connected = True
 
     def engine(self, device: Union[str, torch.device]) -> Any:
         """The engine for ``device`` (``"cpu"`` or a torch.device), created (collectively) at first use."""
@@ -619,30 +667,38 @@ class ProcessGroup:
         self._global.is_inter_leader = me in leaders
 
     def get_global_communicator(self) -> Union[Communicator, NonCommMember]:
-        """The communicator over every member.
+        """The communicator over every member, connected (as in Bagua, a member's first call is
+        collective: every member must make it, see :meth:`Communicator.connect`).
 
         Returns:
             The communicator on members; :data:`NON_COMM_MEMBER` on ranks outside the group (as in
             Bagua: collectives given it return at once).
         """
-        return self._global if self._global is not None else NON_COMM_MEMBER
+        return _connected(self._global)
 
     def get_intra_node_communicator(self) -> Union[Communicator, NonCommMember]:
-        """The communicator over the members on this rank's node.
+        """The communicator over the members on this rank's node, connected (a member's first call
+        is collective over the node's members).
 
         Returns:
             The communicator on members; :data:`NON_COMM_MEMBER` on ranks outside the group.
         """
-        return self._intra if self._intra is not None else NON_COMM_MEMBER
+        return _connected(self._intra)
 
     def get_inter_node_communicator(self) -> Union[Communicator, NonCommMember]:
-        """The communicator over one leader per node (the first member on each node).
+        """The communicator over one leader per node (the first member on each node), connected (a
+        leader's first call is collective over the leaders).
 
         Returns:
             The communicator on node leaders; :data:`NON_COMM_MEMBER` on the other members and on
             ranks outside the group (as in Bagua: collectives given it return at once).
         """
-        return self._inter if self._inter is not None else NON_COMM_MEMBER
+        return _connected(self._inter)
+
+    def global_communicator_unconnected(self) -> Union[Communicator, NonCommMember]:
+        """The global communicator without connecting it: its engines connect at their first
+        operation (what ``comm=None`` in the collectives uses)."""
+        return self._global if self._global is not None else NON_COMM_MEMBER
 
     def destroy(self) -> None:
         for c in (self._global, self._intra, self._inter):
@@ -655,6 +711,13 @@ class ProcessGroup:
 
 #: Bagua's name for the class.
 BaguaProcessGroup = ProcessGroup
+
+
+def _connected(comm: Optional[Communicator]) -> Union[Communicator, NonCommMember]:
+    if comm is None:
+        return NON_COMM_MEMBER
+    comm.connect()
+    return comm
 
 
 def _seconds(timeout: Union[None, float, int, datetime.timedelta]) -> float:
@@ -904,8 +967,9 @@ def new_group(ranks: Optional[Sequence[int]] = None, stream: Optional[Any] = Non
     .. warning::
         Every member must call ``new_group`` for the same rank lists in the same order (Bagua asks
         every rank of the job to call it; non-members may, and get a group whose communicator
-        getters return :data:`NON_COMM_MEMBER`). Communicators connect lazily, at their first
-        collective.
+        getters return :data:`NON_COMM_MEMBER`). Communicators connect when a member first asks
+        for them (``get_global_communicator()``, collective, as in Bagua) or at their first
+        operation, whichever comes first.
 
     Args:
         ranks: global ranks of the members (duplicates are an error; the order is normalised).
@@ -959,11 +1023,14 @@ def from_torch_group(group: Any, stream: Optional[Any] = None) -> ProcessGroup:
         stream: CUDA stream for NCCL operations.
 
     Returns:
-        A new :class:`ProcessGroup` with the torch group's ranks.
+        A new :class:`ProcessGroup` with the torch group's ranks. On a rank outside the torch group
+        (``torch.distributed.new_group`` returned ``GroupMember.NON_GROUP_MEMBER`` there, which does
+        not say who the members are) a group with ``ranks == []`` whose communicator getters return
+        :data:`NON_COMM_MEMBER`, as :func:`new_group` gives non-members, so every rank may call it
+        as in Bagua.
 
     Raises:
         CommError: not initialized.
-        ValueError: this rank is not a member of ``group``.
 
     Example::
 
@@ -974,7 +1041,9 @@ def from_torch_group(group: Any, stream: Optional[Any] = None) -> ProcessGroup:
     if group is None or group is dist.GroupMember.WORLD:
         ranks = list(range(dist.get_world_size()))
     elif group is dist.GroupMember.NON_GROUP_MEMBER:
-        raise ValueError("from_torch_group: this rank is not a member of the torch process group")
+        pg = ProcessGroup([], stream, "non-member")
+        _STATE.groups.append(pg)
+        return pg
     else:
         ranks = dist.get_process_group_ranks(group)
     return new_group(ranks, stream)

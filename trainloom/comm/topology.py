@@ -30,7 +30,7 @@ import weakref
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from trainloom.comm.env import as_int, get_rank
-from trainloom.comm.group import NON_COMM_MEMBER, Communicator, ProcessGroup, get_default_group
+from trainloom.comm.group import NON_COMM_MEMBER, WORLD, Communicator, ProcessGroup, get_default_group
 from trainloom.errors import CommError, ConfigError
 
 __all__ = [
@@ -378,11 +378,11 @@ def resolve_comm(comm: Union[None, Communicator, ProcessGroup], opname: str) -> 
             (``comm`` is :data:`~trainloom.comm.group.NON_COMM_MEMBER` or a group without this rank).
         TypeError: ``comm`` is something else.
     """
-    if comm is None:
-        comm = get_default_group().get_global_communicator()
+    if comm is None or comm is WORLD:
+        comm = get_default_group().global_communicator_unconnected()
     elif isinstance(comm, ProcessGroup):
         group = comm
-        comm = group.get_global_communicator()
+        comm = group.global_communicator_unconnected()
         if comm is NON_COMM_MEMBER:
             raise CommError(
                 f"{opname}: rank {get_rank()} is not a member of process group {group.group_name} "
