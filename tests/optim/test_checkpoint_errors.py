@@ -93,6 +93,8 @@ def test_fusing_twice_raises():
     opt = fuse_optimizer(torch.optim.SGD(make_params(), lr=0.1))
     with pytest.raises(FuseError, match="already fused"):
         fuse_optimizer(opt)
+    with pytest.raises(RuntimeError, match="already fused"):  # Bagua raised RuntimeError
+        fuse_optimizer(opt)
 
 
 def _exactly(msg: str) -> str:

@@ -71,6 +71,11 @@ class FuseError(ConfigError):
     """An optimizer cannot be fused, or was used in a way fusing does not support."""
 
 
+class _AlreadyFusedError(FuseError, RuntimeError):
+    """Fusing an optimizer a second time: a FuseError, and a RuntimeError as in Bagua (whose
+    ``fuse_optimizer`` raised ``RuntimeError("trying to fuse an optimizer twice!")``)."""
+
+
 # Elementwise torch optimizers: each element's update depends only on that element's parameter,
 # gradient and state plus per-tensor scalars that are equal for all tensors of a run (step
 # counts, learning rates). Their math on a flat view equals their math per tensor.
@@ -409,7 +414,8 @@ def fuse_optimizer(
         reference to it: the bound method holds the optimizer weakly.
 
     Raises:
-        FuseError: if the optimizer is already fused; is LBFGS, SparseAdam (sparse gradients),
+        FuseError: if the optimizer is already fused (then also a ``RuntimeError``, as in Bagua);
+            is LBFGS, SparseAdam (sparse gradients),
             Adafactor, Muon or a LAMB/LARS/Shampoo-named class (per-tensor quantities), a
             subclass overriding ``step()``, or any other optimizer class; or its parameters
             are not floating point.
@@ -441,7 +447,7 @@ def fuse_optimizer(
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise FuseError(f"fuse_optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if is_fused_optimizer(optimizer):
-        raise FuseError(
+        raise _AlreadyFusedError(
             f"fuse_optimizer: this {type(optimizer).__name__} is already fused; fuse each optimizer once"
         )
     if not isinstance(do_flatten, bool) or not isinstance(check_flatten, bool):
