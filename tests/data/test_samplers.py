@@ -752,6 +752,35 @@ def test_set_epoch_changes_order_and_reuse_warns_once():
         assert list(s) != first
 
 
+_REUSE_SCRIPT = """
+import logging, sys
+if sys.argv[1] == "logging":
+    logging.basicConfig(format="LOG %(name)s %(levelname)s %(message)s")
+from trainloom.data import LoadBalancingDistributedSampler
+s = LoadBalancingDistributedSampler(list(range(10)), complexities=list(range(10)), num_replicas=1, rank=0)
+list(s)
+list(s)  # the line the warning names
+"""
+
+
+@pytest.mark.parametrize("setup", ["plain", "logging"])
+def test_reuse_warning_is_printed_once_and_logged_when_logging_is_set_up(setup):
+    out = subprocess.run(
+        [sys.executable, "-c", _REUSE_SCRIPT, setup], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    msg = (
+        "LoadBalancingDistributedSampler is iterated a second time in epoch 0: the order repeats. "
+        "Call set_epoch(epoch) at the start of every epoch."
+    )
+    lines = [line for line in out.stderr.splitlines() if msg in line]
+    assert lines[0] == f"<string>:8: UserWarning: {msg}"  # attributed to the user's line
+    if setup == "plain":  # no second copy from logging's last-resort handler
+        assert lines == [f"<string>:8: UserWarning: {msg}"]
+    else:
+        assert lines == [f"<string>:8: UserWarning: {msg}", f"LOG trainloom.data WARNING {msg}"]
+
+
 def test_random_level_one_is_close_to_random():
     lens = np.arange(2000)
     s0 = _ranks(lens, 2, random_level=0)[0]

@@ -24,7 +24,6 @@ import math
 import numbers
 import operator
 import struct
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
@@ -33,6 +32,7 @@ import torch
 from torch.utils.data import Sampler
 
 from trainloom._build_check import import_compiled
+from trainloom._warnings import warn_at_caller
 from trainloom.errors import ConfigError
 
 _P = import_compiled("trainloom.data._partition")
@@ -279,8 +279,7 @@ class _ResumeMixin:
                 f"{type(self).__name__} is iterated a second time in epoch {self.epoch}: the order "
                 "repeats. Call set_epoch(epoch) at the start of every epoch."
             )
-            warnings.warn(msg, UserWarning, stacklevel=3)
-            log.warning(msg)
+            warn_at_caller(msg, UserWarning, __file__, log)
         self._resume = None
         self._last_iter_epoch = self.epoch
         self._position = start
