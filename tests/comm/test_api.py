@@ -80,6 +80,19 @@ def test_launch_env_errors_name_the_missing_variable(clean_env):
         read_launch_env()
 
 
+def test_launch_env_master_only_with_explicit_rank_leaves_the_node_layout_to_the_rendezvous(clean_env):
+    """The early launchers set MASTER_ADDR/MASTER_PORT and pass rank=/world_size= (no LOCAL_*)."""
+    clean_env.setenv("MASTER_ADDR", "127.0.0.1")
+    clean_env.setenv("MASTER_PORT", "29500")
+    e = read_launch_env(rank=2, world_size=3)
+    assert (e.rank, e.world_size, e.local_known) == (2, 3, False)
+    e = read_launch_env(rank=2, world_size=4, local_world_size=2)
+    assert (e.local_rank, e.local_world_size, e.local_known) == (0, 2, True)
+    clean_env.setenv("WORLD_SIZE", "3")  # a torchrun variable: then all of torchrun's are needed
+    with pytest.raises(ConfigError, match=r"^init_process_group: LOCAL_WORLD_SIZE not set, but MASTER_ADDR"):
+        read_launch_env(rank=2)
+
+
 def test_launch_env_explicit_overrides(clean_env):
     e = read_launch_env(rank=0, world_size=1)
     assert (e.rank, e.world_size, e.local_rank, e.local_world_size) == (0, 1, 0, 1)

@@ -19,12 +19,13 @@ the next announcement addressed to it (blocking, with the group's timeout) and r
 rank. Messages sent with the Bagua-style :func:`trainloom.comm.send` are not announced: receive them
 with an explicit ``src``.
 
-.. warning::
-    ``isend``/``irecv`` run in issue order on the communicator's worker thread. Two ranks that both
-    ``isend`` to each other before receiving work for messages the engine buffers (the shared-memory
-    engine: up to two pair buffers, 2 x 64 KiB by default); larger crossing messages, and any
-    crossing send on the gloo engine (its send waits for the matching recv), need one side to
-    receive first.
+``isend`` calls run in issue order on the communicator's send thread and ``irecv`` calls on its
+receive thread, one send and one receive at a time, so two ranks that ``isend`` to each other and
+then receive (or ``irecv`` first and then send) exchange messages of any size on both CPU engines.
+
+:func:`init_process_group` accepts the early launchers: ``rank=``/``world_size=`` with only
+MASTER_ADDR/MASTER_PORT set (``multiprocessing.Process`` per rank), or ``init_method="tcp://..."``;
+the local rank and size are then found from which ranks share a node.
 """
 
 from __future__ import annotations
@@ -152,7 +153,10 @@ def new_group(ranks: Optional[Sequence[int]] = None) -> ProcessGroup:
 
 
 def _comm(g: GroupArg, opname: str) -> Communicator:
-    return resolve_comm(None if g is None or g is group.WORLD else g, opname)  # type: ignore[arg-type]
+    # group=0: the id of the world group before torch 0.4 (the distributed tutorial's
+    # average_gradients passes it); any other int is refused by resolve_comm.
+    world = g is None or g is group.WORLD or (type(g) is int and g == 0)
+    return resolve_comm(None if world else g, opname)  # type: ignore[arg-type]
 
 
 def get_rank(group: GroupArg = None) -> int:  # noqa: A002 - torch's name

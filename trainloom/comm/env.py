@@ -58,6 +58,10 @@ class LaunchEnv:
     master_port: int
     #: True when nothing was set and the process runs alone (rank 0 of 1).
     single_process: bool
+    #: False when neither LOCAL_RANK/LOCAL_WORLD_SIZE nor local_world_size= said where the rank sits:
+    #: local_rank and local_world_size are then provisional (one node) and init_process_group
+    #: replaces them with the layout it finds (ranks sharing this rank's node identity).
+    local_known: bool = True
 
 
 def _int_var(name: str, value: str) -> int:
@@ -116,12 +120,15 @@ def read_launch_env(
     if lws is None and "LOCAL_WORLD_SIZE" in env:
         lws = _int_var("LOCAL_WORLD_SIZE", env["LOCAL_WORLD_SIZE"])
     lr = _int_var("LOCAL_RANK", env["LOCAL_RANK"]) if "LOCAL_RANK" in env and rank is None else None
+    # torchrun sets all of RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE; a script that sets only
+    # MASTER_ADDR/MASTER_PORT and passes rank=/world_size= (the early torch.distributed launchers
+    # with multiprocessing.Process) says nothing of nodes, and the layout is found at the rendezvous.
+    torchrun_like = bool(env.keys() - {"MASTER_ADDR", "MASTER_PORT"})
     covered = {
         "RANK": rank is not None,
         "WORLD_SIZE": world_size is not None,
-        # Without torchrun's variables, explicit arguments describe one node unless told otherwise.
-        "LOCAL_RANK": rank is not None or not env,
-        "LOCAL_WORLD_SIZE": local_world_size is not None or not env,
+        "LOCAL_RANK": rank is not None or not torchrun_like,
+        "LOCAL_WORLD_SIZE": local_world_size is not None or not torchrun_like,
         "MASTER_ADDR": not need_master or w == 1,
         "MASTER_PORT": not need_master or w == 1,
     }
@@ -140,6 +147,7 @@ def read_launch_env(
         raise ConfigError(f"world_size must be >= 1, got {w}")
     if not 0 <= r < w:
         raise ConfigError(f"rank {r} is outside the world 0..{w - 1} (world_size={w})")
+    local_known = lws is not None
     if lws is None:
         lws = w
     if not 1 <= lws <= w:
@@ -154,7 +162,7 @@ def read_launch_env(
         raise ConfigError(f"MASTER_PORT={port} is not a TCP port (1..65535)")
     if port == 0 and w == 1:
         port = _free_port()
-    return LaunchEnv(r, w, lr, lws, addr, port, False)
+    return LaunchEnv(r, w, lr, lws, addr, port, False, local_known)
 
 
 def _default_group():  # late import: group.py imports this module

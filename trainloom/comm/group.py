@@ -898,6 +898,13 @@ def init_process_group(
             f"init_process_group (rank {launch.rank} of {launch.world_size}): the rendezvous did not "
             f"complete within {t:g}s; {who} ({str(exc).splitlines()[0][:160]})"
         ) from None
+    if not launch.local_known:
+        # No LOCAL_RANK/LOCAL_WORLD_SIZE (e.g. an early-API launcher with multiprocessing): the ranks
+        # on this node are the ones that reported this node's identity.
+        here = [r for r in range(launch.world_size) if node_ids[r] == node_ids[launch.rank]]
+        launch = dataclasses.replace(
+            launch, local_rank=here.index(launch.rank), local_world_size=len(here), local_known=True
+        )
     _STATE.launch = launch
     _STATE.store = tl_store
     _STATE.base_store = base if owns_store else None
