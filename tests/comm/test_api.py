@@ -551,6 +551,27 @@ def test_non_comm_member_placeholder(world1):
         C.neighbor_allreduce(t, comm=x)
 
 
+def test_getters_connect_the_default_device_engine_once(world1, monkeypatch):
+    """A getter connects (collectively, as Bagua's get_communicator) the engine Bagua would: the
+    current CUDA device's when CUDA and NCCL are there, else the CPU's. ``comm=None`` stays lazy."""
+    from trainloom.comm import nccl
+
+    comm = world1.global_communicator_unconnected()
+    asked = []
+    monkeypatch.setattr(comm, "engine", lambda device: asked.append(str(device)))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(nccl, "is_available", lambda: False)
+    assert world1.get_global_communicator() is comm
+    assert asked == ["cpu"]  # no NCCL: the CPU engine
+    world1.get_global_communicator()
+    assert asked == ["cpu"]  # once
+    comm._connected = False
+    monkeypatch.setattr(nccl, "is_available", lambda: True)
+    world1.get_global_communicator()
+    assert asked == ["cpu", "cuda:1"]
+
+
 def test_early_tensor_keyword_is_accepted(world1):
     # bagua-communication-early.txt: allreduce(tensor, op, comm) / reduce(tensor, dst, op, comm)
     t = torch.full((2,), 3.0)
