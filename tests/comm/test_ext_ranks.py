@@ -97,14 +97,16 @@ def neighbor_suite(rank: int, ws: int, engine: str, strategy: str = "auto") -> D
 
 def neighbor_errors(rank: int, ws: int) -> Dict[str, Any]:
     C.init_process_group(timeout=20)
-    tp.set_topology(tp.RingGraph(ws, connect_style=1))  # in-neighbour: rank - 1 only
+    tp.set_topology(tp.RingGraph(ws, connect_style=2))  # Bluefog's "right connection": in-neighbour rank - 1
     x = torch.ones(3)
     left, right = (rank - 1) % ws, (rank + 1) % ws
     out = {
         "not_neighbor": _expect(nb.neighbor_allreduce, ValueError, x, 0.5, {right: 0.5}),
-        "negative": _expect(nb.neighbor_allreduce, ValueError, x, 1.5, {left: -0.5}),
-        "sum": _expect(nb.neighbor_allreduce, ValueError, x, 0.5, {left: 0.6}),
         "nan": _expect(nb.neighbor_allreduce, ValueError, x, float("nan"), {left: 0.5}),
+        "inf": _expect(nb.neighbor_allreduce, ValueError, x, 0.5, {left: float("-inf")}),
+        "weight_type": _expect(nb.neighbor_allreduce, TypeError, x, 0.5, {left: "0.5"}),
+        "both": _expect(nb.neighbor_allreduce, TypeError, x, 0.5, {left: 0.5}, src_weights={left: 0.5}),
+        "src_not_neighbor": _expect(nb.neighbor_allreduce, ValueError, x, 0.5, src_weights={right: 0.5}),
         "one_only": _expect(nb.neighbor_allreduce, ValueError, x, 0.5),
         "int": _expect(nb.neighbor_allreduce, TypeError, torch.ones(3, dtype=torch.int64)),
         "not_tensor": _expect(nb.neighbor_allgather, TypeError, [1.0]),
@@ -577,8 +579,8 @@ def windows_suite(rank: int, ws: int) -> Dict[str, Any]:
     nb.barrier()
     out["bad_dst"] = _expect(win.win_put, ValueError, x, "w", {rank: 1.0}) if ws > 2 else "skip"
     out["bad_shape"] = _expect(win.win_put, ValueError, torch.ones(3, dtype=torch.float64), "w")
-    out["bad_weight"] = _expect(win.win_accumulate, ValueError, x, "w", {right: -1.0})
-    out["bad_sum"] = _expect(win.win_sync, ValueError, "w", 0.5, {left: 0.1})
+    out["bad_weight"] = _expect(win.win_accumulate, ValueError, x, "w", {right: float("inf")})
+    out["bad_nan"] = _expect(win.win_sync, ValueError, "w", 0.5, {left: float("nan")})
     out["dup"] = _expect(win.win_create, ValueError, x, "w")
     win.win_free("w")
     out["after_free"] = _expect(win.win_sync, ValueError, "w")
@@ -797,4 +799,125 @@ def numpy_integer_ranks(rank: int, ws: int) -> Dict[str, Any]:
     out["passes"] = type(opt._tl_reducer.passes).__name__
     out["buckets"] = len(opt._tl_reducer.buckets)  # 8 bytes: one bucket per parameter
     C.destroy_process_group()
+    return out
+
+
+# ---------------------------------------------------------------------------- Bluefog's expectations
+def bluefog_directions_and_sums(rank: int, ws: int) -> Dict[str, Any]:
+    """Bluefog's ring directions, weighted sums, topology_util topologies and later-release names."""
+    import math
+
+    import trainloom.comm.bluefog as bf
+    from trainloom.comm import topology_util as tu
+
+    torch.set_num_threads(1)
+    bf.init()
+    out: Dict[str, Any] = {}
+    x = torch.full((23,), float(rank), dtype=torch.float64)
+    # Bluefog's test_neighbor_allreduce_avg_ring_topo, with trainloom's and topology_util's RingGraph
+    for cd in (1, 2):
+        for label, builder in (("tp", bf.RingGraph), ("tu", tu.RingGraph)):
+            bf.set_topology(builder(ws, cd))
+            out[f"ring{cd}/{label}"] = [bf.in_neighbor_ranks(), (bf.neighbor_allreduce(x) * 2).tolist()]
+    # Bluefog's test_neighbor_allreduce_sum and _sum_precision: self weight 1.0, neighbour weights 1.0
+    bf.set_topology(bf.ExponentialTwoGraph(ws))
+    nbrs = [(rank - 2**i) % ws for i in range(int(math.ceil(math.log2(ws))))]
+    ones = {i: 1.0 for i in nbrs}
+    out["exp2_in"] = sorted(bf.in_neighbor_ranks())
+    out["sum"] = bf.neighbor_allreduce(x, self_weight=1.0, neighbor_weights=ones).tolist()
+    tiny = torch.full((2, 3), 2.0**-256, dtype=torch.float64)
+    out["sum_precision"] = bf.neighbor_allreduce(tiny, self_weight=1.0, src_weights=ones, name="p").tolist()
+    out["negative"] = bf.neighbor_allreduce(x, self_weight=2.0, neighbor_weights={nbrs[0]: -1.0}).tolist()
+    # later names: *_nonblocking, wait, src_weights
+    h = bf.neighbor_allreduce_nonblocking(x, 1.0, ones, "n")
+    out["nonblocking"] = bf.wait(h).tolist()
+    h = bf.neighbor_allreduce_nonblocking(x, self_weight=0.5, src_weights={nbrs[0]: 0.5})
+    out["nonblocking_src"] = bf.synchronize(h).tolist()
+    out["allreduce_nb"] = bf.wait(bf.allreduce_nonblocking(x[:2], True, False, "a")).tolist()
+    y = x[:2].clone()
+    h = bf.allreduce_nonblocking_(y, average=False)
+    out["allreduce_nb_"] = [bf.wait(h) is y, y.tolist()]
+    out["broadcast_nb"] = bf.wait(bf.broadcast_nonblocking(x[:2], ws - 1)).tolist()
+    z = x[:2].clone()
+    bf.wait(bf.broadcast_nonblocking_(z, 0))
+    out["broadcast_nb_"] = z.tolist()
+    out["allgather_nb"] = bf.wait(bf.allgather_nonblocking(x[:1])).tolist()
+    out["neighbor_allgather_nb"] = bf.wait(bf.neighbor_allgather_nonblocking(x[:1])).tolist()
+    out["hierarchical"] = _expect(bf.allreduce_nonblocking, NotImplementedError, x, True, True)
+    out["send_neighbors"] = _expect(bf.neighbor_allreduce_nonblocking, TypeError, x, 0.5, {nbrs[0]: 0.5}, [1])
+    # topology_util topologies as Bluefog's torch_ops_test sets them
+    bf.set_topology(tu.StarGraph(ws), is_weighted=True)
+    out["weighted_star"] = bf.neighbor_allreduce(x).tolist()
+    bf.set_topology(tu.MeshGrid2DGraph(ws))
+    out["mesh"] = [bf.in_neighbor_ranks(), bf.neighbor_allreduce(x).tolist()]
+    out["recv_weights"] = tu.GetRecvWeights(bf.load_topology(), bf.rank())
+    # windows: win_update / win_update_then_collect and weights that do not sum to 1
+    bf.set_topology(bf.RingGraph(ws))
+    left, right = (rank - 1) % ws, (rank + 1) % ws
+    ins = bf.in_neighbor_ranks()
+    w = torch.full((3,), float(rank), dtype=torch.float64)
+    bf.win_create(w, "w", zero_init=True)
+    bf.win_put(w, "w")
+    bf.barrier()
+    # Bluefog: win_sync_then_collect "is equivalent to win_sync(name, self_weight=1.0,
+    # neighbor_weights={neighbor: 1.0}, reset=True)"
+    out["win_sum"] = bf.win_update("w", 1.0, {n: 1.0 for n in ins}, reset=True, clone=True).tolist()
+    out["win_sum_sync"] = bf.win_sync("w", 1.0, {n: 1.0 for n in ins}, clone=True).tolist()  # slots reset
+    bf.barrier()
+    bf.win_put(w, "w")
+    bf.barrier()
+    out["collect"] = bf.win_update_then_collect("w").tolist()
+    out["collect_in_place"] = w.tolist()
+    bf.barrier()
+    out["collect_again"] = bf.win_sync_then_collect("w").tolist()  # slots were zeroed
+    bf.barrier()
+    bf.win_accumulate(torch.ones(3, dtype=torch.float64), "w", dst_weights={right: -2.0})
+    bf.barrier()
+    out["win_negative"] = bf.win_sync("w", 0.0, {left: 1.0}, clone=True).tolist()
+    bf.barrier()
+    bf.win_wait(bf.win_put_nonblocking(w, "w", None, {right: 0.5}))
+    bf.barrier()
+    out["put_nb"] = bf.win_sync("w", 0.0, {left: 1.0}, clone=True).tolist()
+    bf.barrier()
+    bf.win_wait(bf.win_accumulate_nonblocking(w, "w", 1.0, {right: 1.0}))
+    bf.barrier()
+    out["accumulate_nb"] = bf.win_sync("w", 0.0, {left: 1.0}, clone=True).tolist()
+    bf.barrier()
+    bf.win_wait(bf.win_get_nonblocking("w", {left: 1.0}))
+    out["get_nb"] = bf.win_sync("w", 0.0, {left: 1.0}, clone=True).tolist()
+    out["put_self_weight"] = _expect(bf.win_put_nonblocking, NotImplementedError, w, "w", 0.5)
+    bf.barrier()
+    bf.win_free("w")
+    bf.shutdown()
+    return out
+
+
+def optimizer_model_arg(rank: int, ws: int) -> Dict[str, Any]:
+    """The distributed optimizers with Bluefog's later ``model`` argument and with named_parameters."""
+    import trainloom.comm.bluefog as bf
+
+    torch.set_num_threads(1)
+    bf.init(lambda n: bf.RingGraph(n))
+    out: Dict[str, Any] = {}
+    data = torch.arange(8, dtype=torch.float64).reshape(4, 2) * (rank + 1)
+
+    def run(make: Callable[[torch.nn.Module, torch.optim.Optimizer], torch.optim.Optimizer]) -> List[float]:
+        torch.manual_seed(0)
+        m = torch.nn.Linear(2, 1).double()
+        opt = make(m, torch.optim.SGD(m.parameters(), lr=0.1))
+        for _ in range(3):
+            opt.zero_grad()
+            m(data).square().mean().backward()
+            opt.step()
+        return [*m.weight.detach().reshape(-1).tolist(), *m.bias.detach().tolist()]
+
+    for kind, cls in (
+        ("neighbor", bf.DistributedNeighborAllreduceOptimizer),
+        ("allreduce", bf.DistributedAllreduceOptimizer),
+    ):
+        out[f"{kind}/named"] = run(lambda m, o, c=cls: c(o, named_parameters=m.named_parameters()))
+        out[f"{kind}/model"] = run(lambda m, o, c=cls: c(o, model=m))
+        out[f"{kind}/positional"] = run(lambda m, o, c=cls: c(o, m))
+        out[f"{kind}/list"] = run(lambda m, o, c=cls: c(o, model=[m]))
+    bf.shutdown()
     return out

@@ -5,8 +5,9 @@ shared-memory engine, gloo) and returns the core's :class:`~trainloom.comm.work.
 asynchronous. :func:`poll` and :func:`synchronize` (Bluefog) and ``Work.wait()`` /
 ``Work.is_completed()`` (torch) work on the same handles.
 
-* :func:`neighbor_allreduce` -- the weighted average of this rank's tensor and its in-neighbours'
-  tensors in the communicator's virtual topology (:mod:`trainloom.comm.topology`);
+* :func:`neighbor_allreduce` -- the weighted average (or, with weights that do not sum to 1, the
+  weighted sum) of this rank's tensor and its in-neighbours' tensors in the communicator's virtual
+  topology (:mod:`trainloom.comm.topology`);
 * :func:`neighbor_allgather` -- the in-neighbours' tensors concatenated along dimension 0;
 * :func:`allreduce`, :func:`allgather`, :func:`broadcast` -- functional forms that return a new
   tensor (``allreduce_`` / ``broadcast_``: in place), each with an ``_async`` variant.
@@ -42,7 +43,7 @@ from trainloom.comm import collectives as _core
 from trainloom.comm.collectives import ReduceOp
 from trainloom.comm.env import as_int
 from trainloom.comm.group import Communicator, ProcessGroup
-from trainloom.comm.topology import check_sum, exchange_strategy, resolve_comm, topology_entry
+from trainloom.comm.topology import _check_weight, exchange_strategy, resolve_comm, topology_entry
 from trainloom.comm.work import CompletedWork, Work
 
 __all__ = [
@@ -185,8 +186,6 @@ def _weights(
             f"{opname}: neighbor_weights must be a dict {{rank: weight}}, "
             f"got {type(neighbor_weights).__name__}"
         )
-    from trainloom.comm.topology import _check_weight
-
     sw = _check_weight(self_weight, f"{opname}: self_weight")
     nw: Dict[int, float] = {}
     for r, w in neighbor_weights.items():
@@ -200,8 +199,18 @@ def _weights(
                 f"(in-neighbours: {ins}); change the topology with set_topology() or drop it"
             )
         nw[r] = _check_weight(w, f"{opname}: neighbor_weights[{r}]")
-    check_sum(sw, nw, f"{opname} on rank {me}")
     return topo, ins, sw, nw
+
+
+def _src_weights(
+    opname: str, neighbor_weights: Optional[Mapping[int, float]], src_weights: Optional[Mapping[int, float]]
+) -> Optional[Mapping[int, float]]:
+    """``src_weights`` (newer Bluefog's name) in place of ``neighbor_weights``; TypeError for both."""
+    if src_weights is None:
+        return neighbor_weights
+    if neighbor_weights is not None:
+        raise TypeError(f"{opname}: pass neighbor_weights or src_weights (its newer Bluefog name), not both")
+    return src_weights
 
 
 # ---------------------------------------------------------------------------- neighbour collectives
@@ -211,8 +220,10 @@ def neighbor_allreduce_async(
     neighbor_weights: Optional[Mapping[int, float]] = None,
     name: Optional[str] = None,
     comm: CommArg = None,
+    *,
+    src_weights: Optional[Mapping[int, float]] = None,
 ) -> Work:
-    """Asynchronous :func:`neighbor_allreduce`; the handle's result is the averaged tensor.
+    """Asynchronous :func:`neighbor_allreduce`; the handle's result is the combined tensor.
 
     Example::
 
@@ -221,6 +232,7 @@ def neighbor_allreduce_async(
         y = synchronize(h)
     """
     opname = f"neighbor_allreduce({name})" if name else "neighbor_allreduce"
+    neighbor_weights = _src_weights(opname, neighbor_weights, src_weights)
     t = _tensor(tensor, "tensor", opname)
     _averageable(t, opname, "convert it first")
     c = resolve_comm(comm, opname)
@@ -283,28 +295,35 @@ def neighbor_allreduce(
     neighbor_weights: Optional[Mapping[int, float]] = None,
     name: Optional[str] = None,
     comm: CommArg = None,
+    *,
+    src_weights: Optional[Mapping[int, float]] = None,
 ) -> torch.Tensor:
     """Weighted average of ``tensor`` over this rank and its in-neighbours (Bluefog's ``neighbor_allreduce``).
 
-    Collective over the communicator: every rank calls it. The input is not modified.
+    Collective over the communicator: every rank calls it. The input is not modified. The result is
+    ``self_weight * x_self + sum_r neighbor_weights[r] * x_r``.
 
     Args:
         tensor: a floating or complex tensor of the same shape and dtype on every rank.
         self_weight: weight of this rank's own value; given together with ``neighbor_weights``.
-        neighbor_weights: ``{in-neighbour rank: weight}``; ranks left out get weight 0. Weights are
-            finite, ``>= 0`` and, with ``self_weight``, sum to 1. Without either: the topology's
-            weights if it was set with ``is_weighted=True``, else ``1 / (in_degree + 1)`` each.
+        neighbor_weights: ``{in-neighbour rank: weight}``; ranks left out get weight 0. Any finite
+            weights, as in Bluefog: weights summing to 1 average, others give a weighted sum (e.g.
+            ``self_weight=1.0`` and every weight 1.0: the plain sum). Without either: the
+            topology's weights if it was set with ``is_weighted=True``, else
+            ``1 / (in_degree + 1)`` each.
         name: a label used in error messages (Bluefog keys operations by it; trainloom matches
             operations by issue order, so it is optional).
         comm: communicator or process group (None: the default group).
+        src_weights: newer Bluefog's name for ``neighbor_weights`` (keyword only; not both).
 
     Returns:
         A new tensor of the same shape and dtype (float16/bfloat16 accumulate in float32).
 
     Raises:
-        TypeError: not a tensor, an integer dtype, bad weight types.
-        ValueError: a weighted rank that is not an in-neighbour, negative/non-finite weights, weights
-            that do not sum to 1, only one of ``self_weight`` / ``neighbor_weights``.
+        TypeError: not a tensor, an integer dtype, bad weight types, both ``neighbor_weights`` and
+            ``src_weights``.
+        ValueError: a weighted rank that is not an in-neighbour, non-finite weights, only one of
+            ``self_weight`` / ``neighbor_weights``.
         CommError: the ranks disagree on the element count, the dtype or (exchange mode) the
             topology. Shapes with the same element count are not compared (as in torch.distributed).
         CommTimeoutError: a neighbour did not arrive in time.
@@ -315,8 +334,11 @@ def neighbor_allreduce(
         x = torch.full((4,), float(rank))
         y = neighbor_allreduce(x)                       # mean of ranks r-1, r, r+1
         y = neighbor_allreduce(x, self_weight=0.5, neighbor_weights={(rank + 1) % world_size: 0.5})
+        s = neighbor_allreduce(x, self_weight=1.0, src_weights={r: 1.0 for r in in_neighbor_ranks()})  # sum
     """
-    return synchronize(neighbor_allreduce_async(tensor, self_weight, neighbor_weights, name, comm))  # type: ignore[return-value]
+    return synchronize(  # type: ignore[return-value]
+        neighbor_allreduce_async(tensor, self_weight, neighbor_weights, name, comm, src_weights=src_weights)
+    )
 
 
 def neighbor_allgather_async(tensor: torch.Tensor, name: Optional[str] = None, comm: CommArg = None) -> Work:

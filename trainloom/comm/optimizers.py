@@ -293,6 +293,43 @@ def _params(optimizer: Any, named_parameters: Any, who: str) -> List[Tuple[str, 
     return [(labels[id(p)], p) for p in params]
 
 
+ModelArg = Union[torch.nn.Module, List[torch.nn.Module], None]
+
+
+def _is_models(value: Any) -> bool:
+    """A Module, or a non-empty list of Modules (the ``model`` argument of later Bluefog releases)."""
+    return isinstance(value, torch.nn.Module) or (
+        isinstance(value, list) and bool(value) and all(isinstance(m, torch.nn.Module) for m in value)
+    )
+
+
+def _named_from_model(named_parameters: Any, model: Any, who: str) -> Any:
+    """``named_parameters``, or the named parameters of ``model`` (one Module or a list of them).
+
+    Later Bluefog releases take ``(optimizer, model)``; a Module (or a list of Modules) passed
+    positionally in the ``named_parameters`` slot is therefore read as ``model``.
+    """
+    if _is_models(named_parameters):
+        if model is not None:
+            raise TypeError(
+                f"{who}: got a model both positionally (second argument) and as model=; pass it once"
+            )
+        named_parameters, model = None, named_parameters
+    if model is None:
+        return named_parameters
+    if named_parameters is not None:
+        raise TypeError(
+            f"{who}: pass model= or named_parameters=, not both (model=m stands for "
+            "named_parameters=m.named_parameters())"
+        )
+    if not _is_models(model):
+        raise TypeError(
+            f"{who}: model must be a torch.nn.Module or a non-empty list of them, got {type(model).__name__}"
+        )
+    models = [model] if isinstance(model, torch.nn.Module) else model
+    return [item for m in models for item in m.named_parameters()]
+
+
 def _wrap(
     optimizer: torch.optim.Optimizer,
     named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]],
@@ -301,7 +338,9 @@ def _wrap(
     bucket_bytes: int,
     backward_passes_per_step: int,
     who: str,
+    model: ModelArg = None,
 ) -> torch.optim.Optimizer:
+    named_parameters = _named_from_model(named_parameters, model, who)
     named = _params(optimizer, named_parameters, who)
     if mode == "grad" and isinstance(optimizer, torch.optim.SparseAdam):
         raise TypeError(
@@ -333,6 +372,8 @@ def DistributedAllreduceOptimizer(  # noqa: N802 - Bluefog's name
     comm: CommArg = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     backward_passes_per_step: int = 1,
+    *,
+    model: ModelArg = None,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` uses gradients averaged over all ranks.
 
@@ -340,11 +381,15 @@ def DistributedAllreduceOptimizer(  # noqa: N802 - Bluefog's name
         optimizer: any ``torch.optim.Optimizer`` (not already wrapped).
         named_parameters: ``model.named_parameters()``: fixes the bucket order by name order and
             checks that it covers every parameter of the optimizer. Default: the optimizer's order.
+            A ``torch.nn.Module`` (or a list of them) here is read as ``model`` (later Bluefog
+            releases take ``(optimizer, model)``).
         comm: communicator or process group (None: the default group).
         bucket_bytes: gradient bytes per bucket (one collective each).
         backward_passes_per_step: backward passes accumulated locally before a bucket is reduced.
             A parameter that gets more gradients than this before ``step()`` makes that backward
             (and the next ``step()``) raise ``RuntimeError``, as Horovod does.
+        model: a ``torch.nn.Module`` or a list of them (keyword; later Bluefog releases): the same
+            as ``named_parameters=model.named_parameters()`` (the lists' parameters chained).
 
     Returns:
         An instance of ``type(optimizer)`` sharing its state, with ``step()`` synchronizing first.
@@ -360,7 +405,8 @@ def DistributedAllreduceOptimizer(  # noqa: N802 - Bluefog's name
       dense: right in value, but it takes the dense gradient's memory.
 
     Raises:
-        TypeError: not an optimizer; ``torch.optim.SparseAdam`` (it needs sparse gradients).
+        TypeError: not an optimizer; ``torch.optim.SparseAdam`` (it needs sparse gradients); both
+            ``model`` and ``named_parameters``; a ``model`` that is not a Module (or list of them).
         ValueError: already wrapped, duplicate names, parameters missing from named_parameters, bad sizes.
         RuntimeError: (from ``backward()``/``step()``) more than ``backward_passes_per_step`` gradients
             for a parameter before ``step()``; a parameter frozen at wrap time has a gradient at
@@ -371,6 +417,7 @@ def DistributedAllreduceOptimizer(  # noqa: N802 - Bluefog's name
 
         opt = DistributedAllreduceOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                             named_parameters=model.named_parameters())
+        # or, as later Bluefog releases write it: DistributedAllreduceOptimizer(sgd, model=model)
         model(x).sum().backward()
         opt.step()
     """
@@ -382,6 +429,7 @@ def DistributedAllreduceOptimizer(  # noqa: N802 - Bluefog's name
         bucket_bytes,
         backward_passes_per_step,
         "DistributedAllreduceOptimizer",
+        model,
     )
 
 
@@ -391,6 +439,8 @@ def DistributedNeighborAllreduceOptimizer(  # noqa: N802 - Bluefog's name
     comm: CommArg = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     backward_passes_per_step: int = 1,
+    *,
+    model: ModelArg = None,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` for decentralized SGD: parameters averaged with neighbours, then the local step.
 
@@ -406,7 +456,7 @@ def DistributedNeighborAllreduceOptimizer(  # noqa: N802 - Bluefog's name
     Example::
 
         set_topology(ExponentialTwoGraph(world_size))
-        opt = DistributedNeighborAllreduceOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        opt = DistributedNeighborAllreduceOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model)
         model(x).sum().backward()
         opt.step()
     """
@@ -418,4 +468,5 @@ def DistributedNeighborAllreduceOptimizer(  # noqa: N802 - Bluefog's name
         bucket_bytes,
         backward_passes_per_step,
         "DistributedNeighborAllreduceOptimizer",
+        model,
     )

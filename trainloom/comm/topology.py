@@ -3,13 +3,15 @@
 A :class:`Topology` is a weighted directed graph over the ranks of a communicator. An edge
 ``i -> j`` means rank ``j`` receives rank ``i``'s value in :func:`trainloom.comm.neighbor.neighbor_allreduce`
 and weighs it with ``weight(i, j)``; ``self_weight(j)`` weighs rank ``j``'s own value. As in Bluefog,
-the weight matrix ``W[i][j]`` (``W[j][j]`` the self weight) has columns that sum to 1: every rank
-computes a weighted *average* of its in-neighbours and itself.
+the weight matrix ``W[i][j]`` (``W[j][j]`` the self weight) is read column by column: rank ``j``
+computes ``W[j][j] * x_j + sum_i W[i][j] * x_i``. The builders here make columns that sum to 1 (a
+weighted *average*); like Bluefog, a topology may hold any finite weights (e.g. a weighted sum).
 
 Builders: :func:`ExponentialTwoGraph` (Bluefog's default), :func:`RingGraph`,
-:func:`FullyConnectedGraph`, :meth:`Topology.from_edges`, :meth:`Topology.from_matrix`. Each
-communicator has one topology, set with :func:`set_topology` and read with :func:`load_topology`;
-a communicator without one uses ``ExponentialTwoGraph(nranks)``.
+:func:`FullyConnectedGraph`, :meth:`Topology.from_edges`, :meth:`Topology.from_matrix`, and the
+Bluefog ``topology_util`` builders in :mod:`trainloom.comm.topology_util`. Each communicator has
+one topology, set with :func:`set_topology` and read with :func:`load_topology`; a communicator
+without one uses ``ExponentialTwoGraph(nranks)``.
 
 Example::
 
@@ -46,18 +48,18 @@ __all__ = [
     "resolve_comm",
 ]
 
-#: Weights of one rank must sum to 1 within this tolerance (relative to the largest weight).
-WEIGHT_TOLERANCE = 1e-6
-
 
 def _check_weight(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """``value`` as a float: TypeError unless a real number, ValueError unless finite.
+
+    Any finite value is a weight, negative ones and sums other than 1 included, as in Bluefog
+    (which checks only the types and the ranks of weights).
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{what} must be a real number, got {value!r}")
     w = float(value)
     if not math.isfinite(w):
         raise ValueError(f"{what} must be finite, got {w}")
-    if w < 0:
-        raise ValueError(f"{what} must be >= 0, got {w}")
     return w
 
 
@@ -71,18 +73,6 @@ def _check_size(size: Any, who: str) -> int:
     return n
 
 
-def check_sum(self_weight: float, weights: Mapping[int, float], where: str) -> None:
-    """Raise ValueError unless ``self_weight + sum(weights)`` is 1 (a weighted average)."""
-    total = self_weight + sum(weights.values())
-    if abs(total - 1.0) > WEIGHT_TOLERANCE * max(1.0, total):
-        parts = ", ".join(f"{r}: {w:g}" for r, w in sorted(weights.items()))
-        raise ValueError(
-            f"{where}: self weight {self_weight:g} plus neighbour weights {{{parts}}} sum to {total:.9g}, "
-            "not 1; neighbour averaging takes weights that sum to 1 (scale the result yourself for a "
-            "weighted sum)"
-        )
-
-
 class Topology:
     """A weighted directed graph over ``size`` ranks (edge ``i -> j``: ``j`` receives from ``i``).
 
@@ -93,9 +83,12 @@ class Topology:
         weighted: whether the weights are user-chosen (Bluefog's ``is_weighted``); unweighted
             topologies average uniformly over in-neighbours and self.
 
+    Weights are any finite numbers (as in Bluefog's ``networkx.DiGraph`` topologies): columns that
+    sum to 1 average, others give a weighted sum. A weight of 0 is no edge.
+
     Raises:
-        ValueError: a rank outside ``0..size-1``, a self edge in ``in_weights``, a negative or
-            non-finite weight, or a rank whose weights do not sum to 1.
+        ValueError: a rank outside ``0..size-1``, a self edge in ``in_weights``, a non-finite weight.
+        TypeError: a weight that is not a real number, a rank that is not an integer.
 
     Example::
 
@@ -137,7 +130,6 @@ class Topology:
                 if weight != 0.0:  # a zero weight is no edge (as a 0 in from_matrix)
                     row[i] = weight
             sw = _check_weight(self_weights[j], f"Topology: self weight of rank {j}")
-            check_sum(sw, row, f"Topology: rank {j}")
             self._in.append(dict(sorted(row.items())))
             self._self.append(sw)
         self._out: List[List[int]] = [[] for _ in range(size)]
@@ -200,11 +192,13 @@ class Topology:
         """A weighted topology from a ``size x size`` matrix ``W``.
 
         ``W[i][j]`` (``i != j``) is the weight rank ``j`` gives to rank ``i``'s value (0: no edge);
-        ``W[j][j]`` is rank ``j``'s self weight. Every column must sum to 1. Accepts nested lists,
+        ``W[j][j]`` is rank ``j``'s self weight (Bluefog's layout: row = sender, column = receiver).
+        Any finite weights are accepted, as Bluefog accepts any ``networkx.DiGraph`` weights:
+        columns summing to 1 give weighted averages, others weighted sums. Accepts nested lists,
         numpy arrays and tensors.
 
         Raises:
-            ValueError: not a square 2-D matrix (e.g. a 1-D vector), bad weights or column sums.
+            ValueError: not a square 2-D matrix (e.g. a 1-D vector), a non-finite entry.
             TypeError: an entry that is not a real number.
 
         Example::
@@ -263,6 +257,38 @@ class Topology:
             for i, v in self._in[j].items():
                 w[i][j] = v
         return w
+
+    # ------------------------------------------------------------ networkx-style queries
+    # Bluefog's load_topology() returns a networkx.DiGraph whose diagonal entries are self loops;
+    # these read a Topology the same way (a rank with a non-zero self weight is its own neighbour).
+    def number_of_nodes(self) -> int:
+        """Number of ranks (networkx's ``number_of_nodes``)."""
+        return self.size
+
+    def number_of_edges(self) -> int:
+        """Edges of the weight matrix *including* self loops (non-zero self weights), as networkx counts
+        a Bluefog topology; :meth:`num_edges` leaves the self loops out."""
+        return self.num_edges() + sum(1 for w in self._self if w != 0.0)
+
+    def predecessors(self, rank: int) -> List[int]:
+        """Ranks whose values ``rank`` receives, with ``rank`` itself if its self weight is non-zero
+        (networkx's ``predecessors`` of a Bluefog topology), sorted."""
+        r = self._rank(rank)
+        return sorted([*self._in[r], r]) if self._self[r] != 0.0 else list(self._in[r])
+
+    def successors(self, rank: int) -> List[int]:
+        """Ranks that receive ``rank``'s value, with ``rank`` itself if its self weight is non-zero
+        (networkx's ``successors`` of a Bluefog topology), sorted."""
+        r = self._rank(rank)
+        return sorted([*self._out[r], r]) if self._self[r] != 0.0 else list(self._out[r])
+
+    def in_degree(self, rank: int) -> int:
+        """``len(predecessors(rank))`` (a self loop counts, as in networkx)."""
+        return len(self.predecessors(rank))
+
+    def out_degree(self, rank: int) -> int:
+        """``len(successors(rank))`` (a self loop counts, as in networkx)."""
+        return len(self.successors(rank))
 
     def _rank(self, rank: int) -> int:
         if type(rank) is int and 0 <= rank < self.size:  # the common case, kept cheap
@@ -335,23 +361,28 @@ def RingGraph(size: int, connect_style: int = 0) -> Topology:  # noqa: N802 - Bl
 
     Args:
         size: number of ranks.
-        connect_style: 0 both directions (in-neighbours ``i - 1`` and ``i + 1``), 1 receive from the
-            left neighbour ``i - 1`` only, 2 receive from the right neighbour ``i + 1`` only
-            (Bluefog's values).
+        connect_style: Bluefog's values and directions. 0: both directions (in-neighbours ``i - 1``
+            and ``i + 1``). 1 ("left connection"): rank ``i`` sends to ``i - 1``, so it receives
+            from ``i + 1`` only. 2 ("right connection"): rank ``i`` sends to ``i + 1``, so it
+            receives from ``i - 1`` only. With 2 ranks every style is the same two-way pair.
 
     Example::
 
-        RingGraph(4).in_neighbors(0)                # [1, 3]
+        RingGraph(4).in_neighbors(0)                    # [1, 3]
+        RingGraph(4, connect_style=1).in_neighbors(0)   # [1]
+        RingGraph(4, connect_style=2).in_neighbors(0)   # [3]
     """
     size = _check_size(size, "RingGraph")
     if connect_style not in (0, 1, 2):
         raise ValueError(f"RingGraph: connect_style must be 0, 1 or 2, got {connect_style!r}")
     edges = set()
     for i in range(size):
+        # Bluefog builds row i (sender i) as np.roll(x, i) with x[-1] (style 1) or x[1] (style 2)
+        # set: style 1 is the edge i -> i - 1, style 2 the edge i -> i + 1.
         if connect_style in (0, 1):
-            edges.add(((i - 1) % size, i))
+            edges.add((i, (i - 1) % size))
         if connect_style in (0, 2):
-            edges.add(((i + 1) % size, i))
+            edges.add((i, (i + 1) % size))
     return Topology.from_edges(size, sorted(e for e in edges if e[0] != e[1]))
 
 

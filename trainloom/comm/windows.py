@@ -46,7 +46,7 @@ import torch
 from trainloom.comm import collectives as _core
 from trainloom.comm.env import as_int
 from trainloom.comm.group import Communicator, ProcessGroup
-from trainloom.comm.topology import _check_weight, check_sum, resolve_comm, topology_entry
+from trainloom.comm.topology import _check_weight, resolve_comm, topology_entry
 from trainloom.comm.work import CompletedWork, Work
 from trainloom.errors import CommError
 
@@ -385,8 +385,8 @@ def win_put(
         require_mutex: accepted for Bluefog compatibility; slots are always locked.
 
     Raises:
-        ValueError: a destination that is not an out-neighbour, a negative weight, a shape mismatch,
-            an unknown or freed window.
+        ValueError: a destination that is not an out-neighbour, a non-finite weight, a shape
+            mismatch, an unknown or freed window.
     """
     opname = "win_put"
     w = _get(name, opname)
@@ -455,12 +455,19 @@ def win_sync(
     Args:
         name: the window.
         self_weight, neighbor_weights: as in :func:`~trainloom.comm.neighbor.neighbor_allreduce`
-            (both or neither; default the topology's weights if weighted, else uniform). Must sum to 1.
+            (both or neither; default the topology's weights if weighted, else uniform). Any finite
+            weights, as in Bluefog: ``self_weight=1.0, neighbor_weights={r: 1.0 ...}, reset=True``
+            is :func:`win_sync_then_collect`.
         reset: zero the neighbour slots that were used, after reading them.
         clone: return a new tensor and leave the window's tensor unchanged.
 
     Returns:
         The combined tensor (the window's own tensor unless ``clone``).
+
+    Raises:
+        ValueError: only one of ``self_weight``/``neighbor_weights``, a rank that is not an
+            in-neighbour, a non-finite weight, an unknown or freed window.
+        TypeError: weights that are not real numbers, a non-dict ``neighbor_weights``.
     """
     opname = "win_sync"
     w = _get(name, opname)
@@ -476,14 +483,14 @@ def win_sync(
     else:
         sw = _check_weight(self_weight, f"{opname}: self_weight")
         nw = _weights_for(w, neighbor_weights, ins, 0.0, "neighbor_weights", opname)
-        check_sum(sw, nw, f"{opname} on rank {w.rank}")
     return _combine(w, sw, nw, reset, clone)
 
 
 def win_sync_then_collect(name: str) -> torch.Tensor:
-    """Add every neighbour slot into the tensor and zero the slots (``win_sync`` with weights 1, reset).
+    """Add every neighbour slot into the tensor and zero the slots.
 
-    The weights sum to more than 1 on purpose (a collect, not an average).
+    The same as ``win_sync(name, self_weight=1.0, neighbor_weights={r: 1.0 for r in in-neighbours},
+    reset=True)``, as Bluefog documents it (a collect, not an average).
     """
     w = _get(name, "win_sync_then_collect")
     return _combine(w, 1.0, {i: 1.0 for i in w.topo.in_neighbors(w.rank)}, True, False)
