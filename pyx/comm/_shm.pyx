@@ -1065,8 +1065,10 @@ cdef class Engine:
     cdef readonly int world
     cdef readonly object name
     cdef int busy       # a collective (or barrier) is running
-    cdef int busy_send  # a send is running: sends and receives use disjoint channel state
-    cdef int busy_recv  # a receive is running
+    # Running sends and receives, as 2 * peer + (1 for a send): a send to `dst` touches only the
+    # rank -> dst channel and p2p_sent[dst], a receive from `src` the src -> rank channel and
+    # p2p_recv[src], so point-to-point operations with different (direction, peer) may overlap.
+    cdef object p2p_running
     cdef int pid
     cdef int exports   # live HeapBuffer objects: the mapping must outlive them
     cdef int closed
@@ -1074,6 +1076,7 @@ cdef class Engine:
     cdef public size_t small_bytes
 
     def __cinit__(self):
+        self.p2p_running = set()
         memset(&self.st, 0, sizeof(State))
         self.st.big_bytes = <size_t>-1
         self.st.base = NULL
@@ -1406,20 +1409,17 @@ cdef class Engine:
 
     cdef int _enter(self) except -1:
         """Start a collective: no other call may be running (the GIL makes check-and-set atomic)."""
-        self._check_usable(self.busy or self.busy_send or self.busy_recv)
+        self._check_usable(self.busy or len(self.p2p_running) > 0)
         self.busy = 1
         return 0
 
-    cdef int _enter_p2p(self, bint send) except -1:
-        """Start a send or a receive. A send (my -> peer channels, p2p_sent) and a receive (peer ->
-        my channels, p2p_recv) touch disjoint state, so one of each may run at once on two threads:
-        a receive posted first no longer holds back the send the peer waits for."""
-        if send:
-            self._check_usable(self.busy or self.busy_send)
-            self.busy_send = 1
-        else:
-            self._check_usable(self.busy or self.busy_recv)
-            self.busy_recv = 1
+    cdef int _enter_p2p(self, int key) except -1:
+        """Start a send or a receive (``key`` = 2 * peer + 1 for a send, + 0 for a receive). Each
+        touches only its own channel, so those with different keys may run at once on several
+        threads: a receive posted first no longer holds back the send the peer waits for, and a
+        rank may receive from (or send to) two neighbours at once."""
+        self._check_usable(self.busy or key in self.p2p_running)
+        self.p2p_running.add(key)
         return 0
 
     cdef int _check_usable(self, bint running) except -1:
@@ -1427,8 +1427,9 @@ cdef class Engine:
             raise CommError("shared-memory engine used after close()")
         if running:
             raise CommError(
-                "a communicator is used by one thread at a time (a send and a receive may overlap); "
-                "another call is running on it (serialise calls, e.g. on one worker thread)")
+                "a communicator is used by one thread at a time (sends to and receives from different "
+                "peers may overlap); another call is running on it (serialise calls, e.g. on one "
+                "worker thread)")
         if getpid() != self.pid:
             raise CommError(
                 f"this communicator was created in process {self.pid} and cannot be used in forked "
@@ -1473,13 +1474,13 @@ cdef class Engine:
         cdef double t0
         if self.st.base == NULL or self.closed:
             return
-        if self.busy or self.busy_send or self.busy_recv:
+        if self.busy or self.p2p_running:
             # another thread is inside an op: make its waits give up, then wait for it to leave
             self.st.local_closing = 1
             t0 = tl_now()
-            while (self.busy or self.busy_send or self.busy_recv) and tl_now() - t0 < 5.0:
+            while (self.busy or self.p2p_running) and tl_now() - t0 < 5.0:
                 _time.sleep(0.001)
-            if self.busy or self.busy_send or self.busy_recv:
+            if self.busy or self.p2p_running:
                 raise CommError("close(): an operation running on another thread did not stop within 5 s")
         self.st.ranks[self.st.rank].closed = 1
         tl_fence()
@@ -1644,12 +1645,14 @@ cdef class Engine:
         cdef double deadline = tl_now() + timeout
         cdef int rc
         _fill_desc(&d, desc)
-        self._enter_p2p(True)
+        if dst < 0 or dst >= self.st.world or dst == self.st.rank:
+            raise ValueError(f"send: dst {dst} is not a peer of rank {self.st.rank} in a world of {self.st.world}")
+        self._enter_p2p(2 * dst + 1)
         with nogil:
             rc = _send(&self.st, &d, <const char*>buf, nbytes, dst, deadline)
             if rc != 0 and rc != E_POISON:
                 self._fail(rc)
-        self.busy_send = 0
+        self.p2p_running.discard(2 * dst + 1)
         if rc == E_INTERRUPTED:
             _reraise_pending()
         return rc
@@ -1659,12 +1662,14 @@ cdef class Engine:
         cdef double deadline = tl_now() + timeout
         cdef int rc
         _fill_desc(&d, desc)
-        self._enter_p2p(False)
+        if src < 0 or src >= self.st.world or src == self.st.rank:
+            raise ValueError(f"recv: src {src} is not a peer of rank {self.st.rank} in a world of {self.st.world}")
+        self._enter_p2p(2 * src)
         with nogil:
             rc = _recv(&self.st, &d, <char*>buf, nbytes, src, deadline)
             if rc != 0 and rc != E_POISON:
                 self._fail(rc)
-        self.busy_recv = 0
+        self.p2p_running.discard(2 * src)
         if rc == E_INTERRUPTED:
             _reraise_pending()
         return rc

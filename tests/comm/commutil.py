@@ -1398,3 +1398,37 @@ def bagua_example_flow(rank: int, ws: int, engine: str) -> Dict[str, Any]:
     out["object"] = B.broadcast_object({"from": rank} if rank == 1 else None, 1)
     C.destroy_process_group()
     return out
+
+
+def neighbour_exchange(rank: int, ws: int, engine: str) -> Dict[str, Any]:
+    """The halo exchange: receive from both ring neighbours, then send to both, all asynchronous,
+    with messages larger than the shm pair channel; then both orders again with small ones."""
+    os.environ["TRAINLOOM_CPU_ENGINE"] = engine
+    C.init_process_group(timeout=20)
+    nxt, prv = (rank + 1) % ws, (rank - 1) % ws
+    out: Dict[str, Any] = {}
+    for n in (1 << 20, 3):
+        a, b = torch.zeros(n), torch.zeros(n)
+        works = [C.recv(a, nxt, async_op=True), C.recv(b, prv, async_op=True)]
+        works += [C.send(torch.full((n,), float(rank)), p, async_op=True) for p in (nxt, prv)]
+        for w in works:
+            w.wait()
+        out[f"recv_first_{n}"] = (a.unique().tolist(), b.unique().tolist())
+        works = [C.send(torch.full((n,), float(10 + rank)), p, async_op=True) for p in (prv, nxt)]
+        works += [C.recv(b, prv, async_op=True), C.recv(a, nxt, async_op=True)]
+        for w in works:
+            w.wait()
+        out[f"send_first_{n}"] = (a.unique().tolist(), b.unique().tolist())
+    C.destroy_process_group()
+    return out
+
+
+def getter_on_one_rank(rank: int, ws: int) -> Dict[str, Any]:
+    """Only rank 0 asks for the global communicator: its connection times out, saying why."""
+    C.init_process_group(timeout=3)
+    out: Dict[str, Any] = {}
+    if rank == 0:
+        out["error"] = _expect(C.get_default_group().get_global_communicator, CommTimeoutError)
+    else:
+        time.sleep(5)
+    return out

@@ -7,9 +7,11 @@ import pytest
 from commutil import (
     bagua_example_flow,
     concurrent_first_ops,
+    getter_on_one_rank,
     half_avg,
     hier_async_ordering,
     hier_timeout,
+    neighbour_exchange,
     one_element_strided,
     p2p_exchange,
     p2p_recv_timeout,
@@ -185,3 +187,25 @@ def test_bagua_example_p2p_between_two_ranks_first_while_the_others_go_on(engine
         assert r["env"] == (rank, 4, rank, 4)
         assert r["from_torch_group"] == (([1], (0, 1)) if rank == 1 else ([], True))
         assert r["object"] == {"from": 1}
+
+
+@pytest.mark.parametrize("engine", ["shm", "gloo"])
+def test_receives_from_two_neighbours_posted_before_the_sends_complete(engine):
+    """Sends and receives are queued per peer: a rank waiting for its left neighbour's message does
+    not hold up the receive from its right one (the cycle of one queue per direction deadlocked)."""
+    res = run_ranks(neighbour_exchange, 3, engine, timeout=120)
+    for rank, r in enumerate(res):
+        nxt, prv = float((rank + 1) % 3), float((rank - 1) % 3)
+        for n in (1 << 20, 3):
+            assert r[f"recv_first_{n}"] == ([nxt], [prv])
+            assert r[f"send_first_{n}"] == ([10 + nxt], [10 + prv])
+
+
+def test_a_getter_called_on_one_rank_only_times_out_saying_every_member_must_call_it():
+    res = run_ranks(getter_on_one_rank, 2, timeout=60)
+    err = res[0]["error"]
+    assert err.startswith("CommTimeoutError: "), err
+    assert err.endswith(
+        ". Asking for a communicator (get_global_communicator() and the other getters) connects it, "
+        "as in Bagua: every member must ask for it"
+    ), err

@@ -19,9 +19,10 @@ the next announcement addressed to it (blocking, with the group's timeout) and r
 rank. Messages sent with the Bagua-style :func:`trainloom.comm.send` are not announced: receive them
 with an explicit ``src``.
 
-``isend`` calls run in issue order on the communicator's send thread and ``irecv`` calls on its
-receive thread, one send and one receive at a time, so two ranks that ``isend`` to each other and
-then receive (or ``irecv`` first and then send) exchange messages of any size on both CPU engines.
+``isend``/``irecv`` calls run in issue order per direction and peer, each (direction, peer) on its
+own thread, so two ranks that ``isend`` to each other and then receive, ``irecv`` first and then
+send, or exchange with several neighbours at once, do so with messages of any size on both CPU
+engines.
 
 :func:`init_process_group` accepts the early launchers: ``rank=``/``world_size=`` with only
 MASTER_ADDR/MASTER_PORT set (``multiprocessing.Process`` per rank), or ``init_method="tcp://..."``;

@@ -1369,7 +1369,7 @@ def send(tensor: torch.Tensor, dst: int, comm: CommArg = None, async_op: bool = 
         raise ValueError(f"{name}: dst={d} is this rank; send to another rank")
     st = _Staged()
     tc = st.input(t)
-    return _go(c, name, _where(t), lambda e: e.send(tc, d), async_op, None, st, (tc,), p2p="send")
+    return _go(c, name, _where(t), lambda e: e.send(tc, d), async_op, None, st, (tc,), p2p=f"send:{d}")
 
 
 def recv(tensor: torch.Tensor, src: int, comm: CommArg = None, async_op: bool = False) -> Optional[Work]:
@@ -1402,7 +1402,7 @@ def recv(tensor: torch.Tensor, src: int, comm: CommArg = None, async_op: bool = 
         raise ValueError(f"{name}: src={s} is this rank; receive from another rank")
     st = _Staged()
     tc = st.output(t, load=False)
-    return _go(c, name, _where(t), lambda e: e.recv(tc, s), async_op, t, st, (tc,), p2p="recv")
+    return _go(c, name, _where(t), lambda e: e.recv(tc, s), async_op, t, st, (tc,), p2p=f"recv:{s}")
 
 
 def barrier(comm: CommArg = None, async_op: bool = False) -> Optional[Work]:

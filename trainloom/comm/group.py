@@ -225,8 +225,8 @@ class Communicator:
 
     Calls on one communicator are serialised: asynchronous CPU operations run in order on one worker
     thread, and a synchronous call first waits for the asynchronous ones issued before it. Send and
-    recv have a queue each (a send may need the matching receive to complete): they follow the
-    earlier collectives and the earlier operations of their own direction only.
+    recv have a queue per peer (a send may need the matching receive to complete): they follow the
+    earlier collectives and the earlier operations of their own direction and peer only.
     """
 
     def __init__(
@@ -259,10 +259,11 @@ class Communicator:
         # communicator's worker thread (the final step of an async hierarchical allreduce): later
         # calls here wait for it, as for ``_last``.
         self._fence: Optional[concurrent.futures.Future] = None
-        # gloo send/recv: one queue (worker thread, lock, last operation) per direction, so that a
-        # pending asynchronous send does not hold up a receive from the same peer (see execute()).
+        # send/recv: one queue (worker thread, lock, last operation) per direction and peer, keyed
+        # "send:3" / "recv:1", so that a pending asynchronous send does not hold up a receive, nor a
+        # receive from one neighbour a receive from another (see execute()).
         self._p2p_executors: Dict[str, concurrent.futures.ThreadPoolExecutor] = {}
-        self._p2p_locks = {"send": threading.Lock(), "recv": threading.Lock()}
+        self._p2p_locks: Dict[str, threading.Lock] = {}
         self._p2p_last: Dict[str, concurrent.futures.Future] = {}
         self._engine_lock = threading.Lock()  # engine creation (send and recv may run at once)
         self._destroyed = False
@@ -318,6 +319,11 @@ class Communicator:
         try:
             self.engine(device)
         except CommError as exc:
+            if isinstance(exc, CommTimeoutError) and exc.args:
+                exc.args = (
+                    f"{exc.args[0]}. Asking for a communicator (get_global_communicator() and the other "
+                    "getters) connects it, as in Bagua: every member must ask for it",
+                ) + tuple(exc.args[1:])
             self._annotate(exc)
             raise
         self._connected = True
@@ -411,8 +417,9 @@ class Communicator:
         ``check`` = ``(tensor, op, root, numel, counts)`` describes the call for the cross-rank check of
         CUDA operations (the CPU engines check for themselves). ``after``: futures of operations on
         other communicators that must finish before this one starts (captured at issue time, so the
-        order is the issue order on every rank). ``p2p`` (``"send"``/``"recv"``): a point-to-point
-        operation, queued per direction (see :meth:`_pending`).
+        order is the issue order on every rank). ``p2p`` (``"send:<peer>"``/``"recv:<peer>"``, the
+        peer's rank in this communicator): a point-to-point operation, queued per direction and peer
+        (see :meth:`_pending`).
         """
         self.check_alive(opname)
         is_cpu = device == "cpu" if isinstance(device, str) else device.type == "cpu"
@@ -427,13 +434,17 @@ class Communicator:
             if finish is not None:
                 finish()
             return None
-        # Sends and receives take their own queues (as torch's gloo): a send does not complete
-        # before the peer takes the message (gloo: posts the matching receive; shm: beyond two pair
-        # buffers), so an asynchronous send followed by a receive from the same peer, or a receive
-        # posted first and then a send, would deadlock on one queue. Both engines run one send and
-        # one receive at once.
+        # Sends and receives take a queue per direction and peer (gloo itself runs them at once per
+        # pair): a send does not complete before the peer takes the message (gloo: posts the
+        # matching receive; shm: beyond two pair buffers), so on one queue an asynchronous send
+        # followed by a receive from the same peer, a receive posted first and then a send, or
+        # receives posted from two neighbours before sending to them would deadlock. Both engines
+        # run operations of different (direction, peer) at once.
         queue = p2p
-        lock = self._lock if queue is None else self._p2p_locks[queue]
+        if queue is None:
+            lock = self._lock
+        else:
+            lock = self._p2p_locks.get(queue) or self._p2p_locks.setdefault(queue, threading.Lock())
 
         def run(deps: Sequence[concurrent.futures.Future]) -> None:
             if deps:
@@ -498,9 +509,9 @@ class Communicator:
 
         A collective (``queue`` None) follows every earlier operation: this communicator's worker
         queue, the fence left by an asynchronous hierarchical allreduce and the send/recv queues. A
-        send (recv) follows the collectives and the earlier sends (receives), but not the receives
-        (sends). ``same_queue=False`` leaves out the queue's own last operation (a
-        worker thread runs its queue in order anyway).
+        send to (receive from) a peer follows the collectives and the earlier sends to (receives
+        from) that peer, but no other point-to-point operation. ``same_queue=False`` leaves out the
+        queue's own last operation (a worker thread runs its queue in order anyway).
         """
         last, fence = self._last, self._fence
         if (last is None or last.done()) and fence is None and not self._p2p_last:

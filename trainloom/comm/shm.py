@@ -85,9 +85,9 @@ _OPKIND_NAMES = {
 
 _ABORT_REASONS = {
     _shm.ABORT_USER: "abort() was called",
-    _shm.ABORT_TIMEOUT: "a collective timed out there",
+    _shm.ABORT_TIMEOUT: "an operation timed out there",
     _shm.ABORT_DEAD: "it found a peer dead or closed",
-    _shm.ABORT_INTERRUPTED: "a signal handler (Ctrl-C) interrupted a collective there",
+    _shm.ABORT_INTERRUPTED: "a signal handler (Ctrl-C) interrupted an operation there",
     _shm.ABORT_CMA: "reading a peer's memory with process_vm_readv failed there",
 }
 
@@ -278,9 +278,9 @@ class ShmCommunicator:
         comm.allreduce(t, t, ReduceOp.SUM)
         comm.close()
 
-    .. warning:: one communicator is used by one thread at a time (except that one :meth:`send` and
-       one :meth:`recv` may run at once on two threads); every rank must issue the same collectives
-       in the same order.
+    .. warning:: one communicator is used by one thread at a time (except that sends to different
+       peers and receives from different peers may run at once on several threads); every rank must
+       issue the same collectives in the same order.
     """
 
     def __init__(
@@ -889,6 +889,7 @@ class ShmCommunicator:
             p = info["peer"]
             src, dst = (p, self.rank) if op == "recv" else (self.rank, p)
             hdr, poison = eng.p2p_info(src, dst)
+            hdr["root"] = -1  # a chunk header's root field holds the sender's chunk count, not a root
             raise CommError(
                 f"{where}: the message from rank {src} to rank {dst} does not match: the sender "
                 f"sent {self._fmt_desc(hdr)}, the receiver expected {self._fmt_desc(poison)}. The "
