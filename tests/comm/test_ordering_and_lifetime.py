@@ -3,6 +3,10 @@ global ranks in errors: real 2- to 4-process runs (4 ranks = 2 logical nodes via
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 from commutil import (
     bagua_example_flow,
@@ -209,3 +213,42 @@ def test_a_getter_called_on_one_rank_only_times_out_saying_every_member_must_cal
         ". Asking for a communicator (get_global_communicator() and the other getters) connects it, "
         "as in Bagua: every member must ask for it"
     ), err
+
+
+_CTRL_C_SCRIPT = """
+import os, sys
+import torch
+import trainloom.comm as C
+
+C.init_process_group(timeout=300)
+C.barrier()
+if C.get_rank() == 0:
+    w = C.recv(torch.zeros(4), 1, async_op=True)  # rank 1 never sends
+    raise KeyboardInterrupt  # Ctrl-C while the receive is in flight
+try:
+    C.barrier()
+except Exception as exc:
+    print("rank 1:", type(exc).__name__, str(exc).split(": ", 1)[1][:200], flush=True)
+"""
+
+
+def test_ctrl_c_with_an_async_receive_in_flight_exits_now_and_peers_fail_fast(tmp_path):
+    """The interpreter joins the worker threads before atexit: without the exit hook the process
+    stayed until the receive's 300 s timeout (the 120 s limit below would end the test). Shared
+    memory only: torch cannot interrupt a pending gloo wait (documented)."""
+    script = tmp_path / "ctrl_c.py"
+    script.write_text(_CTRL_C_SCRIPT)
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+    }
+    env["TRAINLOOM_CPU_ENGINE"] = "shm"
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert "KeyboardInterrupt" in out.stderr, out.stderr[-2000:]
+    expected = "rank 1: CommError the communicator was aborted by rank 0 (abort() was called)"
+    assert expected in out.stdout, (out.stdout, out.stderr[-2000:])

@@ -26,6 +26,7 @@ import hashlib
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -600,6 +601,14 @@ class Communicator:
             cpu.allgather(mine, allc)
             check_counts(opname, self._xseq, allc.view(n, 2, n).tolist())
 
+    def abort_engines(self) -> None:
+        """Abort this communicator's engines: operations waiting in them, here and on the peers,
+        raise CommError at once; the communicator cannot be used again."""
+        for e in ([self._cpu] if self._cpu is not None else []) + list(self._cuda.values()):
+            abort = getattr(e, "abort", None)
+            if abort is not None:
+                abort()
+
     def destroy(self) -> None:
         """Close every engine (idempotent); later calls raise CommError."""
         if self._destroyed:
@@ -929,6 +938,10 @@ def init_process_group(
     _STATE.groups.append(pg)
     if not _ATEXIT:
         atexit.register(_destroy_at_exit)
+        # threading's exit hooks run in reverse order of registration, and before atexit's:
+        # registered after concurrent.futures' own (which joins the worker threads), this one runs
+        # before those joins.
+        threading._register_atexit(_abort_pending_on_failed_exit)  # type: ignore[attr-defined]
         _ATEXIT = True
     return pg
 
@@ -936,6 +949,20 @@ def init_process_group(
 def _destroy_at_exit() -> None:
     if _STATE.default is not None:
         destroy_process_group()
+
+
+def _abort_pending_on_failed_exit() -> None:
+    """When the main thread ends with an uncaught exception (Ctrl-C, a crash), abort the
+    communicators that still have asynchronous work in flight, so that the process exits now and
+    their peers fail fast, instead of both waiting for that work's timeout (the interpreter joins
+    the worker threads before atexit runs). A normal exit keeps waiting: work every rank issued
+    completes."""
+    if getattr(sys, "last_value", None) is None:
+        return
+    for pg in list(_STATE.groups):
+        for c in (pg._global, pg._intra, pg._inter):
+            if c is not None and c.pending_futures():
+                c.abort_engines()
 
 
 def is_initialized() -> bool:
