@@ -33,11 +33,13 @@ from cpython.buffer cimport PyBUF_FORMAT, PyBUF_ND, PyBUF_SIMPLE, PyBUF_WRITABLE
 from cpython.buffer cimport PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.ref cimport Py_INCREF
-from cpython.mem cimport PyMem_Calloc, PyMem_Free, PyMem_RawFree, PyMem_RawMalloc, PyMem_Realloc
+from cpython.list cimport PyList_New, PyList_SET_ITEM
+from cpython.long cimport PyLong_FromSsize_t
+from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
+from cpython.mem cimport PyMem_Calloc, PyMem_Free, PyMem_Malloc, PyMem_RawFree, PyMem_RawMalloc, PyMem_Realloc
 from cpython.exc cimport PyErr_Clear, PyErr_ExceptionMatches
 from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
-from libc.stdio cimport snprintf
 from libc.string cimport memcpy, memset
 
 # ---------------------------------------------------------------------------------------------------
@@ -146,6 +148,27 @@ _TORCH_NEEDS_VIEW = [tdt is not None and torch.from_numpy(np.zeros(1, dt)).dtype
 _NP_TYPENUM = [dt.num for dt in _NP_DTYPES]
 _TORCH_TYPENUM = [dt.num for dt in _TORCH_AS_NP]
 cnp.import_array()
+
+# C copies of the tables the decoder reads for every array: a small sample is a few arrays, and the
+# Python list indexing, int conversions and dtype.itemsize lookups cost more than making the array.
+cdef enum:
+    MAX_CODES = 64
+cdef int _n_np_codes = len(_NP_DTYPES)
+cdef int _n_torch_codes = len(_TORCH_DTYPES)
+cdef int _np_typenum_c[MAX_CODES]
+cdef uint64_t _np_itemsize_c[MAX_CODES]
+cdef int _torch_typenum_c[MAX_CODES]
+cdef uint64_t _torch_itemsize_c[MAX_CODES]
+cdef bint _torch_needs_view_c[MAX_CODES]
+if _n_np_codes > MAX_CODES or _n_torch_codes > MAX_CODES:
+    raise ImportError(f"trainloom.data._codec: more than {MAX_CODES} dtype codes; raise MAX_CODES")
+for _i in range(_n_np_codes):
+    _np_typenum_c[_i] = _NP_TYPENUM[_i]
+    _np_itemsize_c[_i] = _NP_DTYPES[_i].itemsize
+for _i in range(_n_torch_codes):
+    _torch_typenum_c[_i] = _TORCH_TYPENUM[_i]
+    _torch_itemsize_c[_i] = _TORCH_ITEMSIZE[_i]
+    _torch_needs_view_c[_i] = _TORCH_NEEDS_VIEW[_i]
 
 _Tensor = torch.Tensor
 _ndarray = np.ndarray
@@ -916,9 +939,10 @@ cdef class _Block:
     @staticmethod
     cdef _Block make_exact(size_t size):
         """A block of exactly `size` bytes, not pooled (small values: the pool's 64 KiB grain would
-        waste memory)."""
+        waste memory). From Python's allocator, which serves small sizes faster than malloc: made here
+        and freed in __dealloc__, both with the GIL held."""
         cdef _Block b = _Block.__new__(_Block)
-        b.ptr = <char*>PyMem_RawMalloc(size if size else 1)
+        b.ptr = <char*>PyMem_Malloc(size if size else 1)
         if b.ptr == NULL:
             raise MemoryError()
         b.cap = 0
@@ -967,7 +991,7 @@ cdef class _Block:
             if self.cap:
                 _pool_give(self.ptr, self.cap)
             else:
-                PyMem_RawFree(self.ptr)
+                PyMem_Free(self.ptr)   # a make_exact block
             self.ptr = NULL
 
 
@@ -977,19 +1001,30 @@ cdef int _dtype_unavailable(int code) except -1:
         f"tensor dtype {_TORCH_NAMES[code]} (code {code}) is not available in torch {torch.__version__}")
 
 
+cdef tuple _dims_tuple(int nd, const cnp.npy_intp* dims):
+    """A shape read by _Decoder._shape as a tuple (only the paths that call numpy/torch by shape)."""
+    cdef tuple out = PyTuple_New(nd)
+    cdef int i
+    for i in range(nd):
+        d = PyLong_FromSsize_t(dims[i])
+        Py_INCREF(d)
+        PyTuple_SET_ITEM(out, i, d)
+    return out
+
+
 cdef class _Decoder:
     cdef object arena          # the _Block the arrays view (or the caller's writable buffer)
     cdef char* base            # arena's memory when it is our own _Block, else NULL
     cdef uint64_t arena_off    # where the data section starts inside arena
     cdef uint64_t data_len
 
-    cdef tuple _shape(self, Cursor* c, uint64_t* numel):
+    cdef int _shape(self, Cursor* c, cnp.npy_intp* dims, uint64_t* numel) except -1:
+        """Read a shape into dims (room for 64); returns the number of dimensions."""
         cdef uint8_t nd = _gu8(c)
         cdef uint8_t i
         cdef uint64_t d
-        cdef list dims = []
         numel[0] = 1
-        if nd > cnp.NPY_MAXDIMS:
+        if nd > cnp.NPY_MAXDIMS or nd > 64:
             raise CodecError(f"encoded value is malformed (an array with {nd} dimensions)")
         for i in range(nd):
             d = _gu64(c)
@@ -997,52 +1032,63 @@ cdef class _Decoder:
             if d > <uint64_t>0x7FFFFFFFFFFFFFFF or (d and numel[0] > <uint64_t>0x7FFFFFFFFFFFFFFF // d):
                 raise CodecError("encoded value is malformed (an array's shape overflows)")
             numel[0] *= d
-            dims.append(d)
-        return tuple(dims)
+            dims[i] = <cnp.npy_intp>d
+        return nd
 
-    cdef object _own_array(self, tuple shape, int typenum, uint64_t off):
+    cdef object _own_array(self, int nd, cnp.npy_intp* dims, int typenum, uint64_t off):
         """An ndarray over base + off (bounds checked by the caller) that keeps the arena alive."""
-        cdef cnp.npy_intp dims[64]
-        cdef int nd = len(shape), i
-        for i in range(nd):
-            dims[i] = <cnp.npy_intp>shape[i]
         arr = cnp.PyArray_SimpleNewFromData(nd, dims, typenum, self.base + off)
         Py_INCREF(self.arena)
         cnp.PyArray_SetBaseObject(<cnp.ndarray>arr, self.arena)   # steals the reference
         return arr
 
-    cdef object _array(self, int kind, int code, tuple shape, uint64_t numel, uint64_t off):
+    cdef object _array(self, int kind, int code, int nd, cnp.npy_intp* dims, uint64_t numel, uint64_t off):
         cdef uint64_t itemsize, nbytes
+        cdef int typenum
         if kind == K_TENSOR:
-            if code >= len(_TORCH_DTYPES):
+            if code >= _n_torch_codes:
                 raise CodecError(f"unknown tensor dtype code {code}")
-            dt = _TORCH_DTYPES[code]
+            dt = _TORCH_DTYPES[code]     # the list, not a C copy: None when this torch lacks the dtype
             if dt is None:
                 _dtype_unavailable(code)
-            itemsize = _TORCH_ITEMSIZE[code]
+            itemsize = _torch_itemsize_c[code]
+            typenum = _torch_typenum_c[code]
         else:
-            if code >= len(_NP_DTYPES):
+            if code >= _n_np_codes:
                 raise CodecError(f"unknown array dtype code {code}")
-            dt = _NP_DTYPES[code]
-            itemsize = (<object>dt).itemsize
+            itemsize = _np_itemsize_c[code]
+            typenum = _np_typenum_c[code]
         nbytes = numel * itemsize
         if numel == 0:
-            return _torch_empty(shape, dtype=dt) if kind == K_TENSOR else _np_empty(shape, dtype=dt)
+            shape = _dims_tuple(nd, dims)
+            if kind == K_TENSOR:
+                return _torch_empty(shape, dtype=dt)
+            return _np_empty(shape, dtype=_NP_DTYPES[code])
         if numel > self.data_len or nbytes > self.data_len or off + nbytes > self.data_len or off + nbytes < off:
             raise CodecError("encoded value is malformed (an array runs past the data section)")
-        if kind == K_TENSOR:
-            if self.base != NULL:
-                t = _from_numpy(self._own_array(shape, _TORCH_TYPENUM[code], off))
-            else:
-                t = _from_numpy(_np_ndarray(shape, _TORCH_AS_NP[code], self.arena, self.arena_off + off))
-            return t.view(dt) if _TORCH_NEEDS_VIEW[code] else t
         if self.base != NULL:
-            return self._own_array(shape, _NP_TYPENUM[code], off)
-        return _np_ndarray(shape, dt, self.arena, self.arena_off + off)
+            arr = self._own_array(nd, dims, typenum, off)
+        else:
+            np_dt = _TORCH_AS_NP[code] if kind == K_TENSOR else _NP_DTYPES[code]
+            arr = _np_ndarray(_dims_tuple(nd, dims), np_dt, self.arena, self.arena_off + off)
+        if kind == K_TENSOR:
+            t = _from_numpy(arr)
+            return t.view(dt) if _torch_needs_view_c[code] else t
+        return arr
+
+    cdef object _array_node(self, Cursor* c, int kind):
+        """A T_NDARRAY/T_TENSOR node after its tag (out of decode(): the dims buffer stays off the
+        stack of the recursion)."""
+        cdef cnp.npy_intp dims[64]
+        cdef uint64_t numel, off
+        cdef uint8_t code = _gu8(c)
+        cdef int nd = self._shape(c, dims, &numel)
+        off = _gu64(c)
+        return self._array(kind, code, nd, dims, numel, off)
 
     cdef object decode(self, Cursor* c, int depth):
         cdef uint8_t tag = _gu8(c)
-        cdef uint64_t n, i, numel, off
+        cdef uint64_t n, i
         cdef int64_t iv
         cdef double fv
         cdef uint8_t code
@@ -1080,8 +1126,21 @@ cdef class _Decoder:
             n = _gu64(c)
             if n > <uint64_t>(c.end - c.p):   # every item takes at least one byte
                 raise CodecError("encoded value is malformed (container longer than its metadata)")
-            items = [self.decode(c, depth + 1) for i in range(n)]
-            return tuple(items) if tag == T_TUPLE else items
+            # Filled in place (no list then tuple). Slots not filled yet are NULL, which the GC and
+            # the dealloc of a tuple or list left half-filled by an exception both accept.
+            if tag == T_TUPLE:
+                seq = PyTuple_New(<Py_ssize_t>n)
+                for i in range(n):
+                    item = self.decode(c, depth + 1)
+                    Py_INCREF(item)
+                    PyTuple_SET_ITEM(seq, <Py_ssize_t>i, item)   # steals the reference
+            else:
+                seq = PyList_New(<Py_ssize_t>n)
+                for i in range(n):
+                    item = self.decode(c, depth + 1)
+                    Py_INCREF(item)
+                    PyList_SET_ITEM(seq, <Py_ssize_t>i, item)    # steals the reference
+            return seq
         if tag == T_DICT:
             n = _gu64(c)
             if n > <uint64_t>(c.end - c.p):
@@ -1092,10 +1151,7 @@ cdef class _Decoder:
                 d[k] = self.decode(c, depth + 1)
             return d
         if tag == T_TENSOR or tag == T_NDARRAY:
-            code = _gu8(c)
-            shape = self._shape(c, &numel)
-            off = _gu64(c)
-            return self._array(K_TENSOR if tag == T_TENSOR else K_NDARRAY, code, shape, numel, off)
+            return self._array_node(c, K_TENSOR if tag == T_TENSOR else K_NDARRAY)
         if tag == T_NPSCALAR:
             code = _gu8(c)
             if code >= len(_NP_DTYPES):
@@ -1115,19 +1171,21 @@ cdef class _Decoder:
         cdef uint32_t i
         cdef uint8_t kind, code
         cdef uint64_t numel, off, n
+        cdef cnp.npy_intp dims[64]
+        cdef int nd
         objs = []
         buffers = []
         for i in range(nrefs):
             kind = _gu8(c)
             code = _gu8(c)
-            shape = self._shape(c, &numel)
+            nd = self._shape(c, dims, &numel)
             off = _gu64(c)
             if kind == K_RAW:
                 if off + numel > self.data_len:
                     raise CodecError("encoded value is malformed (a buffer runs past the data section)")
                 buffers.append(memoryview(self.arena)[self.arena_off + off:self.arena_off + off + numel])
             elif kind == K_TENSOR or kind == K_NDARRAY:
-                objs.append(self._array(kind, code, shape, numel, off))
+                objs.append(self._array(kind, code, nd, dims, numel, off))
             else:
                 raise CodecError(f"encoded value is malformed (unknown reference kind {kind})")
         n = _gu64(c)
@@ -1216,16 +1274,16 @@ cdef object _decode_view(object buf, const uint8_t* p, uint64_t total, bint copy
     cdef uint32_t meta_len
     cdef uint64_t data_len, stored, data_start
     _parse_header(p, total, &meta_len, &data_len, &stored, &data_start)
-    return _decode_parsed(buf, p, meta_len, data_len, stored, data_start, copy)
+    return _decode_parsed(buf, p, meta_len, data_len, stored, data_start, copy, _Decoder.__new__(_Decoder))
 
 
 cdef object _decode_parsed(object buf, const uint8_t* p, uint32_t meta_len, uint64_t data_len,
-                           uint64_t stored, uint64_t data_start, bint copy):
-    """_decode_view after _parse_header (a batch parses every header first)."""
+                           uint64_t stored, uint64_t data_start, bint copy, _Decoder dec):
+    """_decode_view after _parse_header (a batch parses every header first). ``dec`` is a decoder
+    whose fields are all set here (a batch reuses one for its small values)."""
     cdef uint64_t h
     cdef uint8_t* dst = NULL
     cdef Cursor c
-    cdef _Decoder dec = _Decoder()
     if copy and data_len:
         blk = _Block.make(<size_t>data_len) if data_len >= NOGIL_MIN else _Block.make_exact(<size_t>data_len)
         dst = <uint8_t*>(<_Block>blk).ptr
@@ -1234,6 +1292,7 @@ cdef object _decode_parsed(object buf, const uint8_t* p, uint32_t meta_len, uint
         dec.arena_off = 0
     else:
         dec.arena = buf
+        dec.base = NULL
         dec.arena_off = data_start
     dec.data_len = data_len
     if data_len >= NOGIL_MIN:
@@ -1312,8 +1371,17 @@ cdef extern from *:
     static inline int tl_flag(int* f) { return __atomic_load_n(f, __ATOMIC_ACQUIRE); }
     static inline void tl_set_flag(int* f) { __atomic_store_n(f, 1, __ATOMIC_RELEASE); }
     static inline void tl_nap(void) { struct timespec ts = {0, 20000}; nanosleep(&ts, NULL); }
+    /* Ask for the first 2 KiB of a value fetched from the map at once, so that its cache-line misses
+       overlap instead of coming one by one as the checksum reaches each line. */
+    static inline void tl_prefetch_head(const uint8_t* p, size_t n) {
+        size_t o;
+        if (n > 2048) n = 2048;
+        for (o = 64; o < n; o += 64) __builtin_prefetch(p + o);
+        if (n) __builtin_prefetch(p + n - 1);
+    }
     """
     size_t tl_claim(size_t* next, size_t* published) noexcept nogil
+    void tl_prefetch_head(const uint8_t* p, size_t n) noexcept nogil
     void tl_publish(size_t* published, size_t n) noexcept nogil
     int tl_flag(int* f) noexcept nogil
     void tl_set_flag(int* f) noexcept nogil
@@ -1327,6 +1395,8 @@ cdef enum:
     # A worker waiting for the next job spins this many times (~10 us), then naps 20 us per check, so a
     # slow fetch never burns a core for long.
     SPIN_LIMIT = 256
+    # Batches up to this many values keep their per-value bookkeeping on the stack (_decode_batch).
+    STACK_ITEMS = 64
 
 cdef struct _Job:
     const uint8_t* src      # data section in the caller's buffer (valid while its view is held)
@@ -1426,17 +1496,33 @@ cdef tuple _decode_batch(object get, list items, object missing):
     cdef uint32_t meta_len
     cdef uint64_t data_len, stored, data_start, total, large_bytes = 0
     cdef _Decoder dec
+    cdef _Decoder sdec = _Decoder.__new__(_Decoder)   # reused for every small value of the batch
     cdef Cursor c
     cdef list out = [missing] * n
     cdef list decs = [None] * n
     cdef list vals = [None] * n     # keeps every fetched value alive until its buffer is released
+    # Batches of up to STACK_ITEMS values keep their bookkeeping on the stack (~8 KiB): heap blocks of
+    # this size took malloc's slow path (fastbin consolidation) once per batch.
+    cdef Py_buffer views_s[STACK_ITEMS]
+    cdef char held_s[STACK_ITEMS]
+    cdef _Job jobs_s[STACK_ITEMS]
+    cdef Py_ssize_t job_item_s[STACK_ITEMS]
+    cdef bint heap = n > STACK_ITEMS
     memset(&q, 0, sizeof(q))
     if n == 0:
         return out, 0
-    views = <Py_buffer*>PyMem_Calloc(<size_t>n, sizeof(Py_buffer))
-    held = <char*>PyMem_Calloc(<size_t>n, 1)
-    q.jobs = <_Job*>PyMem_Calloc(<size_t>n, sizeof(_Job))
-    job_item = <Py_ssize_t*>PyMem_Calloc(<size_t>n, sizeof(Py_ssize_t))
+    if heap:
+        views = <Py_buffer*>PyMem_Calloc(<size_t>n, sizeof(Py_buffer))
+        held = <char*>PyMem_Calloc(<size_t>n, 1)
+        q.jobs = <_Job*>PyMem_Calloc(<size_t>n, sizeof(_Job))
+        job_item = <Py_ssize_t*>PyMem_Calloc(<size_t>n, sizeof(Py_ssize_t))
+    else:
+        # Only held[] is read before being written (views, jobs and job_item are filled as used).
+        views = views_s
+        held = held_s
+        memset(held, 0, <size_t>n)
+        q.jobs = jobs_s
+        job_item = job_item_s
     try:
         if views == NULL or held == NULL or q.jobs == NULL or job_item == NULL:
             raise MemoryError()
@@ -1453,14 +1539,15 @@ cdef tuple _decode_batch(object get, list items, object missing):
             p = <const uint8_t*>views[i].buf
             total = <uint64_t>views[i].len
             nbytes += <Py_ssize_t>total
+            tl_prefetch_head(p, <size_t>total)
             _parse_header(p, total, &meta_len, &data_len, &stored, &data_start)
             if data_len < NOGIL_MIN:
                 # Small values: decoding takes less than handing them to another thread.
-                out[i] = _decode_parsed(v, p, meta_len, data_len, stored, data_start, True)
+                out[i] = _decode_parsed(v, p, meta_len, data_len, stored, data_start, True, sdec)
                 PyBuffer_Release(&views[i])
                 held[i] = 0
                 continue
-            dec = _Decoder()
+            dec = _Decoder.__new__(_Decoder)
             blk = _Block.make(<size_t>data_len)
             dec.arena = blk
             dec.base = (<_Block>blk).ptr
@@ -1512,10 +1599,11 @@ cdef tuple _decode_batch(object get, list items, object missing):
             for i in range(n):
                 if held[i]:
                     PyBuffer_Release(&views[i])
-        PyMem_Free(views)
-        PyMem_Free(held)
-        PyMem_Free(q.jobs)
-        PyMem_Free(job_item)
+        if heap:
+            PyMem_Free(views)
+            PyMem_Free(held)
+            PyMem_Free(q.jobs)
+            PyMem_Free(job_item)
 
 
 def decode_many_get(get, keys, missing=None):
@@ -1543,7 +1631,9 @@ def int_keys(bytes prefix, indices, Py_ssize_t n):
     cdef char buf[32]
     cdef Py_ssize_t plen = len(prefix)
     cdef long long v
+    cdef unsigned long long u
     cdef int m
+    cdef char* d
     for i in indices:
         if type(i) is not int:
             return None
@@ -1553,10 +1643,20 @@ def int_keys(bytes prefix, indices, Py_ssize_t n):
             return None
         if v < 0 or (n >= 0 and v >= n):
             return None
-        m = snprintf(buf, sizeof(buf), "%lld", v)
+        # The decimal digits, written backwards from the end of buf (snprintf's format parsing cost
+        # more than the rest of the key).
+        u = <unsigned long long>v
+        m = 0
+        while True:
+            m += 1
+            buf[32 - m] = <char>(48 + u % 10)   # 48: '0'
+            u //= 10
+            if u == 0:
+                break
         k = PyBytes_FromStringAndSize(NULL, plen + m)
-        memcpy(PyBytes_AS_STRING(k), PyBytes_AS_STRING(prefix), plen)
-        memcpy(PyBytes_AS_STRING(k) + plen, buf, m)
+        d = PyBytes_AS_STRING(k)
+        memcpy(d, PyBytes_AS_STRING(prefix), plen)
+        memcpy(d + plen, buf + 32 - m, m)
         out.append(k)
     return out
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import gc
 import pickle
 import struct
 import threading
@@ -179,6 +180,35 @@ def test_forged_shapes_with_valid_checksum_are_rejected(tag):
     many = bytes([tag, 5, 65]) + struct.pack("<65Q", *([1] * 65)) + struct.pack("<Q", 0)
     with pytest.raises(CodecError, match="an array with 65 dimensions"):
         decode(forge(many, data))
+
+
+@pytest.mark.parametrize("tag", [7, 8])  # tuple, list
+def test_container_whose_item_fails_midway_raises_codec_error(tag):
+    # Tuples and lists are filled in place as their items decode: an item failing after others were
+    # made must raise cleanly (the half-filled container is freed), and a good value still decodes.
+    data = bytes(64)
+    arr = bytes([10, 5, 1]) + struct.pack("<QQ", 8, 0)  # ndarray, int64, 1 dim of 8, offset 0
+    five = bytes([3]) + struct.pack("<q", 5)  # int 5
+    bad = bytes([tag]) + struct.pack("<Q", 3) + arr + five + bytes([99])  # third item: unknown tag
+    with pytest.raises(CodecError, match="unknown tag 99"):
+        decode(forge(bad, data))
+    gc.collect()
+    out = decode(forge(bytes([tag]) + struct.pack("<Q", 2) + arr + five, data))
+    assert type(out) is (tuple if tag == 7 else list) and len(out) == 2 and out[1] == 5
+    assert same(out[0], np.zeros(8, np.int64))
+
+
+def test_containers_decode_while_the_gc_runs_at_every_allocation():
+    # The garbage collector may visit a tuple or list whose later slots are not filled yet.
+    x = [(np.arange(i), [i, (str(i), torch.full((2,), i))], {"k": (i,)}) for i in range(30)]
+    b = encode((x, tuple(x)))
+    old = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        out = decode(b)
+    finally:
+        gc.set_threshold(*old)
+    assert same((x, tuple(x)), out)
 
 
 def test_decoded_arrays_own_a_block_nobody_can_resize():

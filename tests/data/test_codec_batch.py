@@ -98,6 +98,37 @@ def test_damaged_value_in_a_threaded_batch_raises(threads):
         _codec.decode_list(values)
 
 
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_batches_of_more_than_64_values(threads, n_threads):
+    # Batches over 64 values keep their per-value bookkeeping on the heap instead of the stack: the
+    # same results, and a damaged value still raises.
+    samples = [image(i) if i % 10 == 0 else (np.arange(i, i + 8, dtype=np.int64), i) for i in range(150)]
+    values = [encode(s) for s in samples]
+    values[77] = None
+    threads(n_threads)
+    out, nbytes = _codec.decode_list(values)
+    assert nbytes == sum(len(v) for v in values if v is not None)
+    assert out[77] is None and all(same(o, s) for i, (o, s) in enumerate(zip(out, samples)) if i != 77)
+    damaged = bytearray(values[121])
+    damaged[-3] ^= 0x01  # one bit of the int64 array of sample 121
+    values[121] = bytes(damaged)
+    with pytest.raises(_codec.ChecksumError, match="damaged value"):
+        _codec.decode_list(values)
+
+
+def test_int_keys_are_the_decimal_indices_after_the_prefix():
+    idx = [0, 1, 9, 10, 99, 100, 12345, 2**31, 2**63 - 1]
+    assert _codec.int_keys(b"ds_", idx, -1) == [b"ds_%d" % i for i in idx]
+    assert _codec.int_keys(b"", (7, 70), 71) == [b"7", b"70"]
+    assert _codec.int_keys(b"ds_", [], 5) == []
+    # Anything unusual is left to the caller's checked path (None).
+    assert _codec.int_keys(b"ds_", [0, 71], 71) is None
+    assert _codec.int_keys(b"ds_", [-1], -1) is None
+    assert _codec.int_keys(b"ds_", [2**63], -1) is None
+    assert _codec.int_keys(b"ds_", [True], -1) is None
+    assert _codec.int_keys(b"ds_", [np.int64(3)], -1) is None
+
+
 def test_malformed_value_while_workers_run_stops_them_cleanly(threads):
     threads(2)
     started = _codec.threads_started()
