@@ -22,5 +22,13 @@ def warn_at_caller(
         level += 1
         frame = frame.f_back
     warnings.warn(message, category, stacklevel=level)
-    if logger is not None and logger.hasHandlers():
+    if logger is not None:
+        log_if_configured(logger, message)
+
+
+def log_if_configured(logger: logging.Logger, message: str) -> None:
+    """``logger.warning(message)`` when logging is set up (a handler on the logger or an ancestor),
+    for a message also given to ``warnings.warn``: without a handler, logging's last-resort handler
+    would print it to stderr a second time."""
+    if logger.hasHandlers():
         logger.warning(message)

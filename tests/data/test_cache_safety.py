@@ -482,3 +482,38 @@ def test_tensor_attributes_and_parameters_survive_the_cache(tmp_path):
     assert b"_rebuild_tensor_with_state" in enc
     plain = (torch.zeros(3), {"y": [torch.ones(2)]}, 1)
     assert ds.cache_loader._encode(plain, "x") == cache_mod._codec.encode(plain)  # the raw path, as before
+
+
+_REUSE_SCRIPT = """
+import logging, sys
+if sys.argv[2] == "logging":
+    logging.basicConfig(format="LOG %(name)s %(levelname)s %(message)s")
+from trainloom.data import CacheLoader
+loader = CacheLoader(path=sys.argv[1], dataset_name="sq")
+print(loader.get(3, lambda k: k * k))
+loader.close()
+"""
+
+
+@pytest.mark.parametrize("setup", ["plain", "logging"])
+def test_reuse_warning_is_printed_once_on_a_plain_console_and_logged_when_logging_is_set_up(setup, tmp_path):
+    def run(mode):
+        out = subprocess.run(
+            [sys.executable, "-c", _REUSE_SCRIPT, str(tmp_path), mode],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0 and out.stdout.strip() == "9", out.stderr
+        return [line for line in out.stderr.splitlines() if "reusing 1 cached entries" in line]
+
+    assert run("plain") == []  # the first run computes and stores
+    lines = run(setup)
+    assert len(lines) == (1 if setup == "plain" else 2), lines
+    assert lines[0].startswith("<string>:6: RuntimeWarning: CacheLoader('sq'): reusing 1 cached entries"), (
+        lines
+    )
+    if setup == "logging":
+        assert lines[1].startswith(
+            "LOG trainloom.data WARNING CacheLoader('sq'): reusing 1 cached entries"
+        ), lines

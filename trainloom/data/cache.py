@@ -51,7 +51,7 @@ import torch
 from torch.utils.data import Dataset
 
 from trainloom._build_check import import_compiled
-from trainloom._warnings import warn_at_caller
+from trainloom._warnings import log_if_configured, warn_at_caller
 from trainloom.data.codec import ChecksumError, CodecError
 from trainloom.data.stores.base import (
     Store,
@@ -399,8 +399,7 @@ def _unregister_live(loader: CacheLoader) -> None:
 def _warn_process_once(key: Any, message: str) -> None:
     if key not in _PROCESS_WARNED:
         _PROCESS_WARNED.add(key)
-        warn_at_caller(message, RuntimeWarning, __file__)
-        log.warning(message)
+        warn_at_caller(message, RuntimeWarning, __file__, log)
 
 
 def make_store(backend: Any, namespace: str, **store_kwargs: Any) -> Store:
@@ -872,7 +871,7 @@ class CacheLoader:
         if what not in self._warned:
             self._warned.add(what)
             warnings.warn(message, RuntimeWarning, stacklevel=4)
-            log.warning(message)
+            log_if_configured(log, message)
 
     def _store_failed(self, exc: StoreError, action: str) -> None:
         self._stats["errors"] += 1
