@@ -517,3 +517,19 @@ def test_reuse_warning_is_printed_once_on_a_plain_console_and_logged_when_loggin
         assert lines[1].startswith(
             "LOG trainloom.data WARNING CacheLoader('sq'): reusing 1 cached entries"
         ), lines
+
+
+def test_unknown_store_arguments_name_the_argument_and_what_the_backend_takes(tmp_path):
+    with pytest.raises(TypeError) as e:
+        CacheLoader(path=tmp_path, dataset_name="a", key_prefix="x")  # early Bagua's argument
+    assert str(e.value) == (
+        "unexpected keyword argument 'key_prefix' for backend='lmdb'; its store takes path, map_size, "
+        "max_map_size, max_readers, max_dbs, sync, readonly"
+    )
+    with pytest.raises(TypeError) as e:
+        CachedDataset(Squares(4), backend="redis", dataset_name="a", batch_writes=1, foo=2)
+    assert str(e.value) == (
+        "unexpected keyword arguments 'batch_writes', 'foo' for backend='redis'; its store takes hosts, "
+        "cluster_mode, capacity_per_node, password, bind, timeout, retries, maxmemory_policy, "
+        "startup_timeout"
+    )

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
+import inspect
 import logging
 import multiprocessing.util
 import operator
@@ -408,15 +409,25 @@ def make_store(backend: Any, namespace: str, **store_kwargs: Any) -> Store:
         if store_kwargs:
             raise ValueError(f"store arguments {sorted(store_kwargs)} cannot be used with a Store instance")
         return backend
+    cls: Any
     if backend == "lmdb":
-        from trainloom.data.stores.lmdb_store import LmdbStore
-
-        return LmdbStore(namespace=namespace, **store_kwargs)
-    if backend == "redis":
-        from trainloom.data.stores.redis_store import RedisStore
-
-        return RedisStore(namespace=namespace, **store_kwargs)
-    raise ValueError(f"unknown cache backend {backend!r}: use 'lmdb', 'redis' or a trainloom Store instance")
+        from trainloom.data.stores.lmdb_store import LmdbStore as cls
+    elif backend == "redis":
+        from trainloom.data.stores.redis_store import RedisStore as cls
+    else:
+        raise ValueError(
+            f"unknown cache backend {backend!r}: use 'lmdb', 'redis' or a trainloom Store instance"
+        )
+    # Name the caller's arguments, not the store class's __init__ (e.g. early Bagua's key_prefix=).
+    params = inspect.signature(cls).parameters
+    accepted = [n for n, q in params.items() if n != "namespace" and q.kind is not q.VAR_KEYWORD]
+    unknown = sorted(set(store_kwargs) - set(accepted))
+    if unknown and not any(q.kind is q.VAR_KEYWORD for q in params.values()):
+        raise TypeError(
+            f"unexpected keyword argument{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
+            f"for backend={backend!r}; its store takes {', '.join(accepted)}"
+        )
+    return cls(namespace=namespace, **store_kwargs)
 
 
 def _flush_at_exit(ref: weakref.ref[CacheLoader]) -> None:
