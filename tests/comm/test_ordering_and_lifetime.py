@@ -172,8 +172,9 @@ def test_one_element_strided_views_through_gloo():
 def test_gloo_recv_timeout_names_the_missing_send_not_the_idle_ranks():
     res = run_ranks(p2p_recv_timeout, 3, timeout=120)
     assert res[0] == {
-        "error": "CommTimeoutError: recv #1 (gloo, rank 0 of 3): timed out after 3s; the peer did not post "
-        "the matching send. Check that every recv has a matching send on the peer, or raise the timeout",
+        "error": "CommTimeoutError: recv #1 (gloo, rank 0 of 3): timed out after 3s; the peer (rank 1) did "
+        "not post the matching send. Check that every recv has a matching send on the peer, or raise the "
+        "timeout",
         "missing": None,
     }
     assert res[1] == res[2] == {}

@@ -296,14 +296,18 @@ class GlooEngine:
         self._seq += 1
         return self._seq
 
-    def _wait(self, work: dist.Work, opname: str, seq: int, timeout: Optional[float]) -> None:
+    def _wait(
+        self, work: dist.Work, opname: str, seq: int, timeout: Optional[float], peer: Optional[int] = None
+    ) -> None:
         t = self.timeout if timeout is None else timeout
         try:
             work.wait(datetime.timedelta(seconds=t))
         except RuntimeError as exc:
-            self._fail(exc, opname, seq, t)
+            self._fail(exc, opname, seq, t, peer)
 
-    def _fail(self, exc: BaseException, opname: str, seq: int, timeout: float) -> None:
+    def _fail(
+        self, exc: BaseException, opname: str, seq: int, timeout: float, peer: Optional[int] = None
+    ) -> None:
         text = str(exc)
         low = text.lower()
         if _is_timeout(exc):
@@ -312,8 +316,9 @@ class GlooEngine:
                 # Only the peer takes part (and p2p numbers are per rank): no store census of arrivals.
                 missing: Optional[List[int]] = None
                 other = "recv" if opname == "send" else "send"
+                who = "the peer" if peer is None else f"the peer (rank {peer})"
                 msg = (
-                    f"the peer did not post the matching {other}. Check that every {opname} has a "
+                    f"{who} did not post the matching {other}. Check that every {opname} has a "
                     f"matching {other} on the peer, or raise the timeout"
                 )
             else:
@@ -376,13 +381,15 @@ class GlooEngine:
         compare_headers(opname, seq, rows)
         return rows
 
-    def _run(self, opname: str, seq: int, timeout: Optional[float], fn) -> None:  # noqa: ANN001
+    def _run(  # noqa: ANN001
+        self, opname: str, seq: int, timeout: Optional[float], fn, peer: Optional[int] = None
+    ) -> None:
         try:
             work = fn()
         except RuntimeError as exc:
-            self._fail(exc, opname, seq, self.timeout if timeout is None else timeout)
+            self._fail(exc, opname, seq, self.timeout if timeout is None else timeout, peer)
         if work is not None:
-            self._wait(work, opname, seq, timeout)
+            self._wait(work, opname, seq, timeout, peer)
 
     # ------------------------------------------------------------- reductions
     def _reduce_buffer(
@@ -562,25 +569,25 @@ class GlooEngine:
         seq = self._begin("send", p2p=True)
         if self._check:
             hdr = make_header("send", 0, tensor)
-            self._run("send", seq, timeout, lambda: self._pg.send([hdr], dst, _TAG_TO_RECV))
+            self._run("send", seq, timeout, lambda: self._pg.send([hdr], dst, _TAG_TO_RECV), dst)
             peer = torch.empty(_HDR, dtype=torch.int64)
-            self._run("send", seq, timeout, lambda: self._pg.recv([peer], dst, _TAG_TO_SEND))
+            self._run("send", seq, timeout, lambda: self._pg.recv([peer], dst, _TAG_TO_SEND), dst)
             self._compare_p2p("send", hdr.tolist(), peer.tolist(), self.rank, dst)
         if tensor.numel():
             b = _bytes(tensor)
-            self._run("send", seq, timeout, lambda: self._pg.send([b], dst, 0))
+            self._run("send", seq, timeout, lambda: self._pg.send([b], dst, 0), dst)
 
     def recv(self, tensor: torch.Tensor, src: int, timeout: Optional[float] = None) -> None:
         seq = self._begin("recv", p2p=True)
         if self._check:
             hdr = make_header("recv", 0, tensor)
             peer = torch.empty(_HDR, dtype=torch.int64)
-            self._run("recv", seq, timeout, lambda: self._pg.recv([peer], src, _TAG_TO_RECV))
-            self._run("recv", seq, timeout, lambda: self._pg.send([hdr], src, _TAG_TO_SEND))
+            self._run("recv", seq, timeout, lambda: self._pg.recv([peer], src, _TAG_TO_RECV), src)
+            self._run("recv", seq, timeout, lambda: self._pg.send([hdr], src, _TAG_TO_SEND), src)
             self._compare_p2p("recv", peer.tolist(), hdr.tolist(), src, self.rank)
         if tensor.numel():
             b = _bytes(tensor)
-            self._run("recv", seq, timeout, lambda: self._pg.recv([b], src, 0))
+            self._run("recv", seq, timeout, lambda: self._pg.recv([b], src, 0), src)
 
     @staticmethod
     def _compare_p2p(opname: str, s: List[int], r: List[int], src: int, dst: int) -> None:
