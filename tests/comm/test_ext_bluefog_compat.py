@@ -13,34 +13,10 @@ import pytest
 import test_ext_ranks as R
 import torch
 from multiproc import run_ranks
+from test_topology_util import bf_mesh  # Bluefog's MeshGrid2DGraph formula
 
 import trainloom.comm.bluefog as bf
 from trainloom.comm import optimizers as dopt
-
-
-def _bf_mesh_matrix(size: int):
-    """Bluefog's MeshGrid2DGraph matrix (its formula, numpy)."""
-    np = pytest.importorskip("numpy")
-    i = int(np.sqrt(size))
-    while size % i != 0:
-        i -= 1
-    ncol = size // i
-    topo = np.zeros((size, size))
-    for i in range(size):
-        topo[i][i] = 1.0
-        if (i + 1) % ncol != 0:
-            topo[i][i + 1] = 1.0
-            topo[i + 1][i] = 1.0
-        if i + ncol < size:
-            topo[i][i + ncol] = 1.0
-            topo[i + ncol][i] = 1.0
-    nb = [np.nonzero(topo[i])[0] for i in range(size)]
-    for i in range(size):
-        for j in nb[i]:
-            if i != j:
-                topo[i][j] = 1.0 / max(len(nb[i]), len(nb[j]))
-        topo[i][i] = 2.0 - topo[i].sum()
-    return topo
 
 
 @pytest.mark.parametrize("ws", [3, 4])
@@ -88,7 +64,7 @@ def test_bluefog_ring_directions_sums_and_later_names(ws):
             atol=1e-12,
         )
         # Bluefog's test_neighbor_allreduce_avg_meshgrid_topo: uniform over the row's non-zeros
-        m = _bf_mesh_matrix(ws)
+        m = bf_mesh(ws)
         with_self = [int(j) for j in m[rank].nonzero()[0]]
         assert r["mesh"][0] == [j for j in with_self if j != rank]
         torch.testing.assert_close(
