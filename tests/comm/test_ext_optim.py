@@ -357,3 +357,15 @@ def test_remove_hooks_keeps_averaging_and_pickling_points_to_state_dict():
         assert r["local_step"] == -1.5 - (rank + 1)
         assert r["save"] == msg and r["deepcopy"] == msg
         assert r["state_dict_roundtrip"] is True
+
+
+def test_neighbor_optimizer_takes_bluefogs_weight_attributes():
+    res = run_ranks(R.optimizer_weight_attributes, 3, timeout=120)
+    for rank, r in enumerate(res):
+        assert r["topology"] == [1.0, 1.0]
+        assert r["left"] == [float((rank - 1) % 3)] * 2  # self_weight=0, all weight on the left one
+        assert r["read"] == (0.0, {(rank - 1) % 3: 1.0})
+        assert r["allreduce"] == (
+            "DistributedAllreduceOptimizer[SGD] has no self_weight: only "
+            "DistributedNeighborAllreduceOptimizer averages with neighbour weights"
+        )

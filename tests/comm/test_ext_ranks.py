@@ -921,3 +921,42 @@ def optimizer_model_arg(rank: int, ws: int) -> Dict[str, Any]:
         out[f"{kind}/list"] = run(lambda m, o, c=cls: c(o, model=[m]))
     bf.shutdown()
     return out
+
+
+def optimizer_weight_attributes(rank: int, ws: int) -> Dict[str, Any]:
+    """Bluefog's ``opt.self_weight`` / ``opt.neighbor_weights`` on the neighbour optimizer."""
+    import trainloom.comm.bluefog as bf
+
+    torch.set_num_threads(1)
+    bf.init(lambda n: bf.RingGraph(n))
+    out: Dict[str, Any] = {}
+
+    def step(set_weights: Callable[[torch.optim.Optimizer], None]) -> List[float]:
+        w = torch.nn.Parameter(torch.full((2,), float(rank)))
+        opt = bf.DistributedNeighborAllreduceOptimizer(torch.optim.SGD([w], lr=0.0))
+        set_weights(opt)
+        opt.zero_grad()
+        w.sum().backward()
+        opt.step()  # lr=0: the parameters are the neighbour combination itself
+        return w.detach().tolist()
+
+    out["topology"] = step(lambda o: None)  # ring of 3: (r-1 + r + r+1) / 3 = 1 everywhere
+    left = (rank - 1) % ws
+
+    def take_left(o: torch.optim.Optimizer) -> None:
+        o.self_weight = 0.0
+        o.neighbor_weights = {left: 1.0}
+
+    out["left"] = step(take_left)
+    opt = bf.DistributedNeighborAllreduceOptimizer(
+        torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+    )
+    take_left(opt)
+    out["read"] = (opt.self_weight, opt.neighbor_weights)
+    ar = bf.DistributedAllreduceOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1))
+    try:
+        ar.self_weight = 0.5
+    except AttributeError as exc:
+        out["allreduce"] = str(exc)
+    bf.shutdown()
+    return out

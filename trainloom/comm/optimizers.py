@@ -82,6 +82,10 @@ class _Reducer:
     ) -> None:
         self.comm = comm
         self.mode = mode
+        #: neighbour mode: Bluefog's optimizer attributes, passed to every neighbor_allreduce (None:
+        #: the topology's weights).
+        self.self_weight: Optional[float] = None
+        self.neighbor_weights: Optional[Dict[int, float]] = None
         self.passes = backward_passes_per_step
         self.who = who
         #: for messages: repr(name) from named_parameters, else the position in param_groups.
@@ -158,7 +162,9 @@ class _Reducer:
                 b.work = _core.allreduce_inplace(b.flat, ReduceOp.AVG, comm=self.comm, async_op=True)
             else:
                 b.flat = torch.cat([p.detach().reshape(-1) for p in b.params])
-                b.work = neighbor_allreduce_async(b.flat, comm=self.comm)
+                b.work = neighbor_allreduce_async(
+                    b.flat, self.self_weight, self.neighbor_weights, comm=self.comm
+                )
 
     def _frozen_with_grad(self) -> Optional[str]:
         for p in self.frozen:
@@ -234,6 +240,36 @@ class _DistributedMixin:
     def synchronize(self) -> None:
         """Finish this step's communication now (``step()`` calls it)."""
         self._tl_reducer.synchronize()
+
+    def _neighbor_only(self, name: str) -> _Reducer:
+        r = self._tl_reducer
+        if r.mode != "neighbor":
+            raise AttributeError(
+                f"{type(self).__name__} has no {name}: only DistributedNeighborAllreduceOptimizer "
+                "averages with neighbour weights"
+            )
+        return r
+
+    @property
+    def self_weight(self) -> Optional[float]:
+        """Bluefog's attribute: the weight of this rank's own parameters in the neighbour average
+        (set together with :attr:`neighbor_weights`; None: the topology's weights)."""
+        return self._neighbor_only("self_weight").self_weight
+
+    @self_weight.setter
+    def self_weight(self, value: Optional[float]) -> None:
+        self._neighbor_only("self_weight").self_weight = value
+
+    @property
+    def neighbor_weights(self) -> Optional[Dict[int, float]]:
+        """Bluefog's attribute: ``{in-neighbour rank: weight}`` for the neighbour average (set
+        together with :attr:`self_weight`; None: the topology's weights). Checked as
+        :func:`~trainloom.comm.neighbor.neighbor_allreduce` checks its arguments, at the next launch."""
+        return self._neighbor_only("neighbor_weights").neighbor_weights
+
+    @neighbor_weights.setter
+    def neighbor_weights(self, value: Optional[Dict[int, float]]) -> None:
+        self._neighbor_only("neighbor_weights").neighbor_weights = value
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # noqa: D102
         loss = None
