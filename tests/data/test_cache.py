@@ -77,8 +77,16 @@ def test_bagua_style_positional_arguments(tmp_path):
 
 
 def test_bad_arguments(tmp_path):
-    with pytest.raises(ValueError, match="writer_buffer_size must be an int >= 1, got 0"):
-        CacheLoader(path=tmp_path, writer_buffer_size=0)
+    with pytest.raises(ValueError) as e:
+        CacheLoader(path=tmp_path, writer_buffer_size=-1)
+    assert str(e.value) == (
+        "writer_buffer_size must be an int >= 0 (0 writes every value at once, as 1 does), got -1"
+    )
+    with pytest.raises(ValueError, match=r"writer_buffer_size must be an int >= 0 .*, got 2.0"):
+        CacheLoader(path=tmp_path, writer_buffer_size=2.0)
+    loader = CacheLoader(path=tmp_path, dataset_name="zero", writer_buffer_size=0)  # Bagua's max(1, n)
+    assert loader.writer_buffer_size == 1
+    loader.close()
     with pytest.raises(ValueError, match="on_error must be 'raise' or 'bypass', got 'ignore'"):
         CacheLoader(path=tmp_path, on_error="ignore")
     with pytest.raises(ValueError, match="unknown cache backend 'memcached'"):

@@ -541,9 +541,13 @@ class CacheLoader:
         if (
             not isinstance(writer_buffer_size, int)
             or isinstance(writer_buffer_size, bool)
-            or writer_buffer_size < 1
+            or writer_buffer_size < 0
         ):
-            raise ValueError(f"writer_buffer_size must be an int >= 1, got {writer_buffer_size!r}")
+            raise ValueError(
+                f"writer_buffer_size must be an int >= 0 (0 writes every value at once, as 1 does), "
+                f"got {writer_buffer_size!r}"
+            )
+        writer_buffer_size = max(1, writer_buffer_size)  # Bagua's BatchFetcher reads 0 as 1 too
         if on_error not in ("raise", "bypass"):
             raise ValueError(f"on_error must be 'raise' or 'bypass', got {on_error!r}")
         if not isinstance(max_buffer_bytes, int) or max_buffer_bytes < 0:
