@@ -290,7 +290,7 @@ class GlooEngine:
                 "destroy the process group and create a new one"
             )
         if p2p:  # only two ranks take part: a separate count keeps collective numbers equal everywhere
-            with self._p2p_lock:  # send and recv run on their own threads (one queue each)
+            with self._p2p_lock:  # p2p operations run on several threads (a queue per direction and peer)
                 self._p2p_seq += 1
                 return self._p2p_seq
         self._seq += 1
