@@ -516,7 +516,13 @@ class Communicator:
         """
         last, fence = self._last, self._fence
         if (last is None or last.done()) and fence is None and not self._p2p_last:
-            return []  # the common case: nothing in flight, no point to point ever issued
+            return []  # the common case: nothing in flight
+        # Forget finished fences and point-to-point operations (there is one queue per peer used):
+        # later calls then take the fast path above again instead of scanning them every time.
+        if fence is not None and fence.done():
+            self._fence = None
+        if self._p2p_last and any(f.done() for f in self._p2p_last.values()):
+            self._p2p_last = {k: f for k, f in self._p2p_last.items() if not f.done()}
         if queue is None:
             cands = [self._last if same_queue else None, self._fence, *self._p2p_last.values()]
         else:
