@@ -1,0 +1,162 @@
+"""Counters of one CacheLoader summed over every process that uses it.
+
+A CacheLoader made in the main process is forked or pickled (spawn, forkserver) into its DataLoader
+workers; each worker reads and writes the cache in its own process. :class:`SharedCounters` keeps one
+table in shared memory for the loader and all its copies, so ``stats()`` in the main process counts
+the hits its workers served (and workers that already exited). The table logic (claiming a slot,
+retiring it at exit, consistent sums) is compiled: trainloom/data/_counters.pyx.
+
+A process's own counters are a ``memoryview`` of its slot: incrementing one costs what a dict entry
+does, and there is nothing to publish. A copy made by plain pickling (not while spawning a process)
+starts a table of its own, as the shared memory cannot travel through a pickle.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing
+import multiprocessing.context
+import multiprocessing.util
+import os
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+from trainloom._build_check import import_compiled
+
+_counters = import_compiled("trainloom.data._counters")
+
+log = logging.getLogger(__name__)
+
+#: Processes that can count at once; more fall back to counting for themselves (one warning).
+DEFAULT_SLOTS = 128
+#: int64 columns per row: the pid word, then the counters and gauges.
+WIDTH = 16
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process has the pid: alive
+        return True
+    return True
+
+
+class SharedCounters:
+    """Named int64 counters (then gauges) of one process, summed over a family of processes.
+
+    Args:
+        names: the counters, in column order (carried into the totals when a process exits).
+        gauges: values that describe a process's present state (summed over live processes only).
+        slots: how many processes can count at once.
+    """
+
+    def __init__(self, names: Sequence[str], gauges: Sequence[str] = (), slots: int = DEFAULT_SLOTS) -> None:
+        self.names = tuple(names)
+        self.gauges = tuple(gauges)
+        self.ncounters = 1 + len(self.names)  # column 0 is the pid / retired-process count
+        if self.ncounters + len(self.gauges) > WIDTH:
+            n = len(self.names) + len(self.gauges)
+            raise ValueError(f"at most {WIDTH - 1} counters and gauges, got {n}")
+        if not isinstance(slots, int) or slots < 1:
+            raise ValueError(f"slots must be an int >= 1, got {slots!r}")
+        self._raw = multiprocessing.RawArray(ctypes.c_int64, (_counters.HEADER_ROWS + slots) * WIDTH)
+        self._attach()
+
+    def _attach(self) -> None:
+        """Take a slot of the table for this process (fresh, forked or unpickled)."""
+        import numpy as np
+
+        self._table = np.frombuffer(self._raw, dtype=np.int64).reshape(-1, WIDTH)
+        self._pid = os.getpid()
+        self._warned_inconsistent = False
+        row = _counters.claim(self._table, self._pid)
+        if row < 0:
+            row = self._take_dead_slot()
+        self._finalizer: Optional[multiprocessing.util.Finalize] = None
+        if row < 0:
+            log.warning(
+                "the cache counter table is full (%d processes count at once): process %d counts only for "
+                "itself (stats() in other processes miss its counts)",
+                self._table.shape[0] - _counters.HEADER_ROWS,
+                self._pid,
+            )
+            self._row = -1
+            self.values = memoryview(bytearray(WIDTH * 8)).cast("q")
+            return
+        self._row = row
+        offset = row * WIDTH * 8
+        self.values = memoryview(self._raw).cast("B")[offset : offset + WIDTH * 8].cast("q")
+        # Runs at exit in the main process and in every multiprocessing worker (exitpriority), after
+        # the CacheLoader's own flush handler (priority 10), and when this object is collected; never
+        # in a forked child that inherited it (Finalize checks the pid).
+        self._finalizer = multiprocessing.util.Finalize(
+            self, _counters.retire, args=(self._table, row, self._pid, self.ncounters), exitpriority=5
+        )
+
+    def _take_dead_slot(self) -> int:
+        for pid in self._table[_counters.HEADER_ROWS :, 0].tolist():
+            if pid > 0 and pid != self._pid and not _alive(pid):
+                row = _counters.claim(self._table, self._pid, pid)
+                if row >= 0:
+                    return row
+        return -1
+
+    def retire(self) -> None:
+        """Move this process's counts into the totals now (they stay counted; the slot is freed)."""
+        if self._finalizer is not None:
+            self._finalizer()
+            self._finalizer = None
+
+    def column(self, name: str) -> int:
+        """The index into :attr:`values` of a counter or gauge."""
+        if name in self.names:
+            return 1 + self.names.index(name)
+        return self.ncounters + self.gauges.index(name)
+
+    def local(self) -> Dict[str, int]:
+        """This process's counters and gauges."""
+        v = self.values.tolist()
+        out = {n: v[1 + i] for i, n in enumerate(self.names)}
+        out.update({n: v[self.ncounters + i] for i, n in enumerate(self.gauges)})
+        return out
+
+    def total(self) -> Tuple[Dict[str, int], int]:
+        """(counters and gauges summed over every process of the family, processes counted).
+
+        Processes that exited are counted with their final values; a process that could not get a
+        slot is counted only by itself."""
+        sums, processes, consistent = _counters.total(self._table, self.ncounters)
+        if not consistent and not self._warned_inconsistent:
+            self._warned_inconsistent = True
+            log.warning("a process died while retiring its cache counters: stats() may count it twice")
+        out = {n: sums[1 + i] for i, n in enumerate(self.names)}
+        out.update({n: sums[self.ncounters + i] for i, n in enumerate(self.gauges)})
+        if self._row < 0:
+            for n, v in self.local().items():
+                out[n] += v
+            processes += 1
+        return out, processes
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = {"names": self.names, "gauges": self.gauges}
+        if multiprocessing.context.get_spawning_popen() is not None:
+            state["raw"] = self._raw  # shared with the process being spawned
+        else:
+            state["slots"] = self._table.shape[0] - _counters.HEADER_ROWS
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        if "raw" in state:
+            self.names, self.gauges = state["names"], state["gauges"]
+            self.ncounters = 1 + len(self.names)
+            self._raw = state["raw"]
+            self._attach()
+        else:  # a plain pickle: the copy counts on its own
+            self.__init__(state["names"], state["gauges"], state["slots"])  # type: ignore[misc]
+
+    def after_fork(self) -> None:
+        """In a forked child: take a slot of its own in the inherited table."""
+        if self._pid != os.getpid():
+            self._attach()
