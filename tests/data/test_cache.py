@@ -143,15 +143,25 @@ def test_dataloader_workers_lose_no_writes(tmp_path, method, persistent):
     )
     for batch in dl:
         check_batch(batch)
+    if persistent:  # the workers are alive: their counts so far are seen
+        live = ds.stats()
+        assert live["processes"] == 3 and live["hits"] + live["misses"] == 1 + 50
     del dl  # persistent workers stop here; their Finalize flushes
     ds.cache_loader.flush()  # the parent's own ds[0]
     # 25 per worker, buffer of 20: 5 values per worker were flushed only when the worker stopped.
     assert ds.cache_loader.store.num_keys() == 1 + 50
     computed = base.computed()
     assert sorted(set(computed)) == list(range(50))
+    # stats() counts the workers' reads and writes too (they exited: their final counts).
+    s = ds.stats()
+    assert s["processes"] == 3 and s["hits"] + s["misses"] == 1 + 50 and s["misses"] == len(computed)
+    assert s["writes"] == len(computed) and s["buffered"] == 0
+    mine = ds.stats(this_process=True)
+    assert (mine["processes"], mine["hits"], mine["misses"], mine["writes"]) == (1, 0, 1, 1)
     for batch in DataLoader(ds, batch_size=4):
         check_batch(batch)
     assert len(base.computed()) == len(computed)  # second epoch: nothing recomputed
+    assert ds.stats()["hits"] == s["hits"] + 50 and ds.stats(this_process=True)["hits"] == 50
 
 
 def test_dataloader_no_workers_and_batched_reads(tmp_path):

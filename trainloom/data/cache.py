@@ -54,6 +54,7 @@ from torch.utils.data import Dataset
 from trainloom._build_check import import_compiled
 from trainloom._warnings import log_if_configured, warn_at_caller
 from trainloom.data.codec import ChecksumError, CodecError
+from trainloom.data.shared_counters import SharedCounters
 from trainloom.data.stores.base import (
     Store,
     StoreError,
@@ -122,6 +123,24 @@ _STAT_NAMES = (
     "oom",
     "flushes",
 )
+#: Gauges: this process's buffered values and their bytes now (summed over live processes only).
+_GAUGE_NAMES = ("buffered", "buffered_bytes")
+# Columns of a process's counter slot (column 0 is the pid; see shared_counters.py).
+(
+    _HITS,
+    _MISSES,
+    _WRITES,
+    _BYTES_READ,
+    _BYTES_WRITTEN,
+    _ERRORS,
+    _CORRUPT,
+    _BYPASSED,
+    _DROPPED,
+    _OOM,
+    _FLUSHES,
+    _BUFFERED,
+    _BUFFERED_BYTES,
+) = range(1, 1 + len(_STAT_NAMES) + len(_GAUGE_NAMES))
 
 
 class CacheClosedError(StoreError, ValueError):
@@ -591,6 +610,8 @@ class CacheLoader:
         limit = getattr(self.store, "max_key_size", None)
         self._max_key = int(limit) if limit else sys.maxsize
         self._closed = False
+        # Counted by every process that uses this loader (its DataLoader workers too): stats().
+        self._counters = SharedCounters(_STAT_NAMES, _GAUGE_NAMES)
         self._reset_process_state()
         self._has_meta = False
         self._location = _store_location(self.store)
@@ -700,7 +721,9 @@ class CacheLoader:
         self._buffer_bytes = 0
         self._lock = threading.RLock()
         self._finalizer: Optional[multiprocessing.util.Finalize] = None
-        self._stats = dict.fromkeys(_STAT_NAMES, 0)
+        # This process's counters: its slot of the table shared with the other processes.
+        self._counters.after_fork()
+        self._stats = self._counters.values
         self._down_until = 0.0
         self._warned: set = set()
         self._writes_disabled = False
@@ -757,6 +780,7 @@ class CacheLoader:
             if not self._closed:
                 self._flush_now()
             state = dict(self.__dict__)
+        # _counters stays: it shares its table with a process being spawned (not with a plain pickle).
         for k in ("_buffer", "_lock", "_finalizer", "_stats", "_warned", "_timer", "_timers", "_timer_error"):
             state.pop(k, None)
         return state
@@ -889,7 +913,7 @@ class CacheLoader:
             log_if_configured(log, message)
 
     def _store_failed(self, exc: StoreError, action: str) -> None:
-        self._stats["errors"] += 1
+        self._stats[_ERRORS] += 1
         if self.on_error == "raise":
             raise exc
         self._down_until = time.monotonic() + self.retry_interval
@@ -910,7 +934,7 @@ class CacheLoader:
     def _decode_one(self, buf: Any) -> Any:
         """Decode one stored value; _CORRUPT for a value that does not decode, _STORED_NONE for None."""
         try:
-            self._stats["bytes_read"] += len(buf)
+            self._stats[_BYTES_READ] += len(buf)
             v = _codec.decode(buf, True)
         except Exception as exc:  # noqa: BLE001 - any failure to decode stored bytes means a bad entry
             # Only decoding runs here (no load_fn, no store call): whatever it raises (CodecError,
@@ -928,7 +952,7 @@ class CacheLoader:
         buf = self._buffer
         down = self._down_until
         if down > 0.0 and time.monotonic() < down:  # self._is_down(), inlined on the hot path
-            self._stats["bypassed"] += len(keys)
+            self._stats[_BYPASSED] += len(keys)
             return [_MISSING] * len(keys)
         stats = self._stats
         try:
@@ -938,7 +962,7 @@ class CacheLoader:
                         out, nbytes = mget_decode_missing(self.store, keys, _MISSING)
                 else:
                     out, nbytes = mget_decode_missing(self.store, keys, _MISSING)
-                stats["bytes_read"] += nbytes
+                stats[_BYTES_READ] += nbytes
             except StoreError:
                 raise
             except Exception as exc:  # noqa: BLE001 - retried item by item below, which re-raises store bugs
@@ -953,7 +977,7 @@ class CacheLoader:
                 out = [_MISSING if v is None else (None if v is _STORED_NONE else v) for v in raw]
         except StoreError as exc:
             self._store_failed(exc, "a read")
-            stats["bypassed"] += len(keys)
+            stats[_BYPASSED] += len(keys)
             return [_MISSING] * len(keys)
         if buf:
             for i, k in enumerate(keys):
@@ -965,7 +989,7 @@ class CacheLoader:
 
     def _report_corrupt(self, n: int, what: str) -> None:
         """Count ``n`` values that did not decode and log one warning naming the first cause."""
-        self._stats["corrupt"] += n
+        self._stats[_CORRUPT] += n
         cause, self._decode_failure = self._decode_failure, None
         detail = f" ({type(cause).__name__}: {cause})" if cause is not None else ""
         log.warning(
@@ -986,7 +1010,7 @@ class CacheLoader:
 
     def _put(self, k: bytes, encoded: bytes) -> None:
         if self._writes_disabled:
-            self._stats["dropped"] += 1
+            self._stats[_DROPPED] += 1
             return
         with self._lock:
             buffer = self._buffer
@@ -1014,6 +1038,12 @@ class CacheLoader:
             # the buffer is empty then (no thread started and stopped per buffer of values).
             if self._timer is None and self._buffer and self.flush_interval is not None:
                 self._start_timer()
+            self._publish_buffered()
+
+    def _publish_buffered(self) -> None:
+        """Show this process's buffer in the shared gauges (for stats() in other processes)."""
+        self._stats[_BUFFERED] = len(self._buffer)
+        self._stats[_BUFFERED_BYTES] = self._buffer_bytes
 
     def _trim_buffer(self) -> None:
         # The buffer only outgrows writer_buffer_size/max_buffer_bytes while the store is down
@@ -1021,7 +1051,7 @@ class CacheLoader:
         while self._buffer and self._buffer_bytes > self.max_buffer_bytes and len(self._buffer) > 1:
             k = next(iter(self._buffer))
             self._buffer_bytes -= len(self._buffer.pop(k))
-            self._stats["dropped"] += 1
+            self._stats[_DROPPED] += 1
 
     def _check_fingerprint(self, digest: bytes, legacy: Optional[bytes], shown: Any) -> None:
         """Store ``digest`` as the namespace's fingerprint, dropping its entries when another one was
@@ -1062,11 +1092,11 @@ class CacheLoader:
         k = self.key(key)
         v = self._read([k])[0]
         if v is not _MISSING and v is not _CORRUPT:
-            self._stats["hits"] += 1
+            self._stats[_HITS] += 1
             return v
         if v is _CORRUPT:
             self._report_corrupt(1, f"the stored value for key {_short_repr(key)}")
-        self._stats["misses"] += 1
+        self._stats[_MISSES] += 1
         value = load_fn(key)
         self._put(k, self._encode(value, f"the value for key {key!r}"))
         return value
@@ -1089,13 +1119,13 @@ class CacheLoader:
             ks = [self.key(k) for k in keys]
         vals = self._read(ks)
         missing = _codec.missing_positions(vals, _MISSING, _CORRUPT)
-        self._stats["hits"] += len(ks) - len(missing)
+        self._stats[_HITS] += len(ks) - len(missing)
         if missing:
             bad = [i for i in missing if vals[i] is _CORRUPT]
             if bad:
                 first = _short_repr(keys[bad[0]])
                 self._report_corrupt(len(bad), f"{len(bad)} stored value(s) ({what} {first} first)")
-            self._stats["misses"] += len(missing)
+            self._stats[_MISSES] += len(missing)
             todo = [keys[i] for i in missing]
             computed = load_many(todo) if load_many is not None else [load_fn(k) for k in todo]
             if len(computed) != len(todo):
@@ -1152,11 +1182,17 @@ class CacheLoader:
 
     def _flush_locked(self) -> None:
         """The body of :meth:`flush` (the loader's lock is held)."""
+        try:
+            self._write_buffer()
+        finally:
+            self._publish_buffered()
+
+    def _write_buffer(self) -> None:
         with self._store_lock():
             if not self._buffer:
                 return
             if self._writes_disabled:
-                self._stats["dropped"] += len(self._buffer)
+                self._stats[_DROPPED] += len(self._buffer)
                 self._buffer.clear()
                 self._buffer_bytes = 0
                 return
@@ -1167,9 +1203,9 @@ class CacheLoader:
                 if not self._store_wide_failure(exc):
                     self._flush_one_by_one(exc)
                 return
-            self._stats["writes"] += len(items)
-            self._stats["bytes_written"] += self._buffer_bytes
-            self._stats["flushes"] += 1
+            self._stats[_WRITES] += len(items)
+            self._stats[_BYTES_WRITTEN] += self._buffer_bytes
+            self._stats[_FLUSHES] += 1
             self._buffer = {}
             self._buffer_bytes = 0
             self._down_until = 0.0
@@ -1188,8 +1224,8 @@ class CacheLoader:
         return False
 
     def _out_of_memory(self, exc: StoreOutOfMemoryError) -> None:
-        self._stats["oom"] += 1
-        self._stats["dropped"] += len(self._buffer)
+        self._stats[_OOM] += 1
+        self._stats[_DROPPED] += len(self._buffer)
         self._writes_disabled = True
         self._buffer = {}
         self._buffer_bytes = 0
@@ -1215,11 +1251,11 @@ class CacheLoader:
                 continue
             del self._buffer[k]
             self._buffer_bytes -= len(v)
-            self._stats["writes"] += 1
-            self._stats["bytes_written"] += len(v)
+            self._stats[_WRITES] += 1
+            self._stats[_BYTES_WRITTEN] += len(v)
             written += 1
         if written:
-            self._stats["flushes"] += 1
+            self._stats[_FLUSHES] += 1
             self._down_until = 0.0
         item_specific = {
             k: e
@@ -1236,8 +1272,8 @@ class CacheLoader:
             return
         for k in item_specific:
             self._buffer_bytes -= len(self._buffer.pop(k))
-        self._stats["dropped"] += len(item_specific)
-        self._stats["errors"] += 1
+        self._stats[_DROPPED] += len(item_specific)
+        self._stats[_ERRORS] += 1
         k0, e0 = next(iter(item_specific.items()))
         message = (
             f"CacheLoader({self.dataset_name!r}): the {self.backend} store refused {len(item_specific)} "
@@ -1248,16 +1284,28 @@ class CacheLoader:
             raise StoreError(message, backend=self.backend, key=k0.decode("utf-8", "replace")) from e0
         self._warn_once("refused", message + " on_error='bypass': further refusals are only counted.")
 
-    def stats(self) -> Dict[str, int]:
-        """Counters of this process: hits, misses, writes, bytes_read, bytes_written, errors,
-        corrupt (damaged values recomputed), bypassed (reads skipped in bypass mode), dropped
-        (values not written: buffer bound, OOM, refused by the store), oom, flushes, and buffered
-        (values waiting). Still readable after :meth:`close` (the final counts)."""
+    def stats(self, this_process: bool = False) -> Dict[str, int]:
+        """Counters of this loader in every process that used it: hits, misses, writes, bytes_read,
+        bytes_written, errors, corrupt (damaged values recomputed), bypassed (reads skipped in bypass
+        mode), dropped (values not written: buffer bound, OOM, refused by the store), oom, flushes;
+        buffered and buffered_bytes (values waiting to be written now); processes (how many counted).
+
+        The processes are the one that made the loader and every process it reached by fork or
+        while spawning: DataLoader workers, live or exited (with their final counts). Counts of a
+        live worker are current to its last call. A copy made by plain pickling counts on its own.
+        Still readable after :meth:`close` (the final counts).
+
+        Args:
+            this_process: count this process only (``processes`` is then 1).
+        """
         if self._pid != os.getpid():
             self._reset_process_state()
-        out = dict(self._stats)
-        out["buffered"] = len(self._buffer)
-        out["buffered_bytes"] = self._buffer_bytes
+        if this_process:
+            out = self._counters.local()
+            out["processes"] = 1
+            return out
+        out, processes = self._counters.total()
+        out["processes"] = processes
         return out
 
     def clear(self) -> None:
@@ -1266,6 +1314,7 @@ class CacheLoader:
         with self._lock:
             self._buffer.clear()
             self._buffer_bytes = 0
+            self._publish_buffered()
             self._stop_timer(join=False)
             with self._store_lock():
                 self.store.clear()
@@ -1439,9 +1488,10 @@ class CachedDataset(Dataset):
         idx = indices if ks is not None else [self._index(i) for i in indices]
         return loader.get_many(idx, self._load, self._load_many, what="dataset index", store_keys=ks)
 
-    def stats(self) -> Dict[str, int]:
-        """This process's cache counters (see :meth:`CacheLoader.stats`)."""
-        return self.cache_loader.stats()
+    def stats(self, this_process: bool = False) -> Dict[str, int]:
+        """The cache counters, summed over this process and its DataLoader workers (see
+        :meth:`CacheLoader.stats`)."""
+        return self.cache_loader.stats(this_process)
 
     def warmup(
         self,
