@@ -26,6 +26,8 @@ from cython.parallel cimport prange
 from libc.stdint cimport int64_t, intptr_t, uint8_t
 
 cimport cython
+from cpython.dict cimport PyDict_Next
+from cpython.object cimport PyObject
 
 from _tl_omp cimport TL_OPENMP_ENABLED
 
@@ -922,6 +924,43 @@ def bump_steps(const int64_t[::1] ptrs, double inc):
             (<float*>ptrs[k])[0] = <float>((<float*>ptrs[k])[0] + <float>inc)
 
 
+def steps_equal(const int64_t[::1] ptrs, double value):
+    """Whether every float32 0-d step tensor at ``ptrs`` holds ``value`` (as float32): the fast
+    path's check that no step counter was reset in place (``st["step"].zero_()``)."""
+    cdef Py_ssize_t k, n = ptrs.shape[0]
+    cdef float v = <float>value
+    for k in range(n):
+        if ptrs[k] == 0:
+            raise ValueError(f"steps_equal: null pointer at index {k}")
+    for k in range(n):
+        if (<float*>ptrs[k])[0] != v:
+            return False
+    return True
+
+
+def same_state(object state, list values, const int64_t[::1] sizes):
+    """Whether ``state`` (an optimizer's state: parameter -> dict) holds the very dicts ``values``
+    in that order, each with ``sizes[i]`` entries: what the fast path recorded. A state cleared,
+    deleted, replaced or emptied by hand fails. Walks the dict's values without hashing a key
+    (a tensor's hash is a Python call, ~0.15 us)."""
+    cdef Py_ssize_t pos = 0, i = 0, n = len(values)
+    cdef PyObject *key
+    cdef PyObject *value
+    if sizes.shape[0] != n:
+        raise ValueError("same_state: values and sizes differ in length")
+    if not isinstance(state, dict):  # a dict subclass (torch's defaultdict) is fine
+        raise TypeError(f"same_state: state must be a dict, got {type(state).__name__}")
+    if len(<dict>state) != n:
+        return False
+    while PyDict_Next(state, &pos, &key, &value):
+        if <object>value is not values[i]:
+            return False
+        if not isinstance(<object>value, dict) or len(<dict>value) != sizes[i]:
+            return False
+        i += 1
+    return True
+
+
 def same_objects(list a, list b):
     """Whether two lists hold the very same objects in the same order (identity, not ==)."""
     cdef Py_ssize_t i, n = len(a)
@@ -950,8 +989,8 @@ def scan(list params, list grad_views, const int64_t[::1] ptrs, const int64_t[::
     ``p.data`` was replaced. Returns how many statuses are not 0. One C loop instead of a
     Python loop keeps fuse_step's overhead small for models with thousands of tensors.
 
-    With ``light`` only gradients and storage are checked (state is then known unchanged: every
-    path that changes it, step() and load_state_dict(), invalidates the caller's cache).
+    With ``light`` only gradients and storage are checked (the caller checks the state with
+    :func:`same_state`; step() and load_state_dict() invalidate its cache).
     """
     cdef Py_ssize_t i, k, n = len(params), nk = len(keys), nbad = 0
     cdef object p, g, st, v

@@ -107,9 +107,12 @@ def groups(params: Sequence[torch.Tensor], kw1: dict, kw2: dict) -> list:
     return [dict(params=list(params[:5]), **kw1), dict(params=list(params[5:]), **kw2)]
 
 
-def ddp_rank(rank: int, world_size: int, steps: int) -> bool:
+def ddp_rank(rank: int, world_size: int, steps: int, frozen_until: int = 0) -> bool:
     """A DDP-style flow: gradients of the fused model are averaged by one all_reduce on the flat
-    gradient buffer; a per-tensor twin averages per parameter. Returns bitwise equality."""
+    gradient buffer; a per-tensor twin averages per parameter. Returns bitwise equality.
+
+    With ``frozen_until`` the first layer does not require grad when the optimizer is fused and is
+    unfrozen at that step (gradual unfreezing): its gradient must reach the flat buffer too."""
     import torch.distributed as dist
 
     from trainloom.optim import flat_buffers, fuse_optimizer
@@ -120,10 +123,15 @@ def ddp_rank(rank: int, world_size: int, steps: int) -> bool:
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
         twin_model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
         twin_model.load_state_dict(model.state_dict())
+        for m in (model, twin_model):
+            m[0].requires_grad_(frozen_until == 0)
         opt = fuse_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
         ref = torch.optim.AdamW(twin_model.parameters(), lr=1e-2, weight_decay=0.1)
         gen = torch.Generator().manual_seed(100 + rank)
-        for _ in range(steps):
+        for step in range(steps):
+            if step == frozen_until:
+                model[0].requires_grad_(True)
+                twin_model[0].requires_grad_(True)
             x = torch.randn(5, 8, generator=gen)
             for m, o in ((model, opt), (twin_model, ref)):
                 o.zero_grad()  # set_to_none=True: the hook must re-point grads at the flat buffer
@@ -132,6 +140,8 @@ def ddp_rank(rank: int, world_size: int, steps: int) -> bool:
                 dist.all_reduce(flat)  # one collective writes every gradient
                 flat.div_(world_size)
             for p in twin_model.parameters():
+                if p.grad is None:
+                    continue
                 dist.all_reduce(p.grad)
                 p.grad.div_(world_size)
             opt.fuse_step()

@@ -240,6 +240,7 @@ def flat_buffers(optimizer: torch.optim.Optimizer, kind: str = "grad") -> List[t
     moved = _moved(info)
     if moved is not None:
         _sync(optimizer, info, moved)
+    _adopt_unfrozen(info)  # no hooked parameter may have run a backward to do it
     return [b.flat_grad if kind == "grad" else b.flat_param for b in info.buckets]
 
 
@@ -296,6 +297,8 @@ class _Bucket:
         self.n_extra = -1
         self.fast_status = b""
         self.cfg: Tuple[Any, ...] = ()
+        # indices of parameters that did not require grad when hooks were installed (no hook yet)
+        self.unhooked: List[int] = []
 
     def _view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         p = self.params[i]
@@ -338,6 +341,14 @@ class _FusedInfo:
         # id() of the parameters whose memory overlaps another's (found when the optimizer is fused
         # or re-fused, not per step: ~6 us a parameter)
         self.shared: set = set()
+        # whether some bucket has parameters without a gradient hook (frozen when fused), and the
+        # autograd graph task that last queued _adopt_unfrozen
+        self.unhooked_any = False
+        self.adopt_task = -1
+        # the optimizer state's per-parameter dicts and their sizes when the fast path was set up
+        self.state_type: Any = None
+        self.state_dicts: List[Any] = []
+        self.state_sizes = np.zeros(0, dtype=np.int64)
 
 
 def _dense_strides(p: torch.Tensor) -> Tuple[int, ...]:
@@ -501,6 +512,17 @@ class _BoundFuseStep:
             )
         return fuse_step(optimizer, closure)
 
+    # What a bound method exposes: torch's LR scheduler wraps ``optimizer.step`` through
+    # ``step.__func__.__get__(optimizer)``, also after ``opt.step = opt.fuse_step`` (Bagua's
+    # fuse_step was a real bound method).
+    @property
+    def __func__(self) -> Callable[..., Any]:
+        return fuse_step
+
+    @property
+    def __self__(self) -> Optional[torch.optim.Optimizer]:
+        return self._ref()
+
     def __repr__(self) -> str:
         return f"<bound fuse_step of {type(self._ref()).__name__} optimizer>"
 
@@ -588,7 +610,8 @@ def _build(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> None:
                     p.grad = bucket.grad_views[i]
             info.buckets.append(bucket)
             _flatten_state(optimizer, bucket, range(len(params)))
-            _install_hooks(bucket)
+            _install_hooks(info, bucket)
+    info.unhooked_any = any(b.unhooked for b in info.buckets)
     info.groups = list(optimizer.param_groups)
     info.group_params = [list(g["params"]) for g in optimizer.param_groups]
     info.state_obj = optimizer.state
@@ -712,7 +735,7 @@ def _per_element(val: Any, p: torch.Tensor) -> bool:
     )
 
 
-def _install_hooks(bucket: _Bucket) -> None:
+def _install_hooks(info: _FusedInfo, bucket: _Bucket) -> None:
     """Keep gradients landing in the flat gradient buffer.
 
     torch 2's ``zero_grad()`` sets ``p.grad = None``; the next backward then allocates a fresh
@@ -720,27 +743,73 @@ def _install_hooks(bucket: _Bucket) -> None:
     ``p.grad`` there, so the flat buffer always holds the gradients (and a collective on it
     reaches every parameter). While ``p.grad`` already is the view, autograd accumulates into it
     in place and the hook does nothing.
+
+    A parameter that does not require grad now cannot take a hook; it is remembered in
+    ``bucket.unhooked``, and once unfrozen it is adopted at the end of the first backward that
+    reaches any hooked parameter of the optimizer (:func:`_adopt_unfrozen`, queued by the hooks),
+    so its gradient is in the flat buffer before a collective runs on it.
     """
-    ref = weakref.ref(bucket)
+    bucket.unhooked = []
     for i, p in enumerate(bucket.params):
-        if not p.requires_grad:
+        if p.requires_grad:
+            bucket.hooks.append(p.register_post_accumulate_grad_hook(_grad_hook(info, bucket, i)))
+        else:
+            bucket.unhooked.append(i)
+
+
+def _grad_hook(info: _FusedInfo, bucket: _Bucket, i: int) -> Callable[[torch.Tensor], None]:
+    ref = weakref.ref(bucket)
+    info_ref = weakref.ref(info)
+
+    def hook(param: torch.Tensor) -> None:
+        b = ref()
+        if b is None or i >= len(b.params) or b.params[i] is not param:
+            return
+        _to_flat(b, i, param)
+        owner = info_ref()
+        if owner is not None and owner.unhooked_any:
+            # Once per backward pass: adopt parameters unfrozen since fusing when it ends.
+            task = torch._C._current_graph_task_id()
+            if owner.adopt_task != task:
+                owner.adopt_task = task
+                torch.autograd.Variable._execution_engine.queue_callback(lambda: _adopt_unfrozen(owner))
+
+    return hook
+
+
+def _to_flat(b: _Bucket, i: int, param: torch.Tensor) -> None:
+    """Copy ``param``'s gradient into its flat view and re-point ``param.grad`` there."""
+    g = param.grad
+    view = b.grad_views[i]
+    if g is None or g is view:
+        return
+    if g.is_sparse or g.shape != view.shape or g.dtype != view.dtype or g.device != view.device:
+        return  # fuse_step falls back to torch's own handling for this parameter
+    if g.requires_grad:
+        return  # backward(create_graph=True): keep the gradient's graph, as torch does (fuse_step copies it)
+    with torch.no_grad():
+        view.copy_(g)
+    param.grad = view
+
+
+def _adopt_unfrozen(info: _FusedInfo) -> None:
+    """Give parameters that require grad since their hooks were installed a hook, and move the
+    gradient they already have into the flat buffer."""
+    if not info.unhooked_any:
+        return
+    for b in info.buckets:
+        if not b.unhooked:
             continue
-
-        def hook(param: torch.Tensor, i: int = i) -> None:
-            b = ref()
-            if b is None or i >= len(b.params) or b.params[i] is not param:
-                return
-            g = param.grad
-            view = b.grad_views[i]
-            if g is None or g is view:
-                return
-            if g.is_sparse or g.shape != view.shape or g.dtype != view.dtype or g.device != view.device:
-                return  # fuse_step falls back to torch's own handling for this parameter
-            with torch.no_grad():
-                view.copy_(g)
-            param.grad = view
-
-        bucket.hooks.append(p.register_post_accumulate_grad_hook(hook))
+        still = []
+        for i in b.unhooked:
+            p = b.params[i]
+            if not p.requires_grad:
+                still.append(i)
+                continue
+            b.hooks.append(p.register_post_accumulate_grad_hook(_grad_hook(info, b, i)))
+            _to_flat(b, i, p)
+        b.unhooked = still
+    info.unhooked_any = any(b.unhooked for b in info.buckets)
 
 
 def _sync(optimizer: torch.optim.Optimizer, info: _FusedInfo, moved: Optional[str] = None) -> bool:
@@ -963,11 +1032,21 @@ def _step_fast(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> bool:
     """Repeat the previous step's kernel runs when nothing about the layout changed."""
     state = optimizer.state
     groups = optimizer.param_groups
+    # State cleared, deleted, replaced or emptied by hand (a warm restart, a re-initialised layer):
+    # torch starts it afresh at this step, so must the slow path.
+    if type(state) is not info.state_type or not _K.same_state(state, info.state_dicts, info.state_sizes):
+        info.fast = None
+        return False
     for b in info.buckets:
-        # light: state is only re-checked on the slow path; step() and load_state_dict()
-        # invalidate info.fast (step post-hook, state identity in _sync).
+        # light: the state tensors are only re-checked on the slow path; step() and
+        # load_state_dict() invalidate info.fast (step post-hook, state identity in _sync).
         _scan(b, state, light=True)
         if b.status.tobytes() != b.fast_status or _cfg_key(groups[b.group_index]) != b.cfg:
+            info.fast = None
+            return False
+    for _kern, _b, run in info.fast:
+        # A step counter set in place (st["step"].zero_() at a warm restart) changes the math.
+        if run.step_ptrs is not None and not _K.steps_equal(run.step_ptrs, run.sig):
             info.fast = None
             return False
     for kern, b, run in info.fast:
@@ -1015,9 +1094,20 @@ def _scan_args(b: _Bucket, kern: Optional[_Kernel]) -> None:
         b.n_extra = 0 if isinstance(kern, _SgdKernel) else -1
 
 
+def _record_state(info: _FusedInfo, state: Any) -> None:
+    """Remember the state's dicts and sizes for the fast path's check (:func:`_step_fast`)."""
+    if isinstance(state, dict) and all(type(v) is dict for v in state.values()):
+        info.state_type = type(state)
+        info.state_dicts = list(state.values())
+        info.state_sizes = np.fromiter((len(v) for v in info.state_dicts), dtype=np.int64)
+    else:  # an unusual state container: no fast path
+        info.fast = None
+
+
 def _step_flat(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> None:
     if _sparse_fallback(optimizer, info):
         return
+    _adopt_unfrozen(info)
     state = optimizer.state
     groups = optimizer.param_groups
     for _ in range(2):
@@ -1113,6 +1203,7 @@ def _step_flat(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> None:
         info.fast = kernel_runs
         if outside:
             _step_torch(optimizer, info, outside, [], keep_fast=True)
+        _record_state(info, state)
         return
     for gi, ps in outside.items():
         loose.setdefault(gi, []).extend(ps)

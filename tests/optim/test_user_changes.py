@@ -1,0 +1,183 @@
+"""What training code does to a fused optimizer between steps: reset state, unfreeze layers,
+double backward, route step() to fuse_step. Each compared bitwise with the unfused optimizer."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable
+
+import pytest
+import torch
+from optimutil import assert_bitwise, make_grads, make_params, set_grads, twin
+
+from trainloom.optim import flat_buffers, fuse_optimizer
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    "adamw_amsgrad": lambda ps: torch.optim.AdamW(ps, lr=1e-2, amsgrad=True, weight_decay=0.1),
+}
+
+
+def _clear_all(opt: torch.optim.Optimizer, params: list) -> None:
+    opt.state.clear()
+
+
+def _delete_one(opt: torch.optim.Optimizer, params: list) -> None:
+    del opt.state[params[2]]
+
+
+def _new_dict(opt: torch.optim.Optimizer, params: list) -> None:
+    opt.state[params[3]] = {}
+
+
+def _empty_dict(opt: torch.optim.Optimizer, params: list) -> None:
+    opt.state[params[1]].clear()
+
+
+@pytest.mark.parametrize(
+    "reset", [_clear_all, _delete_one, _new_dict, _empty_dict], ids=lambda f: f.__name__[1:]
+)
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_state_reset_by_hand_is_seen(name: str, reset: Callable) -> None:
+    # A warm restart or a re-initialised layer drops optimizer state between two steps; torch then
+    # starts it afresh. fuse_step's fast path used to keep stepping the old flat state, and
+    # state_dict() then lacked those parameters.
+    make = OPTIMIZERS[name]
+    ref = make_params(gap=False)
+    fus = twin(ref)
+    opt_r, opt_f = make(ref), fuse_optimizer(make(fus))
+    for s in range(7):
+        if s == 4:
+            reset(opt_r, ref)
+            reset(opt_f, fus)
+        grads = make_grads(ref, s, none_every=0)
+        set_grads(ref, grads)
+        set_grads(fus, grads)
+        opt_r.step()
+        opt_f.fuse_step()
+    assert_bitwise(ref, fus)
+    sd_r, sd_f = opt_r.state_dict()["state"], opt_f.state_dict()["state"]
+    assert sorted(sd_r) == sorted(sd_f) == list(range(len(ref)))
+    for i in sd_r:
+        assert sorted(sd_r[i]) == sorted(sd_f[i])
+        assert_bitwise([sd_r[i][k] for k in sorted(sd_r[i])], [sd_f[i][k] for k in sorted(sd_f[i])], "state")
+
+
+@pytest.mark.parametrize("which", ["all", "one"])
+def test_step_counter_reset_in_place_is_seen(which: str) -> None:
+    # st["step"].zero_() restarts Adam's bias correction; the fast path used its cached step count.
+    ref = make_params(gap=False)
+    fus = twin(ref)
+    opt_r, opt_f = torch.optim.Adam(ref, lr=1e-2), fuse_optimizer(torch.optim.Adam(fus, lr=1e-2))
+    for s in range(7):
+        if s == 4:
+            for opt, ps in ((opt_r, ref), (opt_f, fus)):
+                for p in ps if which == "all" else ps[3:4]:
+                    opt.state[p]["step"].zero_()
+        grads = make_grads(ref, s, none_every=0)
+        set_grads(ref, grads)
+        set_grads(fus, grads)
+        opt_r.step()
+        opt_f.fuse_step()
+    assert_bitwise(ref, fus)
+    assert [float(opt_f.state[p]["step"]) for p in fus] == [float(opt_r.state[p]["step"]) for p in ref]
+
+
+def _model(seed: int = 0) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.Tanh(), torch.nn.Linear(9, 4))
+
+
+def _grad_in(flats: list, p: torch.Tensor) -> bool:
+    ptr = p.grad.untyped_storage().data_ptr()
+    return any(ptr == f.untyped_storage().data_ptr() for f in flats)
+
+
+@pytest.mark.parametrize("when", ["fused", "refused"])
+def test_a_layer_unfrozen_later_gets_its_gradient_in_the_flat_buffer(when: str) -> None:
+    ref, fus = _model(), _model()
+    if when == "fused":  # frozen when the optimizer is fused
+        for m in (ref, fus):
+            m[0].requires_grad_(False)
+    opt_r = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    opt_f = fuse_optimizer(torch.optim.Adam(fus.parameters(), lr=1e-2))
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(1))
+    flats = flat_buffers(opt_f, "grad")  # taken before the unfreezing (calling it would adopt them)
+    for s in range(6):
+        if when == "refused" and s == 1:  # frozen while the optimizer re-fuses (a resume)
+            for m in (ref, fus):
+                m[0].requires_grad_(False)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the re-fuse warning is tested elsewhere
+                opt_f.load_state_dict(opt_f.state_dict())
+                flats = flat_buffers(opt_f, "grad")  # re-fuses (hooks installed again) without a step
+        if s == 3:
+            for m in (ref, fus):
+                m[0].requires_grad_(True)
+        for m, o in ((ref, opt_r), (fus, opt_f)):
+            o.zero_grad()
+            m(x * (s + 1)).square().sum().backward()
+        if s >= 3:  # right after backward, before any fuse_step: ready for a collective on the buffer
+            assert _grad_in(flats, fus[0].weight) and _grad_in(flats, fus[0].bias)
+        opt_r.step()
+        opt_f.fuse_step()
+    assert_bitwise(list(ref.parameters()), list(fus.parameters()))
+
+
+def test_every_parameter_frozen_when_fused_is_adopted_by_flat_buffers() -> None:
+    # No parameter had a hook to notice the unfreezing: flat_buffers() adopts them.
+    model = _model()
+    model.requires_grad_(False)
+    opt = fuse_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    model.requires_grad_(True)
+    model(torch.ones(2, 6)).sum().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    (flat,) = flat_buffers(opt, "grad")
+    for p, g in zip(model.parameters(), expected):
+        assert p.grad.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+        assert torch.equal(p.grad, g)
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph")
+def test_create_graph_keeps_the_gradient_graph() -> None:
+    # A gradient penalty built from p.grad after backward(create_graph=True): torch keeps the graph
+    # on p.grad. The hook used to copy it into the flat buffer, dropping the graph.
+    ref, fus = _model(), _model()
+    opt_r = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opt_f = fuse_optimizer(torch.optim.SGD(fus.parameters(), lr=0.1, momentum=0.9))
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(2))
+    for _ in range(3):
+        for m, o in ((ref, opt_r), (fus, opt_f)):
+            o.zero_grad()
+            m(x).square().sum().backward(create_graph=True)
+            assert all(p.grad.grad_fn is not None for p in m.parameters())
+            penalty = sum(p.grad.square().sum() for p in m.parameters())
+            o.zero_grad()
+            penalty.backward()
+        opt_r.step()
+        opt_f.fuse_step()
+    assert_bitwise(list(ref.parameters()), list(fus.parameters()))
+
+
+def test_step_routed_to_fuse_step_then_an_lr_scheduler() -> None:
+    # opt.step = opt.fuse_step (so GradScaler or Lightning loops calling step() run fused), then an LR
+    # scheduler: torch wraps opt.step through its __func__, which Bagua's bound method had.
+    ref, fus = _model(), _model()
+    opt_r = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt_f = fuse_optimizer(torch.optim.SGD(fus.parameters(), lr=0.1))
+    opt_f.step = opt_f.fuse_step
+    assert opt_f.fuse_step.__self__ is opt_f
+    sched_r = torch.optim.lr_scheduler.StepLR(opt_r, step_size=1, gamma=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()" warning
+        sched_f = torch.optim.lr_scheduler.StepLR(opt_f, step_size=1, gamma=0.5)
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(3))
+        for _ in range(3):
+            for m, o, sch in ((ref, opt_r, sched_r), (fus, opt_f, sched_f)):
+                o.zero_grad()
+                m(x).square().sum().backward()
+                o.step()
+                sch.step()
+    assert sched_f.get_last_lr() == sched_r.get_last_lr() == [0.1 * 0.5**3]
+    assert_bitwise(list(ref.parameters()), list(fus.parameters()))
