@@ -230,3 +230,26 @@ def test_init_under_torchrun_connects_to_the_agent_store():
         assert "TCPStore" not in r["stderr"] and "failed to bind" not in r["stderr"], r["stderr"]
     assert agent.check(["tl/1/node/0", "tl/1/node/1"])  # both ranks wrote to the agent's store
     assert agent.check(["tl/2/node/0", "tl/2/node/1"])  # the second init under its own prefix
+
+
+@pytest.mark.parametrize("engine", ["shm", "gloo"])
+def test_workers_restarted_by_torchrun_use_a_fresh_namespace(engine):
+    # torchrun --max-restarts: the agent's store keeps the failed attempt's keys and the new workers
+    # count generations from 1 again. They failed: shm refused the prefix as taken, gloo connected
+    # to the dead workers' addresses.
+    import datetime
+
+    import torch.distributed as dist
+
+    agent = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=30), wait_for_workers=False)
+    for attempt in range(2):
+        env = {
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "MASTER_PORT": str(agent.port),
+            "TORCHELASTIC_RESTART_COUNT": str(attempt),
+            "TRAINLOOM_CPU_ENGINE": engine,
+        }
+        for r in run_ranks(agent_store, 2, timeout=60, env=env):
+            assert r["allreduce"] == [3.0, 3.0] and r["allreduce_after_reinit"] == [5.0, 5.0]
+    assert agent.check(["tl/1/node/0", "tl/2/node/1"])  # attempt 0, as without torchrun's restarts
+    assert agent.check(["tl/r1.1/node/0", "tl/r1.2/node/1"])  # attempt 1

@@ -76,6 +76,9 @@ class _State:
     names: Dict[str, int] = dataclasses.field(default_factory=dict)
     owns_torch_pg: bool = False
     generation: int = 0
+    # The store key namespace of this generation: "tl/<generation>", plus "r<n>." under torchrun's
+    # n-th restart (its agent store keeps the earlier attempts' keys: see _namespace).
+    namespace: str = "tl/0"
     base_store: Optional[Any] = None  # the TCPStore init_process_group created (plain launch)
 
 
@@ -298,7 +301,7 @@ class Communicator:
         return cpu_engine_name(self.same_node)
 
     def _prefix(self, kind: str) -> str:
-        return f"tl/{_STATE.generation}/{self.name}/{kind}"
+        return f"{_STATE.namespace}/{self.name}/{kind}"
 
     def connect(self) -> None:
         """Connect the engine of the default device now; collective over this communicator's ranks.
@@ -767,6 +770,17 @@ def _seconds(timeout: Union[None, float, int, datetime.timedelta]) -> float:
     return value
 
 
+def _namespace(generation: int) -> str:
+    """The store key prefix of one init_process_group() of this process.
+
+    Under ``torchrun --max-restarts`` the agent's store outlives a failed attempt, and the restarted
+    workers count generations from 1 again: without the restart count they would read the dead
+    attempt's keys (the shared-memory engine refused the prefix as taken; gloo connected to the
+    dead workers' addresses)."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+    return f"tl/r{restart}.{generation}" if restart.isdigit() and restart != "0" else f"tl/{generation}"
+
+
 def _use_agent_store() -> bool:
     """Whether torchrun's agent hosts the store on MASTER_PORT (torch's own test, in its rendezvous)."""
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
@@ -890,7 +904,8 @@ def init_process_group(
                     f"({str(exc).splitlines()[0][:160]}). Check MASTER_ADDR/MASTER_PORT and that rank 0 runs"
                 ) from None
     _STATE.generation += 1
-    tl_store = dist.PrefixStore(f"tl/{_STATE.generation}", base)
+    _STATE.namespace = _namespace(_STATE.generation)
+    tl_store = dist.PrefixStore(_STATE.namespace, base)
     tl_store.set_timeout(td)
     # Which node every rank is on: one store round, used for intra/inter-node communicators. The key
     # is written first, so that a rendezvous that times out can name the ranks that never came.
@@ -901,7 +916,7 @@ def init_process_group(
                 "gloo",
                 # Per generation, like tl_store: torchrun's agent store outlives destroy_process_group,
                 # and a second init must not read the first one's gloo rendezvous keys.
-                store=dist.PrefixStore(f"tl/{_STATE.generation}/torch", base),
+                store=dist.PrefixStore(f"{_STATE.namespace}/torch", base),
                 rank=launch.rank,
                 world_size=launch.world_size,
                 timeout=td,
