@@ -1352,6 +1352,74 @@ def one_element_strided(rank: int, ws: int) -> Dict[str, Any]:
     return out
 
 
+def special_views(rank: int, ws: int, engine: str) -> Dict[str, Any]:
+    """Conjugate and negative views (taken by their values) and an output whose elements share
+    memory (refused before the data moves), through the API on one engine."""
+    os.environ["TRAINLOOM_CPU_ENGINE"] = "auto" if engine == "shm" else engine
+    C.init_process_group(timeout=20)
+    out: Dict[str, Any] = {}
+    base = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64) * (rank + 1)
+    z = base.clone().conj() if rank == 0 else base.conj().resolve_conj()  # rank 0 only: a conj view
+    C.allreduce_inplace(z)
+    out["conj_inplace"] = (z.is_conj(), z.tolist())
+    g = torch.zeros(2 * ws, dtype=torch.complex64)
+    C.allgather(base.conj(), g)  # a conjugate view sent
+    out["conj_send"] = g.tolist()
+    im = base.conj().imag  # a negative view: shows -imag
+    C.allreduce_inplace(im)
+    out["neg_inplace"] = (im.is_neg(), im.tolist())
+    b = torch.tensor([7.0, 8.0])._neg_view() if rank == 0 else torch.zeros(2)._neg_view()
+    C.broadcast(b, 0)  # a negative view received
+    out["neg_recv"] = b.tolist()
+    try:
+        C.allreduce_inplace(torch.zeros(1).expand(4))
+    except ValueError as exc:
+        out["expanded"] = str(exc)
+    t = torch.ones(3)
+    C.allreduce_inplace(t)  # the communicator is fine: nothing was sent
+    out["after"] = t.tolist()
+    C.destroy_process_group()
+    return out
+
+
+def two_issuing_threads(rank: int, ws: int, engine: str) -> Dict[str, Any]:
+    """Rank 0 starts a second collective from another thread while a thread's allreduce waits for
+    rank 1 (which comes 1 s late): refused and the communicator aborted on every rank."""
+    import threading
+
+    os.environ["TRAINLOOM_CPU_ENGINE"] = "auto" if engine == "shm" else engine
+    C.init_process_group(timeout=20)
+    C.barrier()
+    out: Dict[str, Any] = {}
+
+    def first() -> None:
+        try:
+            C.allreduce_inplace(torch.ones(4))
+            out["first"] = "no error"
+        except CommError as exc:
+            out["first"] = type(exc).__name__
+
+    if rank == 0:
+        th = threading.Thread(target=first, name="metrics")
+        th.start()
+        time.sleep(0.3)  # "metrics" is inside its allreduce, waiting for rank 1
+        try:
+            C.allreduce_inplace(torch.ones(4))
+        except CommError as exc:
+            out["second"] = str(exc)
+        th.join(30)
+    else:
+        time.sleep(1.0)
+        first()
+    try:
+        C.allreduce_inplace(torch.ones(4))
+        out["after"] = "no error"
+    except CommError as exc:
+        out["after"] = type(exc).__name__
+    C.destroy_process_group()
+    return out
+
+
 def p2p_recv_timeout(rank: int, ws: int) -> Dict[str, Any]:
     """Rank 0 receives from rank 1, which never sends (the other ranks are idle): the gloo timeout
     names the missing matching send, not every rank but the peer."""

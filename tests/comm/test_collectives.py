@@ -17,7 +17,9 @@ from commutil import (
     non_members,
     op_numbering,
     shm_segments,
+    special_views,
     sweep,
+    two_issuing_threads,
 )
 from multiproc import run_ranks
 
@@ -253,3 +255,40 @@ def test_workers_restarted_by_torchrun_use_a_fresh_namespace(engine):
             assert r["allreduce"] == [3.0, 3.0] and r["allreduce_after_reinit"] == [5.0, 5.0]
     assert agent.check(["tl/1/node/0", "tl/2/node/1"])  # attempt 0, as without torchrun's restarts
     assert agent.check(["tl/r1.1/node/0", "tl/r1.2/node/1"])  # attempt 1
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_conjugate_negative_and_self_overlapping_views(engine):
+    # gloo raised torch's internal view_as_real error on a conjugate view (the other ranks then
+    # waited for the timeout); an expand()ed output failed only after the data had moved.
+    res = run_ranks(special_views, 2, engine, timeout=90)
+    for r in res:
+        assert r["conj_send"] == [1 - 2j, 3 + 1j, 2 - 4j, 6 + 2j]
+        assert r["neg_inplace"] == (True, [-6.0, 3.0])
+        assert r["neg_recv"] == [-7.0, -8.0]
+        assert r["expanded"] == (
+            "allreduce: tensor (shape (4,), stride (0,)) has elements that share memory (e.g. "
+            "made by expand()), so the results cannot be written to it; pass a tensor whose elements have "
+            "their own memory (t.clone())"
+        )
+        assert r["after"] == [2.0, 2.0, 2.0]
+    assert res[0]["conj_inplace"] == (True, [3 - 6j, 9 + 3j])  # the sum of the values the views show
+    assert res[1]["conj_inplace"] == (False, [3 - 6j, 9 + 3j])
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_two_threads_issuing_collectives_at_once_abort_instead_of_mispairing(engine):
+    # Two threads' allreduces started in a different order on each rank and were summed with each
+    # other's (wrong results, no error). The overlap is refused and the communicator aborted.
+    r0, r1 = run_ranks(two_issuing_threads, 2, engine, timeout=90)
+    assert r0["second"] == (
+        "allreduce: another thread ('metrics') is issuing an operation on communicator default/global at "
+        "the same time. Collectives issued from several threads on one communicator can start in a "
+        "different order on each rank, which pairs different calls (wrong results or a hang), so the "
+        "communicator was aborted on every rank. Issue them from one thread, or give each thread its own "
+        "communicator (new_group())"
+    )
+    # The allreduce already waiting: the shm engine aborts it on both ranks; gloo cannot interrupt a
+    # running operation, which completes (correctly paired: the second call sent nothing).
+    assert r0["first"] == r1["first"] == ("CommError" if engine == "shm" else "no error")
+    assert r0["after"] == r1["after"] == "CommError"  # no rank goes on

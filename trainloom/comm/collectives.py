@@ -300,20 +300,38 @@ def _check_v(
 
 
 class _Staged:
-    """Contiguous stand-ins for the caller's tensors; copies results back into non-contiguous outputs."""
+    """Contiguous stand-ins for the caller's tensors; copies results back into non-contiguous outputs.
 
-    __slots__ = ("_back",)
+    Conjugate and negative views (``z.conj()``, ``z.conj().imag``) are taken by their values on every
+    engine: their memory holds the other sign, so they are staged like non-contiguous tensors (the
+    gloo engine raised torch's internal error on them while the other ranks waited)."""
 
-    def __init__(self) -> None:
+    __slots__ = ("_back", "_opname")
+
+    def __init__(self, opname: str = "") -> None:
         self._back: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self._opname = opname
 
     def input(self, t: torch.Tensor) -> torch.Tensor:
-        return t if t.is_contiguous() else t.contiguous()
-
-    def output(self, t: torch.Tensor, load: bool = True) -> torch.Tensor:
-        if t.is_contiguous():
+        if t.is_contiguous() and not (t.is_conj() or t.is_neg()):
             return t
-        s = t.contiguous() if load else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        return t.resolve_conj().resolve_neg().contiguous()
+
+    def output(self, t: torch.Tensor, load: bool = True, arg: str = "recv_tensor") -> torch.Tensor:
+        if t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+            return t
+        if torch._debug_has_internal_overlap(t) == 1:  # 1: yes (0: no, 2: too hard to tell)
+            raise ValueError(
+                f"{self._opname}: {arg} (shape {tuple(t.shape)}, stride {t.stride()}) has elements that share "
+                "memory (e.g. made by expand()), so the results cannot be written to it; pass a tensor "
+                "whose elements have their own memory (t.clone())"
+            )
+        if load:
+            s = t.resolve_conj().resolve_neg().contiguous()
+            if s.data_ptr() == t.data_ptr():  # contiguous already: the staging copy must not alias t
+                s = s.clone()
+        else:
+            s = torch.empty(t.shape, dtype=t.dtype, device=t.device)
         self._back.append((t, s))
         return s
 
@@ -429,9 +447,9 @@ def allreduce(
         return _local(async_op, r, lambda: _copy(r, s))
     if hierarchical:
         return _hierarchical(c, s, r, o, async_op)
-    st = _Staged()
+    st = _Staged(name)
     if _same_view(s, r):
-        rc = st.output(r, load=True)
+        rc = st.output(r, load=True, arg="tensor")
         sc = rc
     else:
         sc = st.input(s)
@@ -539,7 +557,7 @@ def _hierarchical_async(
 ) -> Work:
     """The CPU asynchronous hierarchical allreduce: three queued steps, each after the previous one."""
     name = "allreduce(hierarchical)"
-    st = _Staged()
+    st = _Staged(name)
     out = st.output(r, load=False)  # contiguous r, or a staging tensor copied back by Work.wait()
     src = st.input(s)
     if not _same_view(src, out) and _overlaps(src, out):
@@ -658,7 +676,7 @@ def reduce(
     o = _op(op, s.dtype, name)
     if c.nranks() == 1:
         return _local(async_op, r, lambda: _copy(r, s))
-    st = _Staged()
+    st = _Staged(name)
     sc = st.input(s)
     if c.rank() == d:
         same = _same_view(s, r)
@@ -745,7 +763,7 @@ def reduce_scatter(
     o = _op(op, s.dtype, name)
     if n == 1:
         return _local(async_op, r, lambda: _copy(r, s))
-    st = _Staged()
+    st = _Staged(name)
     sc = st.input(s)
     rc = st.output(r, load=False)
     return _go(
@@ -873,8 +891,8 @@ def broadcast(
     s = _rank_arg(src, "src", c, name)
     if c.nranks() == 1:
         return _local(async_op, t, lambda: None)
-    st = _Staged()
-    tc = st.output(t, load=c.rank() == s)
+    st = _Staged(name)
+    tc = st.output(t, load=c.rank() == s, arg="tensor")
     return _go(c, name, _where(t), lambda e: e.broadcast(tc, s), async_op, t, st, (tc,), (t, -1, s))
 
 
@@ -915,7 +933,7 @@ def allgather(
     _numel(r, n * s.numel(), "recv_tensor", name, f"nranks={n} * send_tensor's {s.numel()}")
     if n == 1:
         return _local(async_op, r, lambda: _copy(r, s))
-    st = _Staged()
+    st = _Staged(name)
     sc = st.input(s)
     if _overlaps(sc, r):
         sc = sc.clone()
@@ -1000,7 +1018,7 @@ def gather(
     s = _tensor(send_tensor, "send_tensor", name)
     d = _rank_arg(dst, "dst", c, name)
     n = c.nranks()
-    st = _Staged()
+    st = _Staged(name)
     sc = st.input(s)
     if c.rank() == d:
         r = _tensor(recv_tensor, "recv_tensor", name)
@@ -1093,7 +1111,7 @@ def scatter(
     r = _tensor(recv_tensor, "recv_tensor", name)
     sr = _rank_arg(src, "src", c, name)
     n = c.nranks()
-    st = _Staged()
+    st = _Staged(name)
     if c.rank() == sr:
         s = _tensor(send_tensor, "send_tensor", name)
         _same(s, r, "send_tensor", "recv_tensor", name)
@@ -1189,7 +1207,7 @@ def alltoall(
     _numel(r, s.numel(), "recv_tensor", name, "same as send_tensor")
     if n == 1:
         return _local(async_op, r, lambda: _copy(r, s))
-    st = _Staged()
+    st = _Staged(name)
     sc = st.input(s)
     if _overlaps(sc, r):
         sc = sc.clone()
@@ -1285,7 +1303,7 @@ def alltoall_v(
                 r.copy_(full)
 
         return _local(async_op, r, body)
-    st = _Staged()
+    st = _Staged(name)
     sc = st.input(s)
     if _overlaps(sc, r):
         sc = sc.clone()
@@ -1367,7 +1385,7 @@ def send(tensor: torch.Tensor, dst: int, comm: CommArg = None, async_op: bool = 
     d = _rank_arg(dst, "dst", c, name)
     if d == c.rank():
         raise ValueError(f"{name}: dst={d} is this rank; send to another rank")
-    st = _Staged()
+    st = _Staged(name)
     tc = st.input(t)
     return _go(c, name, _where(t), lambda e: e.send(tc, d), async_op, None, st, (tc,), p2p=f"send:{d}")
 
@@ -1400,8 +1418,8 @@ def recv(tensor: torch.Tensor, src: int, comm: CommArg = None, async_op: bool = 
     s = _rank_arg(src, "src", c, name)
     if s == c.rank():
         raise ValueError(f"{name}: src={s} is this rank; receive from another rank")
-    st = _Staged()
-    tc = st.output(t, load=False)
+    st = _Staged(name)
+    tc = st.output(t, load=False, arg="tensor")
     return _go(c, name, _where(t), lambda e: e.recv(tc, s), async_op, t, st, (tc,), p2p=f"recv:{s}")
 
 

@@ -257,6 +257,8 @@ class Communicator:
         self._lock = threading.RLock()  # held while an operation runs on an engine
         self._submit_lock = threading.Lock()  # held while queueing an asynchronous operation
         self._tls = threading.local()  # .inside: this thread is running one of our operations
+        # The user thread issuing a collective now (see execute)
+        self._issuer: Optional[int] = None
         self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._last: Optional[concurrent.futures.Future] = None
         # The last asynchronous operation issued on this communicator that runs on another
@@ -438,6 +440,47 @@ class Communicator:
             if finish is not None:
                 finish()
             return None
+        if p2p is not None or getattr(self._tls, "inside", False):
+            return self._execute_cpu(opname, device, fn, async_op, result, finish, needs_engine, after, p2p)
+        # A collective from a user thread: no other thread may be issuing one on this communicator
+        # at the same time (sends and receives have their own queues per peer and direction). A
+        # check-and-set under the GIL, without a lock (a lock cost 0.2 us a call here): two threads
+        # entering in the same few bytecodes can both pass, so it catches overlapping use, not all.
+        me = threading.get_ident()
+        owner = self._issuer
+        args = (opname, device, fn, async_op, result, finish, needs_engine, after, p2p)
+        if owner is None:
+            try:
+                self._issuer = me
+                return self._execute_cpu(*args)
+            finally:
+                self._issuer = None
+        if owner != me:
+            # Another rank may already have paired this thread's call with the other thread's:
+            # abort, so that every rank fails now instead of going on with mis-paired results.
+            self.abort_engines()
+            raise CommError(
+                f"{opname}: another thread ({_thread_name(owner)}) is issuing an operation on "
+                f"communicator {self.name} at the same time. Collectives issued from several threads "
+                "on one communicator can start in a different order on each rank, which pairs "
+                "different calls (wrong results or a hang), so the communicator was aborted on every "
+                "rank. Issue them from one thread, or give each thread its own communicator (new_group())"
+            )
+        return self._execute_cpu(*args)
+
+    def _execute_cpu(
+        self,
+        opname: str,
+        device: Union[str, torch.device],
+        fn: Callable[[Any], Any],
+        async_op: bool,
+        result: Optional[torch.Tensor],
+        finish: Optional[Callable[[], None]],
+        needs_engine: bool,
+        after: Sequence[concurrent.futures.Future],
+        p2p: Optional[str],
+    ) -> Optional[Work]:
+        """:meth:`execute` for a CPU operation."""
         # Sends and receives take a queue per direction and peer (gloo itself runs them at once per
         # pair): a send does not complete before the peer takes the message (gloo: posts the
         # matching receive; shm: beyond two pair buffers), so on one queue an asynchronous send
@@ -469,7 +512,7 @@ class Communicator:
                     self._tls.inside = inside
 
         if async_op:
-            if needs_engine and is_cpu and self._cpu is None:
+            if needs_engine and self._cpu is None:
                 # Connect now, in the issuing thread: engines then connect in issue order on every
                 # rank. Two rendezvous at once over the one store client (two first operations
                 # running on two worker threads) failed at random, in torch too.
@@ -779,6 +822,13 @@ def _namespace(generation: int) -> str:
     dead workers' addresses)."""
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
     return f"tl/r{restart}.{generation}" if restart.isdigit() and restart != "0" else f"tl/{generation}"
+
+
+def _thread_name(ident: int) -> str:
+    for t in threading.enumerate():
+        if t.ident == ident:
+            return f"{t.name!r}"
+    return f"ident {ident}"
 
 
 def _use_agent_store() -> bool:
