@@ -322,9 +322,9 @@ class _Staged:
             return t
         if torch._debug_has_internal_overlap(t) == 1:  # 1: yes (0: no, 2: too hard to tell)
             raise ValueError(
-                f"{self._opname}: {arg} (shape {tuple(t.shape)}, stride {t.stride()}) has elements that share "
-                "memory (e.g. made by expand()), so the results cannot be written to it; pass a tensor "
-                "whose elements have their own memory (t.clone())"
+                f"{self._opname}: {arg} (shape {tuple(t.shape)}, stride {t.stride()}) has elements that "
+                "share memory (e.g. made by expand()), so the results cannot be written to it; pass a "
+                "tensor whose elements have their own memory (t.clone())"
             )
         if load:
             s = t.resolve_conj().resolve_neg().contiguous()
