@@ -912,7 +912,7 @@ def test_flush_thread_never_outlives_close(tmp_path):
         ds[i]
     ds.close()
     assert _flush_threads("oc2") == []
-    assert CacheLoader(path=tmp_path, dataset_name="oc2").num_keys() == 31  # 30 samples, the fingerprint
+    assert CacheLoader(path=tmp_path, dataset_name="oc2").num_keys() == 30  # the values (not the fingerprint)
 
 
 def test_a_failed_background_flush_raises_from_the_next_call(tmp_path):

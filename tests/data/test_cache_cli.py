@@ -28,6 +28,22 @@ def test_cache_info_and_clear_lmdb(tmp_path, capsys):
     assert CacheLoader(path=tmp_path, dataset_name="beta").num_keys() == 0
 
 
+def test_counts_leave_out_the_fingerprint_entry(tmp_path, capsys):
+    # CachedDataset keeps its fingerprint in the namespace: 5 samples were shown as 6 entries by the
+    # CLI and by a CacheLoader opened on the namespace without the fingerprint.
+    from trainloom.data.cache import CachedDataset
+
+    ds = CachedDataset(list(range(5)), path=tmp_path, dataset_name="five", fingerprint="v1")
+    [ds[i] for i in range(5)]
+    ds.close()
+    assert CacheLoader(path=tmp_path, dataset_name="five").num_keys() == 5
+    assert CacheLoader(path=tmp_path, dataset_name="five", readonly=True).num_keys() == 5
+    assert main(["cache", "info", "--path", str(tmp_path)]) == 0
+    assert "namespace 'five': 5 entries" in capsys.readouterr().out
+    assert main(["cache", "clear", "--path", str(tmp_path), "--namespace", "five"]) == 0
+    assert "cleared 5 entries of namespace 'five'" in capsys.readouterr().out
+
+
 def test_cache_info_accepts_the_cache_dir_holding_lmdb(tmp_path, capsys, monkeypatch):
     # $TRAINLOOM_CACHE_DIR is the cache directory; the default LMDB store lives in its lmdb/.
     monkeypatch.setenv("TRAINLOOM_CACHE_DIR", str(tmp_path))

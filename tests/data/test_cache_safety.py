@@ -95,7 +95,8 @@ def test_same_dataset_wrapped_twice_is_not_a_conflict(tmp_path):
     a.cache_loader.flush()
     assert b.cache_loader.num_keys() == 6
     # Loaders without a fingerprint never conflict (a CacheLoader opened to inspect the namespace).
-    assert CacheLoader(path=tmp_path, dataset_name="x").num_keys() == 7  # 6 samples, the fingerprint
+    # It counts the values only, as the datasets' own loaders do (it counted the fingerprint entry too).
+    assert CacheLoader(path=tmp_path, dataset_name="x").num_keys() == 6
 
 
 def test_conflict_between_cache_loaders_and_on_redis(tmp_path, own_redis):
@@ -533,3 +534,106 @@ def test_unknown_store_arguments_name_the_argument_and_what_the_backend_takes(tm
         "cluster_mode, capacity_per_node, password, bind, timeout, retries, maxmemory_policy, "
         "startup_timeout"
     )
+
+
+def test_a_read_only_cache_serves_hits_and_drops_misses_with_one_warning(tmp_path):
+    # A pre-built cache on read-only storage, opened with the LmdbStore argument readonly=True: the
+    # fingerprint check used to open a write transaction, and the first miss raised.
+    ds = CachedDataset(Tagged("a", 6), path=tmp_path, dataset_name="ro", fingerprint="v1")
+    [ds[i] for i in range(4)]
+    ds.close()
+    ro = CachedDataset(Tagged("a", 6), path=tmp_path, dataset_name="ro", fingerprint="v1", readonly=True)
+    assert [ro[i] for i in range(4)] == [("a", i) for i in range(4)]
+    with pytest.warns(RuntimeWarning) as rec:
+        assert ro[5] == ("a", 5) and ro[5] == ("a", 5)  # computed twice: not stored
+    assert [str(r.message) for r in rec] == [
+        f"CacheLoader('ro'): the LMDB cache at {str(tmp_path)!r} was opened read-only (readonly=True): "
+        "values computed for misses are returned but not stored (counted in stats()['dropped'])."
+    ]
+    s = ro.stats()
+    assert (s["hits"], s["misses"], s["dropped"], s["writes"], s["buffered"]) == (4, 2, 2, 0, 0)
+    assert ro.cache_loader.num_keys() == 4
+    ro.close()
+    with pytest.raises(ConfigError) as info:
+        CachedDataset(Tagged("a", 7), path=tmp_path, dataset_name="ro", fingerprint="v1", readonly=True)
+    assert str(info.value) == (
+        "CacheLoader('ro') with fingerprint ('len', 7, 'v1'): the LMDB cache at "
+        f"{str(tmp_path)!r} was opened read-only (readonly=True) and its namespace 'ro' holds another "
+        "fingerprint, so its entries were made for other data or preprocessing (for CachedDataset the "
+        "fingerprint includes the dataset's length). A read-only cache cannot be rebuilt: pass the "
+        "fingerprint it was built with, open it writable to rebuild it, or use another path."
+    )
+    assert CacheLoader(path=tmp_path, dataset_name="ro").num_keys() == 4  # nothing was dropped
+
+
+def test_dataset_name_with_a_lone_surrogate_and_an_empty_path(tmp_path):
+    with pytest.raises(ValueError) as info:
+        CachedDataset(Tagged("a", 2), path=tmp_path, dataset_name="imgs_\udcff")
+    assert str(info.value) == (
+        "namespace 'imgs_\\udcff' (the dataset_name) holds a lone surrogate ('\\udcff' at position 5), e.g. "
+        "from a file name that is not valid UTF-8; pass a name that is valid text, e.g. "
+        "name.encode('utf-8', 'surrogateescape').decode('utf-8', 'replace')"
+    )
+    with pytest.raises(ValueError) as info:
+        CachedDataset(Tagged("a", 2), path="", dataset_name="x")
+    assert str(info.value) == (
+        "LmdbStore: path is empty (it would put the cache in the current directory); pass a directory, "
+        "or None for the default cache directory"
+    )
+
+
+_FULL_DISK = """
+import sys, warnings
+import torch
+from trainloom.data import CachedDataset
+from trainloom.data.stores import StoreFullError
+
+class Big(torch.utils.data.Dataset):
+    def __len__(self):
+        return 40
+    def __getitem__(self, i):
+        return torch.full((256 * 1024,), float(i))  # 1 MiB
+
+path = sys.argv[1]
+ds = CachedDataset(Big(), path=path, dataset_name="full", writer_buffer_size=4, map_size=64 << 20)
+try:
+    [ds[i] for i in range(40)]
+except StoreFullError as exc:
+    print("raise:", str(exc).split(":")[0], "|", "the disk is full" in str(exc), ds.stats()["writes"])
+try:
+    ds.close()  # flushes what is still buffered: the disk is still full
+except StoreFullError:
+    print("close: StoreFullError")
+ds = CachedDataset(Big(), path=path, dataset_name="full", writer_buffer_size=4, on_error="bypass",
+                   map_size=64 << 20)
+with warnings.catch_warnings(record=True) as rec:
+    warnings.simplefilter("always")
+    for epoch in range(2):
+        assert all(ds[i][0].item() == i for i in range(40))
+s = ds.stats()
+full = [r for r in rec if "disk is full" in str(r.message)]
+print("bypass:", s["hits"], s["errors"], s["bypassed"], len(full))
+"""
+
+
+def test_a_full_disk_is_a_store_full_error_and_bypass_keeps_reading(tmp_path):
+    # LMDB reports a short write (ENOSPC) as EIO at commit: it read as "the store refused 11 values",
+    # and in bypass mode every failed retry switched reads off too, so nothing was served.
+    script = tmp_path / "full.py"
+    script.write_text(_FULL_DISK)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    cmd = f"mount -t tmpfs -o size=24m tmpfs {mnt} && {sys.executable} {script} {mnt}"
+    try:
+        out = subprocess.run(
+            ["unshare", "--mount", "sh", "-c", cmd], capture_output=True, text=True, timeout=120
+        )
+    except FileNotFoundError:  # pragma: no cover - util-linux is part of the machines this runs on
+        pytest.fail("this test needs util-linux's unshare (a private mount namespace for a small tmpfs)")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    n = int(lines[0].split()[-1])
+    assert lines[0] == f"raise: LmdbStore.mset on {mnt} (namespace 'full') | True {n}" and 8 <= n < 24
+    # bypass: what was written is served in both epochs; one warning; the store is never skipped
+    assert lines[1] == "close: StoreFullError"
+    assert lines[2] == f"bypass: {2 * n} 1 0 1"

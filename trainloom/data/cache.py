@@ -687,7 +687,7 @@ class CacheLoader:
         try:
             with self._store_lock():
                 n = self.store.num_keys()
-                if n and self._has_meta:
+                if n:
                     n -= self.store.copies(META_KEY)
         except StoreError as exc:  # the first real use reports it (raised, or bypassed)
             log.debug("CacheLoader(%r): could not count the reused entries: %s", self.dataset_name, exc)
@@ -726,7 +726,9 @@ class CacheLoader:
         self._stats = self._counters.values
         self._down_until = 0.0
         self._warned: set = set()
-        self._writes_disabled = False
+        # Out of memory (set later), or a store opened read-only (values computed for misses are
+        # then dropped, with one warning).
+        self._writes_disabled = bool(getattr(self.store, "readonly", False))
         # The first decode error since the last "did not decode" warning (named in that warning).
         self._decode_failure: Optional[BaseException] = None
         # When the oldest value now buffered was buffered (time.monotonic()).
@@ -1011,6 +1013,13 @@ class CacheLoader:
     def _put(self, k: bytes, encoded: bytes) -> None:
         if self._writes_disabled:
             self._stats[_DROPPED] += 1
+            if getattr(self.store, "readonly", False):
+                self._warn_once(
+                    "readonly",
+                    f"CacheLoader({self.dataset_name!r}): {self._where()} was opened read-only "
+                    "(readonly=True): values computed for misses are returned but not stored (counted in "
+                    "stats()['dropped']).",
+                )
             return
         with self._lock:
             buffer = self._buffer
@@ -1056,7 +1065,10 @@ class CacheLoader:
     def _check_fingerprint(self, digest: bytes, legacy: Optional[bytes], shown: Any) -> None:
         """Store ``digest`` as the namespace's fingerprint, dropping its entries when another one was
         stored. A fingerprint stored by an older trainloom (``legacy``: its exact repr) is upgraded in
-        place, without dropping anything."""
+        place, without dropping anything. A read-only store is only read: its fingerprint must match."""
+        if getattr(self.store, "readonly", False):
+            self._check_fingerprint_readonly(digest, legacy, shown)
+            return
         try:
             with self._store_lock():
                 if legacy is not None:
@@ -1075,6 +1087,31 @@ class CacheLoader:
                 _short_repr(shown),
                 getattr(self.store, "namespace", self.dataset_name),
             )
+
+    def _check_fingerprint_readonly(self, digest: bytes, legacy: Optional[bytes], shown: Any) -> None:
+        """The fingerprint check of a store opened read-only: nothing can be dropped or written, so
+        stored entries are served only when the stored fingerprint matches."""
+        try:
+            with self._store_lock():
+                cur = self.store.get(META_KEY)
+                n = self.store.num_keys()
+        except StoreError as exc:
+            self._store_failed(exc, "the fingerprint check")
+            return
+        if cur is not None and as_bytes(cur) in (digest, legacy):
+            self._has_meta = True
+            return
+        if cur is None and n == 0:
+            return  # nothing cached yet: nothing to verify (and nothing will be written)
+        found = "no fingerprint" if cur is None else "another fingerprint"
+        ns = getattr(self.store, "namespace", self.dataset_name)
+        raise ConfigError(
+            f"CacheLoader({self.dataset_name!r}) with fingerprint {_short_repr(shown)}: {self._where()} was "
+            f"opened read-only (readonly=True) and its namespace {ns!r} holds {found}, so its entries were "
+            "made for other data or preprocessing (for CachedDataset the fingerprint includes the dataset's "
+            "length). A read-only cache cannot be rebuilt: pass the fingerprint it was built with, open it "
+            "writable to rebuild it, or use another path."
+        )
 
     # -- public API -------------------------------------------------------------------------------
     def get(self, key: Any, load_fn: Callable[[Any], Any]) -> Any:
@@ -1152,8 +1189,8 @@ class CacheLoader:
         self.flush()
         with self._store_lock():
             n = self.store.num_keys()
-            if self._has_meta and n:
-                n -= self.store.copies(META_KEY)  # one fingerprint entry per shard of a Redis cluster
+            if n:  # also a fingerprint stored by another loader of the namespace (one per Redis shard)
+                n -= self.store.copies(META_KEY)
         return n
 
     def flush(self) -> None:
@@ -1217,11 +1254,28 @@ class CacheLoader:
         if isinstance(exc, StoreOutOfMemoryError):
             self._out_of_memory(exc)
             return True
+        if isinstance(exc, StoreFullError) and self.on_error == "bypass":
+            self._full(exc)
+            return True
         if isinstance(exc, (StoreUnavailableError, StoreFullError)):
             self._trim_buffer()
             self._store_failed(exc, "a write")
             return True
         return False
+
+    def _full(self, exc: StoreFullError) -> None:
+        """Bypass mode, store full (disk or LMDB map cap): stop writing, keep serving what is cached
+        (retrying the write and skipping reads meanwhile served nothing while the disk stayed full)."""
+        self._stats[_ERRORS] += 1
+        self._stats[_DROPPED] += len(self._buffer)
+        self._writes_disabled = True
+        self._buffer = {}
+        self._buffer_bytes = 0
+        self._warn_once(
+            "full",
+            f"CacheLoader({self.dataset_name!r}): {exc}. on_error='bypass': no new values will be "
+            "written by this process (reads of cached values continue).",
+        )
 
     def _out_of_memory(self, exc: StoreOutOfMemoryError) -> None:
         self._stats[_OOM] += 1

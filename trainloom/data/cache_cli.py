@@ -111,6 +111,15 @@ def _redis_store(args: argparse.Namespace) -> Any:
     return RedisNodeStore(host, port, password, namespace=args.namespace or "")
 
 
+def _values(store: Any) -> int:
+    """Cached values in the store's namespace: its entries without the fingerprint entry that
+    CachedDataset (and CacheLoader(fingerprint=...)) keep there."""
+    from trainloom.data.cache import META_KEY
+
+    n = store.num_keys()
+    return n - store.copies(META_KEY) if n else 0
+
+
 def _info(args: argparse.Namespace) -> int:
     if args.redis:
         store = _redis_store(args)
@@ -120,7 +129,7 @@ def _info(args: argparse.Namespace) -> int:
             f"{_human(info['maxmemory']) if info['maxmemory'] else 'unlimited'} "
             f"(policy {info['maxmemory_policy']})"
         )
-        print(f"  namespace {info['namespace']!r}: {info['entries']} entries")
+        print(f"  namespace {info['namespace']!r}: {_values(store)} entries")
         store.close()
         return 0
     path = _lmdb_path(args)
@@ -137,6 +146,7 @@ def _info(args: argparse.Namespace) -> int:
     for ns in names:
         with LmdbStore(path, namespace=ns, readonly=True) as store:
             i = store.info()
+            i["entries"] = _values(store)
         if first:
             print(
                 f"LMDB cache {path}: {_human(i['used_bytes'])} used, map {_human(i['map_size'])}, "
@@ -158,7 +168,7 @@ def _clear(args: argparse.Namespace) -> int:
             )
             return 2
         store = _redis_store(args)
-        n = store.num_keys()
+        n = _values(store)
         store.clear()
         store.close()
         print(f"cleared {n} entries of namespace {args.namespace!r} on {args.redis}")
@@ -177,7 +187,7 @@ def _clear(args: argparse.Namespace) -> int:
             print(f"namespace {ns!r} not found in {path} (have: {names})", file=sys.stderr)
             return 1
         with LmdbStore(path, namespace=ns) as store:
-            n = store.num_keys()
+            n = _values(store)
             store.clear()
         print(f"cleared {n} entries of namespace {ns!r} in {path}")
     return 0

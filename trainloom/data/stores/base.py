@@ -260,6 +260,15 @@ def mget_decode_missing(store: Store, keys: Sequence[Key], missing: Any) -> Tupl
 def check_namespace(namespace: str) -> str:
     if not isinstance(namespace, str):
         raise TypeError(f"namespace must be a str, got {type(namespace).__name__}")
-    if "\x00" in namespace or len(namespace.encode("utf-8")) > 400:
+    try:
+        encoded = namespace.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"namespace {namespace!r} (the dataset_name) holds a lone surrogate "
+            f"({namespace[exc.start]!r} at position {exc.start}), e.g. from a file name that is not valid "
+            "UTF-8; pass a name that is valid text, e.g. name.encode('utf-8', 'surrogateescape')"
+            ".decode('utf-8', 'replace')"
+        ) from None
+    if "\x00" in namespace or len(encoded) > 400:
         raise ValueError(f"namespace {namespace!r} must not contain NUL and be at most 400 bytes of UTF-8")
     return namespace

@@ -10,6 +10,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import shutil
 import threading
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, TypeVar
@@ -36,6 +37,8 @@ T = TypeVar("T")
 CACHE_DIR_ENV = "TRAINLOOM_CACHE_DIR"
 _DB_PREFIX = b"tl:"
 _GIB = 1 << 30
+#: A failed write with less free space than this on the cache's filesystem is a full disk.
+_DISK_FULL_BYTES = 64 << 20
 #: LMDB's MDB_MAXKEYSIZE as py-lmdb builds it (the store reads the real value when it opens).
 _DEFAULT_MAX_KEY = 511
 
@@ -177,6 +180,12 @@ class LmdbStore(Store):
             raise ValueError(
                 f"LmdbStore: max_map_size ({max_map_size}) is smaller than map_size ({map_size})"
             )
+        if path is not None and str(path) == "":
+            # Path("") is the current directory: os.environ.get("CACHE_DIR", "") would put the cache there
+            raise ValueError(
+                "LmdbStore: path is empty (it would put the cache in the current directory); pass a "
+                "directory, or None for the default cache directory"
+            )
         self.path = Path(path) if path is not None else default_cache_dir() / "lmdb"
         if self.path.exists() and not self.path.is_dir():
             raise ConfigError(
@@ -312,10 +321,30 @@ class LmdbStore(Store):
             except lmdb.MapResizedError:
                 env.set_mapsize(0)
             except lmdb.Error as exc:
+                full = self._disk_full(exc)
+                if full is not None:
+                    raise StoreFullError(
+                        f"LmdbStore.{what} on {self.path} (namespace {self.namespace!r}): the disk is full "
+                        f"({full} bytes free; LMDB reports it as {exc}). Free space, clear old caches with "
+                        "`trainloom cache clear`, or pass path= on a larger disk",
+                        backend="lmdb",
+                    ) from exc
                 raise StoreError(
                     f"LmdbStore.{what} on {self.path} (namespace {self.namespace!r}): {exc}", backend="lmdb"
                 ) from exc
         raise StoreError(f"LmdbStore.{what}: map resized repeatedly by other processes", backend="lmdb")
+
+    def _disk_full(self, exc: Exception) -> Optional[int]:
+        """The free bytes of the cache's filesystem when ``exc`` is a failed write on a (nearly) full
+        disk, else None. LMDB turns a short write (ENOSPC) into EIO at commit."""
+        text = str(exc)
+        if "Input/output error" not in text and "No space left" not in text:
+            return None
+        try:
+            free = shutil.disk_usage(self.path).free
+        except OSError:
+            return None
+        return free if free < _DISK_FULL_BYTES else None
 
     # -- keys ---------------------------------------------------------------------------------------
     def _bad_key(self, k: bytes, key: Any) -> ConfigError:
