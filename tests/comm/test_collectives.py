@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from commutil import (
     EVERY_COLLECTIVE,
@@ -25,6 +27,7 @@ from multiproc import run_ranks
 
 import trainloom.comm as C
 from trainloom.comm import collectives
+from trainloom.errors import CommError
 
 ENGINES = engines()
 
@@ -143,6 +146,35 @@ def test_rank_missing_at_init_times_out_naming_it():
         assert err.startswith("CommTimeoutError: init_process_group (rank"), err
         assert "ranks [2] never arrived" in err, err
         assert res[rank]["initialized"] is False and res[rank]["torch"] is False
+
+
+def test_a_rendezvous_that_fails_at_once_is_not_called_a_timeout(monkeypatch):
+    # torchrun restarts used to fail in 2 s with "did not complete within 300s" (gloo refused the
+    # connection to a dead attempt's address): a failure well before the deadline is a CommError
+    # saying when it failed. A real store, with both ranks' node keys; gloo's connect is made to fail.
+    import torch.distributed as dist
+
+    from trainloom.comm import group
+    from trainloom.errors import CommTimeoutError
+
+    store = dist.HashStore()
+    ns = group._namespace(group._STATE.generation + 1)
+    store.set(f"{ns}/node/1", "somewhere")
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("Gloo connectFullMesh failed with ... Connection refused\nmore")
+
+    monkeypatch.setattr(group.dist, "init_process_group", refuse)
+    with pytest.raises(CommError) as info:
+        C.init_process_group(rank=0, world_size=2, store=store, timeout=30)
+    assert not isinstance(info.value, CommTimeoutError)
+    assert re.fullmatch(
+        r"init_process_group \(rank 0 of 2\): the rendezvous failed after \d+\.\ds \(timeout 30s\); "
+        r"every rank arrived but the rendezvous failed "
+        r"\(Gloo connectFullMesh failed with \.\.\. Connection refused\)",
+        str(info.value),
+    ), str(info.value)
+    assert not C.is_initialized()
 
 
 @pytest.mark.parametrize(

@@ -960,6 +960,7 @@ def init_process_group(
     # Which node every rank is on: one store round, used for intra/inter-node communicators. The key
     # is written first, so that a rendezvous that times out can name the ranks that never came.
     tl_store.set(f"node/{launch.rank}", node_identity())
+    started = time.monotonic()
     try:
         if not dist.is_initialized():
             dist.init_process_group(
@@ -985,9 +986,16 @@ def init_process_group(
             who = "the store (rank 0) went away"
         if owns_torch and dist.is_initialized():
             dist.destroy_process_group()
+        elapsed = time.monotonic() - started
+        detail = f"{who} ({str(exc).splitlines()[0][:160]})"
+        if elapsed < 0.9 * t:  # failed, not timed out (e.g. gloo refused a connection)
+            raise CommError(
+                f"init_process_group (rank {launch.rank} of {launch.world_size}): the rendezvous failed "
+                f"after {elapsed:.1f}s (timeout {t:g}s); {detail}"
+            ) from None
         raise CommTimeoutError(
             f"init_process_group (rank {launch.rank} of {launch.world_size}): the rendezvous did not "
-            f"complete within {t:g}s; {who} ({str(exc).splitlines()[0][:160]})"
+            f"complete within {t:g}s; {detail}"
         ) from None
     if not launch.local_known:
         # No LOCAL_RANK/LOCAL_WORLD_SIZE (e.g. an early-API launcher with multiprocessing): the ranks
