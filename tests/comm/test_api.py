@@ -521,6 +521,18 @@ def test_op_cache_keeps_torch_and_bagua_numbering_apart():
             assert collectives._op(np.int64(int(o)), dtype, "allreduce") is o
 
 
+def test_the_two_bagua_module_paths_carry_the_same_names():
+    # docs/comm.md says so; bagua.WORLD, bagua.broadcast_object and
+    # communication.get_default_bucket_size were missing from one of them.
+    public = {n for n in C.communication.__all__}
+    assert public <= set(C.__all__), sorted(public - set(C.__all__))
+    for name in sorted(public):
+        assert getattr(C, name) is getattr(C.communication, name), name
+    for name in ("get_rank", "get_world_size", "get_local_rank", "get_local_size", "get_default_bucket_size"):
+        assert getattr(C.communication, name) is getattr(C.env, name), name
+    assert C.WORLD is C.CommMember.WORLD
+
+
 def test_non_comm_member_placeholder(world1):
     x = C.NON_COMM_MEMBER
     assert x is C.CommMember.NON_COMM_MEMBER is C.communication.NON_COMM_MEMBER

@@ -36,6 +36,7 @@ from trainloom.comm.collectives import (
     scatter_inplace,
     send,
 )
+from trainloom.comm.communication import broadcast_object
 from trainloom.comm.env import (
     get_default_bucket_size,
     get_local_rank,
@@ -45,6 +46,7 @@ from trainloom.comm.env import (
 )
 from trainloom.comm.group import (
     NON_COMM_MEMBER,
+    WORLD,
     BaguaProcessGroup,
     CommMember,
     Communicator,
@@ -70,6 +72,7 @@ from trainloom.comm.work import Work
 #   import trainloom.comm.classic as dist        (early torch.distributed)
 
 __all__ = [
+    "WORLD",
     "ReduceOp",
     "SUPPORTED_DTYPES",
     "allgather",
@@ -117,6 +120,7 @@ __all__ = [
     "synchronize",
     "DistributedAllreduceOptimizer",
     "DistributedNeighborAllreduceOptimizer",
+    "broadcast_object",
     "broadcast_optimizer_state",
     "broadcast_parameters",
     "load_topology",

@@ -32,7 +32,13 @@ from trainloom.comm.collectives import (
     scatter_inplace,
     send,
 )
-from trainloom.comm.env import get_local_rank, get_local_size, get_rank, get_world_size
+from trainloom.comm.env import (
+    get_default_bucket_size,
+    get_local_rank,
+    get_local_size,
+    get_rank,
+    get_world_size,
+)
 from trainloom.comm.group import (
     NON_COMM_MEMBER,
     WORLD,
@@ -98,6 +104,7 @@ __all__ = [
     "NON_COMM_MEMBER",
     "WORLD",
     "broadcast_object",
+    "get_default_bucket_size",
     "get_default_group",
     "get_local_rank",
     "get_local_size",
