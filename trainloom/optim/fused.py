@@ -344,7 +344,7 @@ class _FusedInfo:
         # whether some bucket has parameters without a gradient hook (frozen when fused), and the
         # autograd graph task that last queued _adopt_unfrozen
         self.unhooked_any = False
-        self.adopt_task = -1
+        self.adopt_task: Optional[int] = -1
         # the optimizer state's per-parameter dicts and their sizes when the fast path was set up
         self.state_type: Any = None
         self.state_dicts: List[Any] = []
@@ -757,6 +757,10 @@ def _install_hooks(info: _FusedInfo, bucket: _Bucket) -> None:
             bucket.unhooked.append(i)
 
 
+#: The running backward pass's id (torch 2.x; without it the adoption is queued from every hook).
+_GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
+
+
 def _grad_hook(info: _FusedInfo, bucket: _Bucket, i: int) -> Callable[[torch.Tensor], None]:
     ref = weakref.ref(bucket)
     info_ref = weakref.ref(info)
@@ -769,8 +773,8 @@ def _grad_hook(info: _FusedInfo, bucket: _Bucket, i: int) -> Callable[[torch.Ten
         owner = info_ref()
         if owner is not None and owner.unhooked_any:
             # Once per backward pass: adopt parameters unfrozen since fusing when it ends.
-            task = torch._C._current_graph_task_id()
-            if owner.adopt_task != task:
+            task = _GRAPH_TASK_ID() if _GRAPH_TASK_ID is not None else None
+            if task is None or owner.adopt_task != task:
                 owner.adopt_task = task
                 torch.autograd.Variable._execution_engine.queue_callback(lambda: _adopt_unfrozen(owner))
 
