@@ -1266,29 +1266,30 @@ class CacheLoader:
     def _full(self, exc: StoreFullError) -> None:
         """Bypass mode, store full (disk or LMDB map cap): stop writing, keep serving what is cached
         (retrying the write and skipping reads meanwhile served nothing while the disk stayed full)."""
-        self._stats[_ERRORS] += 1
-        self._stats[_DROPPED] += len(self._buffer)
-        self._writes_disabled = True
-        self._buffer = {}
-        self._buffer_bytes = 0
-        self._warn_once(
+        self._stop_writing(
+            _ERRORS,
             "full",
             f"CacheLoader({self.dataset_name!r}): {exc}. on_error='bypass': no new values will be "
             "written by this process (reads of cached values continue).",
         )
 
     def _out_of_memory(self, exc: StoreOutOfMemoryError) -> None:
-        self._stats[_OOM] += 1
-        self._stats[_DROPPED] += len(self._buffer)
-        self._writes_disabled = True
-        self._buffer = {}
-        self._buffer_bytes = 0
-        self._warn_once(
+        self._stop_writing(
+            _OOM,
             "oom",
             f"CacheLoader({self.dataset_name!r}): the store is out of memory ({exc}); no new values "
             "will be written by this process (reads continue). Raise capacity_per_node= or clear "
             "old caches.",
         )
+
+    def _stop_writing(self, counter: int, what: str, message: str) -> None:
+        """This process writes nothing more (its buffer is dropped and counted); reads continue."""
+        self._stats[counter] += 1
+        self._stats[_DROPPED] += len(self._buffer)
+        self._writes_disabled = True
+        self._buffer = {}
+        self._buffer_bytes = 0
+        self._warn_once(what, message)
 
     def _flush_one_by_one(self, first: Exception) -> None:
         """After a failed batch: write each buffered value alone; drop those the store refuses."""
