@@ -208,3 +208,51 @@ def test_track_rejects_loaders_it_cannot_count():
     it = s.track(iter(s), batch_size=1)
     assert [next(it) for _ in range(3)] == make_plain().rank_indices()[:3].tolist()
     assert s.state_dict()["consumed"] == 3
+
+
+def test_batch_sampler_iterated_directly_after_a_tracked_epoch_counts_its_own_batches():
+    # track() used to leave the batch sampler counting delivered batches for good: a later epoch
+    # iterated directly reported consumed=0, and a resume replayed the epoch from its start.
+    ds = Tokens(LENS)
+    bs = make()
+    loader = DataLoader(ds, batch_sampler=bs, collate_fn=collate_ids)  # no workers: yielded = used
+    for _ in bs.track(loader):
+        pass
+    bs.set_epoch(3)
+    for i, _ in enumerate(loader):
+        if i == 4:
+            break
+    assert bs.state_dict()["consumed"] == 5
+    bs.set_epoch(4)
+    for i, _ in enumerate(bs.track(loader)):  # and tracked again
+        if i == 2:
+            break
+    assert bs.state_dict()["consumed"] == 3
+
+
+def test_the_wrapped_samplers_set_epoch_forgets_a_loaded_position():
+    bs = make()
+    state = bs.state_dict(consumed=5)  # epoch 2
+    full = len(bs)
+    again = make()
+    again.load_state_dict(state)
+    assert len(again) == full - 5
+    again.sampler.set_epoch(4)
+    again.sampler.set_epoch(2)  # back to the saved epoch through the wrapped sampler: started anew
+    assert len(again) == full and len(list(again)) == full
+    again.load_state_dict(state)
+    assert len(again) == full - 5 and len(list(again)) == full - 5  # a fresh load applies again
+
+
+def test_plain_track_on_a_budget_batch_sampler_points_to_the_batch_sampler():
+    bs = make()
+    loader = DataLoader(Tokens(LENS), batch_sampler=bs, collate_fn=collate_ids)
+    with pytest.raises(ConfigError) as e:
+        bs.sampler.track(loader)
+    assert str(e.value) == (
+        "track: this loader's batches come from a LoadBalancingDistributedBatchSampler, whose batches "
+        "differ in size; track the batch sampler instead: batch_sampler.track(loader), and checkpoint "
+        "batch_sampler.state_dict()"
+    )
+    b = LoadBalancingDistributedBatchSampler(bs.sampler, max_complexity=torch.tensor(400), mode="packed")
+    assert b.max_complexity == 400.0 and len(b) == len(bs)

@@ -268,11 +268,15 @@ class _ResumeMixin:
         self._warned_reuse = False
         self._position = 0
 
+    def _resume_applies(self) -> bool:
+        """Whether a loaded position is for the epoch about to be iterated."""
+        return self._resume is not None and self._resume[0] == self.epoch
+
     def _start(self, shuffle: bool) -> int:
         """Called when an iteration starts: returns how many entries of this epoch to skip."""
         start = 0
-        if self._resume is not None and self._resume[0] == self.epoch:
-            start = self._resume[1]
+        if self._resume_applies():
+            start = self._resume[1]  # type: ignore[index]
         elif shuffle and self._last_iter_epoch == self.epoch and not self._warned_reuse:
             self._warned_reuse = True
             msg = (
@@ -286,9 +290,7 @@ class _ResumeMixin:
         return start
 
     def _remaining_skip(self) -> int:
-        if self._resume is not None and self._resume[0] == self.epoch:
-            return self._resume[1]
-        return 0
+        return self._resume[1] if self._resume_applies() else 0  # type: ignore[index]
 
     def _check_tracked_loader(self, loader: Iterable[Any], draws_from_self: bool) -> None:
         """``track()``'s checks: counting delivered batches gives the consumed prefix of the epoch
@@ -408,6 +410,8 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
         # Set by track(): the samples of this iteration the training loop has received.
         self._tracked_pos: Optional[int] = None
         self._init_resume()
+        # How many times set_epoch() changed the epoch (see LoadBalancingDistributedBatchSampler).
+        self._epoch_changes = 0
 
     # ----------------------------------------------------------------------------- plan
     @property
@@ -554,6 +558,12 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
         if getattr(loader, "sampler", None) is self:  # DataLoader(sampler=self, batch_size=...)
             found, draws = (loader.batch_size or 1), True  # type: ignore[attr-defined]
         elif bsampler is not None and getattr(bsampler, "sampler", None) is self:
+            if isinstance(bsampler, LoadBalancingDistributedBatchSampler) and batch_size is None:
+                raise ConfigError(
+                    "track: this loader's batches come from a LoadBalancingDistributedBatchSampler, whose "
+                    "batches differ in size; track the batch sampler instead: "
+                    "batch_sampler.track(loader), and checkpoint batch_sampler.state_dict()"
+                )
             found, draws = getattr(bsampler, "batch_size", None), True
         else:
             found, draws = None, False
@@ -587,6 +597,7 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
             self._iter = None
             self._tracked_pos = None
             self._position = 0
+            self._epoch_changes += 1  # a batch sampler wrapping this one forgets a loaded position
         self.epoch = epoch
         if self._resume is not None and self._resume[0] != self.epoch:
             self._resume = None
@@ -801,6 +812,8 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
             raise ConfigError(f"{who}: cost=(a, b) needs finite a >= 0 and b >= 0, not both 0; got {cost!r}")
         n = sampler._n
         if max_complexity is not None:
+            if isinstance(max_complexity, torch.Tensor) and max_complexity.dim() == 0:
+                max_complexity = max_complexity.item()  # a 0-d tensor, as seed=/epoch= accept
             if isinstance(max_complexity, bool) or not isinstance(max_complexity, numbers.Real):
                 raise ConfigError(
                     f"{who}: max_complexity must be a number, got {type(max_complexity).__name__}"
@@ -848,8 +861,14 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         self._cs_sum: Optional[float] = None
         self._plan_cache: Optional[Tuple[Tuple[Any, ...], _Plan]] = None
         self._delivered = 0
+        # Whether the current iteration is counted by track(): set by the iteration that track()
+        # started (_track_next), so an epoch iterated directly afterwards counts yielded batches.
         self._tracked = False
+        self._track_next = False
         self._init_resume()
+        # The wrapped sampler's epoch-change count when a state was loaded: changing its epoch
+        # directly (sampler.set_epoch) forgets the loaded position, as this one's set_epoch does.
+        self._resume_changes = 0
         self.epoch = sampler.epoch
         # The epoch whose batches _position / _delivered count: set when an iteration starts or a
         # state is loaded. A state taken in any other epoch (set_epoch called on this or on the
@@ -1137,12 +1156,16 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
             dropped,
         )
 
+    def _resume_applies(self) -> bool:
+        return super()._resume_applies() and self.sampler._epoch_changes == self._resume_changes
+
     # ----------------------------------------------------------------------------- Sampler API
     def __iter__(self) -> Iterator[List[int]]:
         plan = self._plan()
         self.epoch = self.sampler.epoch
         start = self._start(self.sampler.shuffle)
         self._delivered = start
+        self._tracked, self._track_next = self._track_next, False
         self._counted_epoch = self.epoch
         # Each batch's list is made when it is asked for, from a memoryview slice (no numpy call
         # per batch): the epoch's int objects never all live at once.
@@ -1201,7 +1224,7 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         return self._track(loader)
 
     def _track(self, loader: Iterable[Any]) -> Iterator[Any]:
-        self._tracked = True
+        self._track_next = True  # the iteration the loader starts now is the tracked one
         for batch in loader:
             self._delivered += 1
             yield batch
@@ -1287,6 +1310,7 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         if not 0 <= int(state["consumed"]) <= total:
             raise ConfigError(f"load_state_dict: consumed={state['consumed']} is outside [0, {total}]")
         self._resume = (self.epoch, int(state["consumed"]))
+        self._resume_changes = s._epoch_changes
         self._position = self._delivered = int(state["consumed"])
         self._counted_epoch = self.epoch
 
@@ -1298,7 +1322,8 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
             dict with ``steps``, ``world_size``, ``mode``; ``straggler_mean`` / ``straggler_p99``:
             max over ranks of a step's cost (the mode's: padded cost, or summed cost) over the mean
             over ranks; the same for ``sum(len)`` (``straggler_len_*``) and ``sum(len**2)``
-            (``straggler_len2_*``); ``padding_waste`` (share of a padded batch that is padding);
+            (``straggler_len2_*``); ``padding_waste`` (share of a padded batch that is padding; in
+            packed mode what padding would waste, for comparison: packed models do not pad);
             ``max_batch_cost`` and ``max_batch_cost_ratio`` (to the budget); ``duplicates``,
             ``dropped`` and ``empty_rank_steps``.
         """
