@@ -369,3 +369,70 @@ def test_neighbor_optimizer_takes_bluefogs_weight_attributes():
             "DistributedAllreduceOptimizer[SGD] has no self_weight: only "
             "DistributedNeighborAllreduceOptimizer averages with neighbour weights"
         )
+
+
+def wrapper_lifecycle_ranks(rank: int, ws: int, engine: str) -> dict:
+    """A fused optimizer under the allreduce wrapper stepped with fuse_step (both forms), a param
+    group added after wrapping, and load_state_dict keeping the original optimizer in sync."""
+    from trainloom.comm import optimizers as dopt
+    from trainloom.optim import fuse_optimizer, fuse_step
+
+    R._engine(engine)
+    C.init_process_group(timeout=30)
+    out: dict = {}
+    lin = torch.nn.Linear(3, 1, bias=False).double()
+    torch.nn.init.zeros_(lin.weight)
+    base = fuse_optimizer(torch.optim.SGD(lin.parameters(), lr=1.0))
+    opt = dopt.DistributedAllreduceOptimizer(base, model=lin)
+    x = torch.full((1, 3), float(rank + 1), dtype=torch.float64)
+    for step in (lambda: opt.fuse_step(), lambda: fuse_step(opt)):
+        opt.zero_grad()
+        lin(x).sum().backward()  # gradient rank + 1: averaged 1.5 over 2 ranks
+        step()
+    out["fused_weight"] = lin.weight.detach().reshape(-1).tolist()  # -1.5 twice: -3.0
+    # a param group added after wrapping: refused at step() on every rank, nothing stepped
+    head, body = torch.nn.Linear(2, 1).double(), torch.nn.Linear(2, 2).double()
+    opt2 = dopt.DistributedAllreduceOptimizer(torch.optim.SGD(head.parameters(), lr=0.1), model=head)
+    opt2.add_param_group({"params": body.parameters()})
+    head(body(torch.ones(1, 2, dtype=torch.float64))).sum().backward()
+    before = body.weight.detach().clone()
+    out["added"] = R._expect(opt2.step, RuntimeError)
+    out["added_untouched"] = torch.equal(before, body.weight)
+    # load_state_dict on the wrapper: the original optimizer (and a scheduler made on it) still share
+    orig = torch.optim.SGD(head.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(orig, step_size=1, gamma=0.5)
+    opt3 = dopt.DistributedAllreduceOptimizer(orig, model=head)
+    opt3.load_state_dict(opt3.state_dict())
+    sched.step()
+    out["shared"] = (opt3.param_groups is orig.param_groups, opt3.state is orig.state)
+    out["lr_seen"] = opt3.param_groups[0]["lr"]
+    C.destroy_process_group()
+    return out
+
+
+def test_wrapper_with_fuse_step_added_groups_and_loaded_state():
+    # fuse_step on a wrapped fused optimizer stepped with the local gradient (no communication);
+    # a group added after wrapping was stepped with local gradients; load_state_dict unshared the
+    # original's param_groups (a scheduler on it stopped acting). All silent before.
+    for r in run_ranks(wrapper_lifecycle_ranks, 2, ENGINE, timeout=90):
+        assert r["fused_weight"] == [-3.0, -3.0, -3.0]
+        assert r["added"] == (
+            "RuntimeError: DistributedAllreduceOptimizer: param_groups[1]['params'][0] was added to the "
+            "optimizer after it was wrapped (add_param_group), so it is not averaged across ranks, but it "
+            "has a gradient now; add the param group to the original optimizer and wrap it again"
+        )
+        assert r["added_untouched"] is True
+        assert r["shared"] == (True, True) and r["lr_seen"] == 0.05
+
+
+def test_lbfgs_is_refused_with_the_reason():
+    from trainloom.comm import optimizers as dopt
+
+    lin = torch.nn.Linear(2, 1)
+    with pytest.raises(TypeError) as info:
+        dopt.DistributedAllreduceOptimizer(torch.optim.LBFGS(lin.parameters()), comm=None)
+    assert str(info.value) == (
+        "DistributedAllreduceOptimizer: LBFGS evaluates its closure several times per step (line search), "
+        "and the wrapper averages one gradient per step; the steps would use local gradients. Use a "
+        "first-order optimizer, or average the gradients inside the closure yourself"
+    )

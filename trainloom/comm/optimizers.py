@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
@@ -106,6 +107,8 @@ class _Reducer:
         if cur:
             self.buckets.append(_Bucket(cur))
         self.where: Dict[int, int] = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
+        #: how many parameters the optimizer had when wrapped (a cheap test for add_param_group)
+        self.known_count = len(named)
         self.counts: Dict[int, int] = {id(p): 0 for p in params}
         self.next = 0
         #: the first misuse seen during backward (raised again by the next synchronize()).
@@ -166,6 +169,20 @@ class _Reducer:
                     b.flat, self.self_weight, self.neighbor_weights, comm=self.comm
                 )
 
+    def _unknown_with_grad(self, groups: List[Dict[str, Any]]) -> Optional[str]:
+        """A parameter added to the optimizer after wrapping (add_param_group) that has a gradient."""
+        if sum(len(g["params"]) for g in groups) == self.known_count:
+            return None
+        for gi, g in enumerate(groups):
+            for i, p in enumerate(g["params"]):
+                if p.grad is not None and id(p) not in self.names:
+                    return (
+                        f"{self.who}: param_groups[{gi}]['params'][{i}] was added to the optimizer after it "
+                        "was wrapped (add_param_group), so it is not averaged across ranks, but it has a "
+                        "gradient now; add the param group to the original optimizer and wrap it again"
+                    )
+        return None
+
     def _frozen_with_grad(self) -> Optional[str]:
         for p in self.frozen:
             if p.grad is not None:
@@ -176,15 +193,22 @@ class _Reducer:
                 )
         return None
 
-    def synchronize(self) -> None:
+    def synchronize(self, groups: Optional[List[Dict[str, Any]]] = None) -> None:
         """Launch the buckets not launched yet (in order), wait for all, write the results back.
 
+        Args:
+            groups: the optimizer's param_groups, checked for parameters added after wrapping.
+
         Raises:
-            RuntimeError: a misuse was seen (too many backward passes, a frozen parameter with a
-                gradient). Every launched collective still completes (the ranks stay in step) and
-                nothing is written back, so the wrapped optimizer must not step.
+            RuntimeError: a misuse was seen (too many backward passes, a frozen parameter or one
+                added after wrapping with a gradient). Every launched collective still completes (the
+                ranks stay in step) and nothing is written back, so the wrapped optimizer must not step.
         """
-        problem = self.error or self._frozen_with_grad()
+        problem = (
+            self.error
+            or self._frozen_with_grad()
+            or (self._unknown_with_grad(groups) if groups is not None else None)
+        )
         try:
             while self.next < len(self.buckets):
                 self._launch(self.buckets[self.next])
@@ -239,7 +263,7 @@ class _DistributedMixin:
 
     def synchronize(self) -> None:
         """Finish this step's communication now (``step()`` calls it)."""
-        self._tl_reducer.synchronize()
+        self._tl_reducer.synchronize(self.param_groups)  # type: ignore[attr-defined]
 
     def _neighbor_only(self, name: str) -> _Reducer:
         r = self._tl_reducer
@@ -276,9 +300,26 @@ class _DistributedMixin:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._tl_reducer.synchronize()
+        self.synchronize()
         super().step()  # type: ignore[misc]
         return loss
+
+    def fuse_step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """``fuse_step`` of a fused optimizer underneath (``fuse_optimizer`` before wrapping): the
+        closure, this step's communication, then the fused update. ``trainloom.optim.fuse_step(opt)``
+        does the same (it calls :meth:`synchronize` through ``_tl_before_step``)."""
+        from trainloom.optim.fused import fuse_step
+
+        return fuse_step(self, closure)  # type: ignore[arg-type]
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:  # noqa: D102
+        super().load_state_dict(state_dict)  # type: ignore[misc]
+        # torch's load_state_dict rebinds state and param_groups on this object: keep sharing them
+        # with the original optimizer (an LR scheduler made on it, or its step() without communication).
+        original = self._tl_original()
+        if original is not None:
+            original.__dict__["state"] = self.state  # type: ignore[attr-defined]
+            original.__dict__["param_groups"] = self.param_groups  # type: ignore[attr-defined]
 
     def remove_hooks(self) -> None:
         """Detach the backward hooks: ``step()`` still communicates, but no longer overlaps backward.
@@ -378,6 +419,12 @@ def _wrap(
 ) -> torch.optim.Optimizer:
     named_parameters = _named_from_model(named_parameters, model, who)
     named = _params(optimizer, named_parameters, who)
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise TypeError(
+            f"{who}: LBFGS evaluates its closure several times per step (line search), and the wrapper "
+            "averages one gradient per step; the steps would use local gradients. Use a first-order "
+            "optimizer, or average the gradients inside the closure yourself"
+        )
     if mode == "grad" and isinstance(optimizer, torch.optim.SparseAdam):
         raise TypeError(
             f"{who}: SparseAdam needs sparse gradients, but gradients are averaged as dense tensors "
@@ -398,7 +445,14 @@ def _wrap(
     wrapped = cls.__new__(cls)
     # Share (not copy) the original's param_groups, state, defaults and hooks.
     wrapped.__dict__.update(optimizer.__dict__)
+    # A fused optimizer's fuse_step bound to the original would step without communicating: the
+    # class's fuse_step (synchronize, then the fused update) takes its place.
+    wrapped.__dict__.pop("fuse_step", None)
     wrapped._tl_reducer = _Reducer(named, c, mode, bucket_bytes, backward_passes_per_step, who)
+    wrapped._tl_original = weakref.ref(optimizer)
+    #: called by trainloom.optim.fuse_step with the optimizer, before the fused update (the function,
+    #: not the bound method: no reference cycle)
+    wrapped._tl_before_step = _DistributedMixin.synchronize
     return wrapped
 
 

@@ -959,6 +959,10 @@ def _fuse_step(
     if closure is not None:
         with torch.enable_grad():
             loss = closure()
+    # A distributed wrapper (trainloom.comm.optimizers) finishes its communication first.
+    before = optimizer.__dict__.get("_tl_before_step")
+    if before is not None:
+        before(optimizer)
     _sync(optimizer, info)
     if info.do_flatten:
         if info.fast is not None and _step_fast(optimizer, info):
