@@ -146,3 +146,34 @@ def test_later_bluefog_names_are_the_same_functions():
     assert bf.wait is bf.synchronize
     for name in bf.__all__:
         assert hasattr(bf, name), name
+
+
+def autograd_ranks(rank: int, ws: int) -> dict:
+    import trainloom.comm.bluefog as bf
+
+    bf.init()
+    x = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    (2 * x + bf.broadcast(x, root_rank=0)).sum().backward()
+    out = {"broadcast": x.grad.tolist()}
+    x.grad = None
+    bf.allreduce(x * (rank + 1)).sum().backward()  # mean over ranks; its backward averages too
+    out["allreduce"] = x.grad.tolist()
+    x.grad = None
+    bf.allreduce(x * (rank + 1), average=False).sum().backward()
+    out["allreduce_sum"] = x.grad.tolist()
+    with torch.no_grad():
+        out["no_grad"] = bf.broadcast(x, root_rank=0).requires_grad
+    bf.shutdown()
+    return out
+
+
+def test_broadcast_and_allreduce_are_differentiable_as_in_bluefog():
+    # Bluefog documents broadcast as "a thin wrapper around an autograd function"; trainloom's output
+    # had no gradient history, so a loss through it silently lost that term.
+    res = run_ranks(autograd_ranks, 2, timeout=90)
+    assert res[0]["broadcast"] == [4.0] * 3  # 2 (local) + the sum of both ranks' gradients, on the root
+    assert res[1]["broadcast"] == [2.0] * 3  # the local path only
+    for rank, r in enumerate(res):
+        assert r["allreduce"] == [float(rank + 1)] * 3  # d/dx of mean_r((r+1) x) through averaged grads
+        assert r["allreduce_sum"] == [2.0 * (rank + 1)] * 3  # summed forward, summed backward
+        assert r["no_grad"] is False

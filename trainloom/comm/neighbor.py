@@ -412,6 +412,9 @@ def allreduce(
 ) -> torch.Tensor:
     """Average (or sum) ``tensor`` over all ranks into a new tensor; the input is not modified.
 
+    Differentiable, as Horovod's and Bluefog's: when ``tensor`` requires grad, the backward pass
+    reduces the gradient the same way (every rank must then run that backward, or it waits).
+
     Args:
         tensor: same shape and dtype on every rank.
         average: average (floating/complex dtypes) or sum.
@@ -422,7 +425,23 @@ def allreduce(
 
         y = allreduce(torch.full((2,), float(rank)))          # mean of the ranks
     """
+    if isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled():
+        return _AllreduceFn.apply(tensor, average, name, comm)  # type: ignore[no-any-return]
     return synchronize(allreduce_async(tensor, average, name, comm))  # type: ignore[return-value]
+
+
+class _AllreduceFn(torch.autograd.Function):
+    """allreduce with Horovod's backward: the gradient is reduced the same way (sum or mean)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, average: bool, name: Optional[str], comm: CommArg) -> Any:
+        ctx.average, ctx.name, ctx.comm = average, name, comm
+        return synchronize(allreduce_async(tensor.detach(), average, name, comm))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        label = f"{ctx.name} backward" if ctx.name else "backward"
+        return synchronize(allreduce_async(grad, ctx.average, label, ctx.comm)), None, None, None
 
 
 def allreduce_async_(
@@ -477,11 +496,34 @@ def broadcast(
 ) -> torch.Tensor:
     """A new tensor holding ``root_rank``'s ``tensor`` on every rank.
 
+    Differentiable, as Bluefog's ("a thin wrapper around an autograd function"): the root's
+    ``tensor`` gets the sum of every rank's gradient, the other ranks' a zero gradient (every rank
+    must then run that backward, or it waits).
+
     Example::
 
         w = broadcast(torch.full((2,), float(rank)), root_rank=0)   # [0., 0.] everywhere
     """
+    if isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled():
+        return _BroadcastFn.apply(tensor, root_rank, name, comm)  # type: ignore[no-any-return]
     return synchronize(broadcast_async(tensor, root_rank, name, comm))  # type: ignore[return-value]
+
+
+class _BroadcastFn(torch.autograd.Function):
+    """broadcast with Horovod's backward: the gradients summed over ranks, kept on the root."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: Optional[str], comm: CommArg) -> Any:
+        ctx.root, ctx.name, ctx.comm = root_rank, name, comm
+        return synchronize(broadcast_async(tensor.detach(), root_rank, name, comm))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        label = f"{ctx.name} backward" if ctx.name else "broadcast backward"
+        total = synchronize(allreduce_async(grad, False, label, ctx.comm))
+        if resolve_comm(ctx.comm, "broadcast backward").rank() != ctx.root:
+            total.zero_()
+        return total, None, None, None
 
 
 def broadcast_async_(
