@@ -74,6 +74,42 @@ def test_reinit_while_holding_old_groups_under_a_plain_launch():
         )
 
 
+def test_a_client_that_catches_the_old_store_closing_connects_again(monkeypatch):
+    # Re-initializing under a plain launch: a client that asked the earlier generation's store just
+    # as rank 0 closed it got "Failed to recv, got 0 bytes" and gave up at once (rank 0 then waited
+    # 30 s for it). The race cannot be timed from a test; the closing store is simulated.
+    import torch.distributed as dist
+
+    from trainloom.comm import group
+
+    class Closing:
+        def check(self, keys):
+            raise RuntimeError("Failed to recv, got 0 bytes. Connection was likely closed.")
+
+    good = dist.HashStore()
+    made = []
+
+    def tcp_store(*args, **kwargs):
+        made.append(args)
+        return Closing() if len(made) == 1 else good
+
+    monkeypatch.setattr(group.dist, "TCPStore", tcp_store)
+    launch = group.LaunchEnv(
+        rank=1,
+        world_size=2,
+        local_rank=1,
+        local_world_size=2,
+        master_addr="127.0.0.1",
+        master_port=1,
+        single_process=False,
+    )
+    assert group._connect_store(launch, host=False, timeout=5) is good and len(made) == 2
+    made.clear()
+    monkeypatch.setattr(group.dist, "TCPStore", lambda *a, **k: Closing())
+    with pytest.raises(RuntimeError, match="Failed to recv"):  # not forever: until the deadline
+        group._connect_store(launch, host=False, timeout=0.2)
+
+
 def test_store_port_in_use_is_reported_at_once_and_as_such():
     (err,) = run_ranks(store_port_in_use, 1, timeout=60)
     assert err.startswith("CommError: init_process_group (rank 0 of 2): could not host the TCPStore at "), err
