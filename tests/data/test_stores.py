@@ -161,6 +161,35 @@ def test_cluster_store_bad_arguments(tmp_path):
 
 
 @requires_redis
+def test_redis_fingerprint_reset_waits_for_another_ranks_reset(redis_hosts):
+    # Two ranks opening a cache whose fingerprint changed each dropped the namespace in turn (the
+    # second dropped what the first had written since). A lock key serialises the reset, and the
+    # waiting rank finds the new fingerprint set and drops nothing.
+    import threading
+    import time
+
+    from trainloom.data.stores.redis_store import RedisNodeStore
+
+    addr = redis_hosts[0]
+    store = RedisNodeStore(addr["host"], addr["port"], addr["password"], namespace="fp")
+    store.clear()
+    store.mset({"a": b"1", "b": b"2", "meta": b"v1"})
+    lock = b"tl-reset:" + store.prefix
+    store._c().set(lock, b"another rank", px=30_000)  # another rank is resetting
+    result = []
+    waiter = threading.Thread(target=lambda: result.append(store.reset_if_changed("meta", b"v2")))
+    waiter.start()
+    time.sleep(0.3)
+    assert waiter.is_alive() and result == []  # it waits for the lock
+    store.set("meta", b"v2")  # the other rank's reset: new fingerprint ...
+    store._c().delete(lock)  # ... and lock released
+    waiter.join(10)
+    assert result == [False] and store.num_keys() == 3  # nothing dropped a second time
+    assert store.reset_if_changed("meta", b"v3") is True and store.num_keys() == 1  # unlocked: resets
+    assert store._c().get(lock) is None  # released after its own reset; not counted in num_keys()
+
+
+@requires_redis
 def test_redis_node_api_and_namespaces(redis_hosts):
     from trainloom.data.stores.redis_store import RedisStore
 

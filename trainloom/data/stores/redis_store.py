@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import threading
+import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar
 
 from trainloom.data.stores.base import (
@@ -27,6 +28,7 @@ from trainloom.data.stores.base import (
     StoreUnavailableError,
     StoreValueRefusedError,
     Value,
+    as_bytes,
     check_mapping,
     check_namespace,
     key_bytes,
@@ -300,6 +302,33 @@ class RedisNodeStore(Store):
                 c.unlink(*batch)
 
         self._run("clear", run)
+
+    #: How long one process may hold the namespace's reset lock (it clears and writes one key).
+    RESET_LOCK_MS = 60_000
+
+    def reset_if_changed(self, key: Key, value: bytes) -> bool:
+        """:meth:`Store.reset_if_changed` under a lock key (``SET NX``), outside the namespace's keys:
+        several ranks opening a cache whose fingerprint changed drop its entries once, not each in
+        turn (the later ones then dropped what the first had already written)."""
+        lock = b"tl-reset:" + self.prefix  # not under the prefix: num_keys() and clear() skip it
+        token = os.urandom(16)
+        deadline = time.monotonic() + self.RESET_LOCK_MS / 1000
+        while True:
+            cur = self.get(key)
+            if cur is not None and as_bytes(cur) == value:
+                return False  # already (or meanwhile, by another rank) set
+            if self._run("reset_if_changed", lambda c: c.set(lock, token, nx=True, px=self.RESET_LOCK_MS)):
+                try:
+                    return super().reset_if_changed(key, value)  # checks again, under the lock
+                finally:
+                    self._run("reset_if_changed", lambda c: c.get(lock) == token and c.delete(lock))
+            if time.monotonic() >= deadline:
+                raise StoreError(
+                    f"RedisStore({self.host}:{self.port}, namespace {self.namespace!r}): another process "
+                    f"held the fingerprint reset lock for {self.RESET_LOCK_MS / 1000:g}s",
+                    backend="redis",
+                )
+            time.sleep(0.02)
 
     def status(self) -> bool:
         try:
