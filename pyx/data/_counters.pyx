@@ -64,13 +64,16 @@ def claim(int64_t[:, ::1] table, int64_t pid, int64_t owner=0):
     for row in range(FIRST_SLOT, table.shape[0]):
         if tl_load(&table[row, 0]) == owner and tl_cas(&table[row, 0], owner, pid):
             if owner != 0:
-                _move_to_totals(table, row, table.shape[1], True)
+                _move_to_totals(table, row, table.shape[1], True, False)
             return row
     return -1
 
 
-cdef void _move_to_totals(int64_t[:, ::1] table, Py_ssize_t row, Py_ssize_t ncounters, bint gauges) noexcept nogil:
-    """Add a slot's counters to the totals and zero it, with readers told to retry meanwhile."""
+cdef void _move_to_totals(
+    int64_t[:, ::1] table, Py_ssize_t row, Py_ssize_t ncounters, bint gauges, bint free
+) noexcept nogil:
+    """Add a slot's counters to the totals and zero it (``free``: and release the slot), with
+    readers told to retry meanwhile: a reader never sees the slot both live and in the totals."""
     cdef Py_ssize_t c
     tl_add(&table[0, ACTIVE], 1)
     for c in range(1, ncounters):
@@ -80,6 +83,8 @@ cdef void _move_to_totals(int64_t[:, ::1] table, Py_ssize_t row, Py_ssize_t ncou
         for c in range(ncounters, table.shape[1]):
             tl_store(&table[row, c], 0)
     tl_add(&table[TOTALS, 0], 1)
+    if free:
+        tl_store(&table[row, 0], 0)
     tl_add(&table[0, GEN], 1)
     tl_add(&table[0, ACTIVE], -1)
 
@@ -94,8 +99,7 @@ def retire(int64_t[:, ::1] table, Py_ssize_t row, int64_t pid, Py_ssize_t ncount
         raise ValueError(f"row {row} is not a slot of a table of {table.shape[0]} rows")
     if tl_load(&table[row, 0]) != pid:
         return False
-    _move_to_totals(table, row, ncounters, True)
-    tl_store(&table[row, 0], 0)
+    _move_to_totals(table, row, ncounters, True, True)
     return True
 
 

@@ -171,3 +171,29 @@ def test_bad_arguments():
     assert _counters.claim(table, 5) == 2 and _counters.claim(table, 6) == -1
     assert _counters.retire(table, 2, 6, 2) is False  # not 6's slot: nothing moves
     assert _counters.retire(table, 2, 5, 2) is True and table[2, 0] == 0 and table[1, 0] == 1
+
+
+def _count_later(counters: SharedCounters, go) -> None:
+    go.wait(30)
+    _count(counters, 7, 7, buffered=7)
+
+
+def test_a_child_counting_after_the_parent_dropped_the_table_writes_only_its_own_memory():
+    # The table was a block of multiprocessing's shared heap: a parent that dropped it reused the
+    # block for its next shared array, and a forked child still counting wrote into that array.
+    import ctypes
+    import gc
+
+    c = SharedCounters(NAMES, GAUGES)
+    go = FORK.Event()
+    p = FORK.Process(target=_count_later, args=(c, go))
+    p.start()
+    del c
+    gc.collect()
+    mine = mp.RawArray(ctypes.c_int64, 130 * 16)  # the parent's next shared allocation
+    fresh = SharedCounters(NAMES, GAUGES)
+    go.set()
+    p.join(30)
+    assert p.exitcode == 0
+    assert not any(np.frombuffer(mine, dtype=np.int64))
+    assert fresh.total() == ({"hits": 0, "misses": 0, "buffered": 0}, 1)

@@ -13,12 +13,13 @@ starts a table of its own, as the shared memory cannot travel through a pickle.
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import multiprocessing
+import mmap
 import multiprocessing.context
+import multiprocessing.reduction
 import multiprocessing.util
 import os
+import tempfile
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 from trainloom._build_check import import_compiled
@@ -43,6 +44,18 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _shared_fd(size: int) -> int:
+    """A descriptor of ``size`` zeroed bytes of shared memory that has no name in any directory."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("trainloom-cache-counters", os.MFD_CLOEXEC)
+    else:  # pragma: no cover - Linux has memfd_create; other POSIX systems: an unlinked file
+        where = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        fd, name = tempfile.mkstemp(prefix="trainloom-counters-", dir=where)
+        os.unlink(name)
+    os.ftruncate(fd, size)
+    return fd
+
+
 class SharedCounters:
     """Named int64 counters (then gauges) of one process, summed over a family of processes.
 
@@ -61,8 +74,16 @@ class SharedCounters:
             raise ValueError(f"at most {WIDTH - 1} counters and gauges, got {n}")
         if not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots must be an int >= 1, got {slots!r}")
-        self._raw = multiprocessing.RawArray(ctypes.c_int64, (_counters.HEADER_ROWS + slots) * WIDTH)
+        self._fd = _shared_fd((_counters.HEADER_ROWS + slots) * WIDTH * 8)
+        self._map()
         self._attach()
+
+    def _map(self) -> None:
+        # A mapping of its own, not a block of multiprocessing's shared heap: a parent that drops
+        # the table frees a heap block and reuses it for its next shared array, while a forked
+        # child still writes its counters there. A mapping stays valid in each process holding it.
+        self._raw = mmap.mmap(self._fd, os.fstat(self._fd).st_size)
+        multiprocessing.util.Finalize(self, os.close, args=(self._fd,))
 
     def _attach(self) -> None:
         """Take a slot of the table for this process (fresh, forked or unpickled)."""
@@ -142,16 +163,17 @@ class SharedCounters:
     def __getstate__(self) -> Dict[str, Any]:
         state = {"names": self.names, "gauges": self.gauges}
         if multiprocessing.context.get_spawning_popen() is not None:
-            state["raw"] = self._raw  # shared with the process being spawned
+            state["fd"] = multiprocessing.reduction.DupFd(self._fd)  # shared with the process being spawned
         else:
             state["slots"] = self._table.shape[0] - _counters.HEADER_ROWS
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
-        if "raw" in state:
+        if "fd" in state:
             self.names, self.gauges = state["names"], state["gauges"]
             self.ncounters = 1 + len(self.names)
-            self._raw = state["raw"]
+            self._fd = state["fd"].detach()
+            self._map()
             self._attach()
         else:  # a plain pickle: the copy counts on its own
             self.__init__(state["names"], state["gauges"], state["slots"])  # type: ignore[misc]
