@@ -440,15 +440,16 @@ class Communicator:
             if finish is not None:
                 finish()
             return None
-        if p2p is not None or getattr(self._tls, "inside", False):
-            return self._execute_cpu(opname, device, fn, async_op, result, finish, needs_engine, after, p2p)
+        inside = getattr(self._tls, "inside", False)
+        args = (opname, device, fn, async_op, result, finish, needs_engine, after, p2p, inside)
+        if p2p is not None or inside:
+            return self._execute_cpu(*args)
         # A collective from a user thread: no other thread may be issuing one on this communicator
         # at the same time (sends and receives have their own queues per peer and direction). A
         # check-and-set under the GIL, without a lock (a lock cost 0.2 us a call here): two threads
         # entering in the same few bytecodes can both pass, so it catches overlapping use, not all.
         me = threading.get_ident()
         owner = self._issuer
-        args = (opname, device, fn, async_op, result, finish, needs_engine, after, p2p)
         if owner is None:
             try:
                 self._issuer = me
@@ -479,8 +480,9 @@ class Communicator:
         needs_engine: bool,
         after: Sequence[concurrent.futures.Future],
         p2p: Optional[str],
+        inside: bool,
     ) -> Optional[Work]:
-        """:meth:`execute` for a CPU operation."""
+        """:meth:`execute` for a CPU operation (``inside``: called from a running operation)."""
         # Sends and receives take a queue per direction and peer (gloo itself runs them at once per
         # pair): a send does not complete before the peer takes the message (gloo: posts the
         # matching receive; shm: beyond two pair buffers), so on one queue an asynchronous send
@@ -540,7 +542,7 @@ class Communicator:
             return FutureWork(opname, fut, result, finish)
         # (not from inside a running operation: a composite op calling this communicator would
         # otherwise wait for itself)
-        if not getattr(self._tls, "inside", False):
+        if not inside:
             deps = self._pending(queue)
             if after:
                 deps += [f for f in after if not f.done()]

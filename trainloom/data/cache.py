@@ -150,6 +150,13 @@ class CacheClosedError(StoreError, ValueError):
     """
 
 
+def cached_values(store: Store) -> int:
+    """The values cached in ``store``'s namespace: its entries without the fingerprint entry that
+    CachedDataset and CacheLoader(fingerprint=...) keep there (one per shard of a Redis cluster)."""
+    n = store.num_keys()
+    return n - store.copies(META_KEY) if n else 0
+
+
 def _short_repr(key: Any, limit: int = 80) -> str:
     r = repr(key)
     return r if len(r) <= limit else r[: limit - 3] + "..."
@@ -686,9 +693,7 @@ class CacheLoader:
         """Warn once when a persistent cache opened without a fingerprint already holds entries."""
         try:
             with self._store_lock():
-                n = self.store.num_keys()
-                if n:
-                    n -= self.store.copies(META_KEY)
+                n = cached_values(self.store)
         except StoreError as exc:  # the first real use reports it (raised, or bypassed)
             log.debug("CacheLoader(%r): could not count the reused entries: %s", self.dataset_name, exc)
             return
@@ -1188,10 +1193,7 @@ class CacheLoader:
         self._check_pid()
         self.flush()
         with self._store_lock():
-            n = self.store.num_keys()
-            if n:  # also a fingerprint stored by another loader of the namespace (one per Redis shard)
-                n -= self.store.copies(META_KEY)
-        return n
+            return cached_values(self.store)
 
     def flush(self) -> None:
         """Write the buffered values to the store now.

@@ -16,6 +16,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from trainloom.data.cache import cached_values
 from trainloom.data.stores.base import StoreError
 from trainloom.data.stores.lmdb_store import LmdbStore, default_cache_dir
 
@@ -111,15 +112,6 @@ def _redis_store(args: argparse.Namespace) -> Any:
     return RedisNodeStore(host, port, password, namespace=args.namespace or "")
 
 
-def _values(store: Any) -> int:
-    """Cached values in the store's namespace: its entries without the fingerprint entry that
-    CachedDataset (and CacheLoader(fingerprint=...)) keep there."""
-    from trainloom.data.cache import META_KEY
-
-    n = store.num_keys()
-    return n - store.copies(META_KEY) if n else 0
-
-
 def _info(args: argparse.Namespace) -> int:
     if args.redis:
         store = _redis_store(args)
@@ -129,7 +121,7 @@ def _info(args: argparse.Namespace) -> int:
             f"{_human(info['maxmemory']) if info['maxmemory'] else 'unlimited'} "
             f"(policy {info['maxmemory_policy']})"
         )
-        print(f"  namespace {info['namespace']!r}: {_values(store)} entries")
+        print(f"  namespace {info['namespace']!r}: {cached_values(store)} entries")
         store.close()
         return 0
     path = _lmdb_path(args)
@@ -146,7 +138,7 @@ def _info(args: argparse.Namespace) -> int:
     for ns in names:
         with LmdbStore(path, namespace=ns, readonly=True) as store:
             i = store.info()
-            i["entries"] = _values(store)
+            i["entries"] = cached_values(store)
         if first:
             print(
                 f"LMDB cache {path}: {_human(i['used_bytes'])} used, map {_human(i['map_size'])}, "
@@ -168,7 +160,7 @@ def _clear(args: argparse.Namespace) -> int:
             )
             return 2
         store = _redis_store(args)
-        n = _values(store)
+        n = cached_values(store)
         store.clear()
         store.close()
         print(f"cleared {n} entries of namespace {args.namespace!r} on {args.redis}")
@@ -187,7 +179,7 @@ def _clear(args: argparse.Namespace) -> int:
             print(f"namespace {ns!r} not found in {path} (have: {names})", file=sys.stderr)
             return 1
         with LmdbStore(path, namespace=ns) as store:
-            n = _values(store)
+            n = cached_values(store)
             store.clear()
         print(f"cleared {n} entries of namespace {ns!r} in {path}")
     return 0
