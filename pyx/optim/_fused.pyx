@@ -27,6 +27,7 @@ from libc.stdint cimport int64_t, intptr_t, uint8_t
 
 cimport cython
 from cpython.dict cimport PyDict_Next
+from cpython.list cimport PyList_GET_ITEM
 from cpython.object cimport PyObject
 
 from _tl_omp cimport TL_OPENMP_ENABLED
@@ -938,27 +939,38 @@ def steps_equal(const int64_t[::1] ptrs, double value):
     return True
 
 
-def same_state(object state, list values, const int64_t[::1] sizes):
-    """Whether ``state`` (an optimizer's state: parameter -> dict) holds the very dicts ``values``
-    in that order, each with ``sizes[i]`` entries: what the fast path recorded. A state cleared,
-    deleted, replaced or emptied by hand fails. Walks the dict's values without hashing a key
-    (a tensor's hash is a Python call, ~0.15 us)."""
-    cdef Py_ssize_t pos = 0, i = 0, n = len(values)
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def same_state(object state, list dicts, const int64_t[::1] sizes, list values):
+    """Whether ``state`` (an optimizer's state: parameter -> dict) holds the very dicts ``dicts``
+    in that order, each with ``sizes[i]`` entries, and those entries hold the very objects
+    ``values`` (all dicts' values, in order): what the fast path recorded. A state cleared,
+    deleted, replaced or emptied by hand fails, and so does a state tensor replaced by hand
+    (``st["exp_avg"] = t``). Walks the dicts' values without hashing a key (a tensor's hash is a
+    Python call, ~0.15 us): a pointer compare per entry."""
+    cdef Py_ssize_t pos = 0, i = 0, n = len(dicts), j = 0, nv = len(values), ipos
     cdef PyObject *key
     cdef PyObject *value
+    cdef PyObject *ikey
+    cdef PyObject *ivalue
     if sizes.shape[0] != n:
-        raise ValueError("same_state: values and sizes differ in length")
+        raise ValueError("same_state: dicts and sizes differ in length")
     if not isinstance(state, dict):  # a dict subclass (torch's defaultdict) is fine
         raise TypeError(f"same_state: state must be a dict, got {type(state).__name__}")
     if len(<dict>state) != n:
         return False
     while PyDict_Next(state, &pos, &key, &value):
-        if <object>value is not values[i]:
+        if value != PyList_GET_ITEM(dicts, i):
             return False
         if not isinstance(<object>value, dict) or len(<dict>value) != sizes[i]:
             return False
+        ipos = 0
+        while PyDict_Next(<object>value, &ipos, &ikey, &ivalue):
+            if j >= nv or ivalue != PyList_GET_ITEM(values, j):
+                return False
+            j += 1
         i += 1
-    return True
+    return j == nv
 
 
 def same_objects(list a, list b):

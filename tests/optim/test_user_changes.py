@@ -35,14 +35,36 @@ def _empty_dict(opt: torch.optim.Optimizer, params: list) -> None:
     opt.state[params[1]].clear()
 
 
+def _replace_tensors(opt: torch.optim.Optimizer, params: list) -> None:
+    # st["exp_avg"] = t: every state tensor of one parameter (the step counter too) replaced by a
+    # new tensor of half its value; the fast path kept stepping the old flat state.
+    st = opt.state[params[2]]
+    for k, v in list(st.items()):
+        st[k] = v.clone().mul_(0.5)
+
+
+def _replace_step(opt: torch.optim.Optimizer, params: list) -> None:
+    for p in params[1:3]:
+        st = opt.state[p]
+        st["step"] = torch.zeros_like(st["step"])
+
+
+_RESETS = [_clear_all, _delete_one, _new_dict, _empty_dict, _replace_tensors, _replace_step]
+
+
 @pytest.mark.parametrize(
-    "reset", [_clear_all, _delete_one, _new_dict, _empty_dict], ids=lambda f: f.__name__[1:]
+    ("name", "reset"),
+    [
+        pytest.param(name, reset, id=f"{name}-{reset.__name__[1:]}")
+        for name in OPTIMIZERS
+        for reset in _RESETS
+        if not (reset is _replace_step and name.startswith("sgd"))  # SGD keeps no step counter
+    ],
 )
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_state_reset_by_hand_is_seen(name: str, reset: Callable) -> None:
-    # A warm restart or a re-initialised layer drops optimizer state between two steps; torch then
-    # starts it afresh. fuse_step's fast path used to keep stepping the old flat state, and
-    # state_dict() then lacked those parameters.
+    # A warm restart or a re-initialised layer drops or replaces optimizer state between two steps;
+    # torch then starts it afresh or steps the new tensors. fuse_step's fast path used to keep
+    # stepping the old flat state, and state_dict() then lacked those parameters.
     make = OPTIMIZERS[name]
     ref = make_params(gap=False)
     fus = twin(ref)
@@ -181,3 +203,24 @@ def test_step_routed_to_fuse_step_then_an_lr_scheduler() -> None:
                 sch.step()
     assert sched_f.get_last_lr() == sched_r.get_last_lr() == [0.1 * 0.5**3]
     assert_bitwise(list(ref.parameters()), list(fus.parameters()))
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_untouched_state_keeps_the_fast_path(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The state check must not fail on state nobody touched: torch itself re-assigns SGD's
+    # momentum buffers at every step (the same objects) and steps a 0-d parameter's state here.
+    from trainloom.optim import fused as F
+
+    taken: list = []
+    step_fast = F._step_fast
+    monkeypatch.setattr(F, "_step_fast", lambda o, i: taken.append(step_fast(o, i)) or taken[-1])
+    ps = [*make_params(gap=False), torch.nn.Parameter(torch.tensor(0.5))]
+    opt = fuse_optimizer(OPTIMIZERS[name](ps))
+    for s in range(6):
+        for p, g in zip(ps, [*make_grads(ps[:-1], s, none_every=0), torch.tensor(0.25)]):
+            if p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.copy_(g)
+        opt.fuse_step()
+    assert taken == [True] * 4  # steps 3-6: the first creates the state, the second records it

@@ -349,6 +349,8 @@ class _FusedInfo:
         self.state_type: Any = None
         self.state_dicts: List[Any] = []
         self.state_sizes = np.zeros(0, dtype=np.int64)
+        # and the objects those dicts held (a state tensor replaced by hand must be seen)
+        self.state_values: List[Any] = []
 
 
 def _dense_strides(p: torch.Tensor) -> Tuple[int, ...]:
@@ -1040,9 +1042,12 @@ def _step_fast(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> bool:
     """Repeat the previous step's kernel runs when nothing about the layout changed."""
     state = optimizer.state
     groups = optimizer.param_groups
-    # State cleared, deleted, replaced or emptied by hand (a warm restart, a re-initialised layer):
-    # torch starts it afresh at this step, so must the slow path.
-    if type(state) is not info.state_type or not _K.same_state(state, info.state_dicts, info.state_sizes):
+    # State cleared, deleted, replaced or emptied by hand, or a state tensor replaced (a warm
+    # restart, a re-initialised layer): torch starts it afresh or steps the new tensor, so must the
+    # slow path.
+    if type(state) is not info.state_type or not _K.same_state(
+        state, info.state_dicts, info.state_sizes, info.state_values
+    ):
         info.fast = None
         return False
     for b in info.buckets:
@@ -1108,6 +1113,7 @@ def _record_state(info: _FusedInfo, state: Any) -> None:
         info.state_type = type(state)
         info.state_dicts = list(state.values())
         info.state_sizes = np.fromiter((len(v) for v in info.state_dicts), dtype=np.int64)
+        info.state_values = [x for d in info.state_dicts for x in d.values()]
     else:  # an unusual state container: no fast path
         info.fast = None
 
