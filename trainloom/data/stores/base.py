@@ -11,6 +11,7 @@ import abc
 import inspect
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union
 
+from trainloom.data.codec import _codec
 from trainloom.errors import StoreError
 
 __all__ = [
@@ -165,8 +166,6 @@ class Store(abc.ABC):
         Raises:
             CodecError: a value is damaged or not an encoded value (the caller retries per item).
         """
-        from trainloom.data.codec import _codec
-
         return _codec.decode_list(self.mget_apply(keys, as_bytes), missing)
 
     def get(self, key: Key) -> Optional[bytes]:
@@ -240,8 +239,6 @@ def mget_decode_missing(store: Store, keys: Sequence[Key], missing: Any) -> Tupl
     key or stored None) are read again through ``mget_apply``, which tells the two apart."""
     if _takes_missing(store):
         return store.mget_decode(keys, missing=missing)
-    from trainloom.data.codec import _codec
-
     out, nbytes = store.mget_decode(keys)
     again = [i for i, v in enumerate(out) if v is None]
     if again:

@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, TypeVar
 
+from trainloom.data.codec import _codec
 from trainloom.data.stores.base import (
     Key,
     Store,
@@ -387,8 +388,6 @@ class LmdbStore(Store):
         return self._read_call(run, kb, keys)
 
     def mget_decode(self, keys: Sequence[Key], missing: Any = None) -> Tuple[List[Any], int]:
-        from trainloom.data.codec import _codec
-
         kb = [k if type(k) is bytes else key_bytes(k) for k in keys]
 
         def run(env: Any) -> Tuple[List[Any], int]:

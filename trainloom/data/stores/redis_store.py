@@ -20,6 +20,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar
 
+from trainloom.data.codec import _codec
 from trainloom.data.stores.base import (
     Key,
     Store,
@@ -211,8 +212,6 @@ class RedisNodeStore(Store):
         return [None if v is None else fn(v) for v in vals]
 
     def mget_decode(self, keys: Sequence[Key], missing: Any = None) -> Tuple[List[Any], int]:
-        from trainloom.data.codec import _codec
-
         return _codec.decode_list(self.mget_apply(keys, _identity), missing)
 
     def max_value_size(self) -> int:
