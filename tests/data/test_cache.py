@@ -190,16 +190,16 @@ def test_damaged_values_are_detected_and_recomputed(tmp_path):
     ds = CachedDataset(base, path=tmp_path, dataset_name="c", writer_buffer_size=1)
     for i in range(6):
         ds[i]
-    store = ds.cache_loader.store
-    good = store.get("c_2")
+    store, key = ds.cache_loader.store, ds.cache_loader.key
+    good = store.get(key(2))
     bad = bytearray(good)
     bad[-3] ^= 0xFF
-    store.mset({"c_2": bytes(bad), "c_4": b"not an encoded value"})
+    store.mset({key(2): bytes(bad), key(4): b"not an encoded value"})
     out = ds.__getitems__([1, 2, 3, 4])
     assert [int(x[0][0, 0]) for x in out] == [1, 2, 3, 4]
     assert ds.stats()["corrupt"] == 2
     assert base.computed().count(2) == 2 and base.computed().count(4) == 2
-    assert store.get("c_2") == good  # rewritten
+    assert store.get(key(2)) == good  # rewritten
     assert int(ds[2][0][0, 0]) == 2 and ds.stats()["corrupt"] == 2
 
 

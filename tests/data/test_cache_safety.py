@@ -5,6 +5,7 @@ real DataLoader workers."""
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import subprocess
 import sys
@@ -318,23 +319,124 @@ def test_digest_is_by_content():
     assert d(2**100) != d(2**100 + 1)
 
 
-def test_fingerprints_stored_by_older_versions_are_kept(tmp_path):
-    # What trainloom stored before: b"trainloom-cache-v1|" + repr(("len", n, fingerprint)).
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_caches_of_older_versions_are_dropped_once(tmp_path, caplog, version):
+    # Older trainloom stored b"trainloom-cache-v1|" + repr(("len", n, fingerprint)), then
+    # b"trainloom-cache-v2|" + a digest, both with keys "{dataset_name}_{index}"; keys now carry the
+    # fingerprint's tag, so those entries cannot be read and are dropped once.
     store = LmdbStore(tmp_path, namespace="old")
-    store.mset({META_KEY: b"trainloom-cache-v1|" + repr(("len", 3, "v1")).encode()})
+    if version == "v1":
+        old = b"trainloom-cache-v1|" + repr(("len", 3, "v1")).encode()
+    else:
+        old = b"trainloom-cache-v2|" + fingerprint_digest(("len", 3, "v1")).split(b"|", 1)[1]
+    store.mset({META_KEY: old})
     store.mset({f"old_{i}": cache_mod._codec.encode(("old", i)) for i in range(3)})
     store.close()
-    ds = CachedDataset(Tagged("new", 3), path=tmp_path, dataset_name="old", fingerprint="v1")
-    assert ds.cache_loader.num_keys() == 3 and ds[2] == ("old", 2)  # upgraded in place, kept
+    with caplog.at_level("WARNING", logger="trainloom.data"):
+        ds = CachedDataset(Tagged("new", 3), path=tmp_path, dataset_name="old", fingerprint="v1")
+    assert [r.getMessage() for r in caplog.records] == [
+        "CacheLoader('old'): the cache was written by an older trainloom (other keys); dropped the stale "
+        "entries of namespace 'old'"
+    ]
+    assert ds.cache_loader.num_keys() == 0 and ds[2] == ("new", 2)
     assert ds.cache_loader.store.get(META_KEY) == fingerprint_digest(("len", 3, "v1"))
     ds.close()
-    # An array fingerprint of an older version: its repr was not exact; recomputed once.
-    store = LmdbStore(tmp_path, namespace="arr")
-    fp = np.arange(3)
-    store.mset({META_KEY: b"trainloom-cache-v1|" + repr(("len", 3, fp)).encode(), "arr_0": b"x"})
-    store.close()
-    ds = CachedDataset(Tagged("new", 3), path=tmp_path, dataset_name="arr", fingerprint=fp)
-    assert ds.cache_loader.num_keys() == 0
+
+
+_OTHER_JOB = """
+import json, sys
+from trainloom.data import CachedDataset
+from torch.utils.data import Dataset
+
+class Tagged(Dataset):
+    def __init__(self, tag, n): self.tag, self.n = tag, n
+    def __len__(self): return self.n
+    def __getitem__(self, i): return (self.tag, i)
+
+kw = json.loads(sys.argv[1])
+ds = CachedDataset(Tagged("B", 6), dataset_name="shared", fingerprint="v2", writer_buffer_size=1, **kw)
+print(json.dumps([list(ds[i]) for i in range(6)]))
+ds.close()
+"""
+
+
+def _run_other_job(**kwargs) -> list:
+    out = subprocess.run(
+        [sys.executable, "-c", _OTHER_JOB, json.dumps(kwargs)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+@pytest.mark.parametrize("backend", ["lmdb", "redis"])
+def test_jobs_with_different_fingerprints_at_once_never_read_each_others_values(tmp_path, own_redis, backend):
+    # A re-run with changed preprocessing started while the old job still runs: the new job's check
+    # drops the namespace, then each job wrote its values under the same keys and read the other's
+    # (on Redis 803 of 1840 samples wrong), with no warning. Keys carry the fingerprint's tag now.
+    kw = {"path": str(tmp_path)} if backend == "lmdb" else {"hosts": [own_redis().address()]}
+    kw["backend"] = backend
+    a = CachedDataset(Tagged("A", 6), dataset_name="shared", writer_buffer_size=1, fingerprint="v1", **kw)
+    assert [a[i] for i in range(6)] == [("A", i) for i in range(6)]
+    assert _run_other_job(**kw) == [["B", i] for i in range(6)]  # drops A's entries, writes its own
+    assert [a[i] for i in range(6)] == [("A", i) for i in range(6)]  # recomputed, not B's values
+    assert a.stats()["misses"] == 12
+    assert [a[i] for i in range(6)] == [("A", i) for i in range(6)] and a.stats()["hits"] == 6
+    assert _run_other_job(**kw) == [["B", i] for i in range(6)]  # A's writes are not B's values
+    a.close()
+
+
+@pytest.mark.parametrize("backend", ["lmdb", "redis"])
+def test_a_lost_fingerprint_entry_keeps_the_cache(tmp_path, own_redis, backend, caplog):
+    # The fingerprint entry evicted (allkeys-lru evicts it first: it is read once) or flushed: the next
+    # run with the same data took that for a change and dropped everything. Keys carry the tag, so a
+    # namespace without the entry keeps its values.
+    kw = {"path": str(tmp_path)} if backend == "lmdb" else {"hosts": [own_redis().address()]}
+    ds = CachedDataset(Tagged("A", 5), backend, dataset_name="lost", fingerprint="v1", **kw)
+    assert [ds[i] for i in range(5)] == [("A", i) for i in range(5)]
+    ds.cache_loader.flush()
+    if backend == "lmdb":
+        ds.cache_loader.store.delete([META_KEY])
+    else:
+        (node,) = ds.cache_loader.store.stores
+        assert node._c().delete(node.prefix + META_KEY) == 1
+    ds.close()
+    with caplog.at_level("WARNING", logger="trainloom.data"):
+        again = CachedDataset(Tagged("A", 5), backend, dataset_name="lost", fingerprint="v1", **kw)
+    assert caplog.records == []
+    assert [again[i] for i in range(5)] == [("A", i) for i in range(5)] and again.stats()["hits"] == 5
+    assert again.cache_loader.store.get(META_KEY) == fingerprint_digest(("len", 5, "v1"))
+    again.close()
+
+
+def test_a_failed_fingerprint_check_in_bypass_mode_serves_nothing_stale(own_redis):
+    # The server stalled while a job with changed data was constructed: with on_error="bypass" the
+    # check failed once, was never retried, and the job then served the old data's values as hits.
+    import os
+    import signal
+
+    srv = own_redis()
+    hosts = [srv.address()]
+    old = CachedDataset(Tagged("old", 6), "redis", "bp", 1, fingerprint="v1", hosts=hosts)
+    assert [old[i] for i in range(6)] == [("old", i) for i in range(6)]
+    old.close()
+    os.kill(srv.proc.pid, signal.SIGSTOP)
+    try:
+        with pytest.warns(RuntimeWarning, match=r"failed during the fingerprint check .*on_error='bypass'"):
+            new = CachedDataset(
+                Tagged("new", 6),
+                "redis",
+                "bp",
+                1,
+                fingerprint="v2",
+                hosts=hosts,
+                on_error="bypass",
+                retry_interval=0,
+            )
+    finally:
+        os.kill(srv.proc.pid, signal.SIGCONT)
+    assert [new[i] for i in range(6)] == [("new", i) for i in range(6)]
+    assert [new[i] for i in range(6)] == [("new", i) for i in range(6)] and new.stats()["hits"] == 6
+    new.close()
 
 
 # -- F4: Redis values over proto-max-bulk-len ------------------------------------------------------

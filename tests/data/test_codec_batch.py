@@ -202,14 +202,14 @@ def test_damaged_large_value_is_recomputed_by_the_cache(tmp_path, threads):
     threads(2)
     ds = CachedDataset(Images(), path=tmp_path / "c", dataset_name="img")
     ds.warmup(progress=False, batch_size=20)
-    store = ds.cache_loader.store
-    good = store.get("img_11")
+    store, k11 = ds.cache_loader.store, ds.cache_loader.key(11)
+    good = store.get(k11)
     bad = bytearray(good)
     bad[len(bad) // 2] ^= 0x40
-    store.mset({"img_11": bytes(bad)})
+    store.mset({k11: bytes(bad)})
     out = ds.__getitems__(list(range(20)))
     assert all(same(out[i], image(i)) for i in range(20))
     assert ds.stats()["corrupt"] == 1
     ds.cache_loader.flush()
-    assert store.get("img_11") == good  # rewritten
+    assert store.get(k11) == good  # rewritten
     ds.close()

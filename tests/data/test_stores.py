@@ -190,6 +190,35 @@ def test_redis_fingerprint_reset_waits_for_another_ranks_reset(redis_hosts):
 
 
 @requires_redis
+def test_redis_fingerprint_reset_whose_lock_command_was_retried_does_not_wait_for_itself(own_redis):
+    # A stall longer than the client timeout just as the lock's SET NX was sent (DEBUG SLEEP, a fork
+    # for BGSAVE): the server ran it, redis-py sent it again, the second found the lock taken by
+    # this very process, and the reset waited for the lock until its deadline (60 s), blaming
+    # "another process". The client's resend is reproduced here by sending every SET NX twice.
+    import time
+
+    from trainloom.data.stores.redis_store import RedisNodeStore
+
+    addr = own_redis().address()
+    store = RedisNodeStore(addr["host"], addr["port"], addr["password"], namespace="fp2")
+    store.RESET_LOCK_MS = 5000  # the deadline, shortened so that the old behaviour fails in 5 s
+    store.mset({"a": b"1", "meta": b"v1"})
+    client = store._c()
+    set_once = client.set
+
+    def set_resent(*args, **kwargs):
+        first = set_once(*args, **kwargs)
+        return set_once(*args, **kwargs) if kwargs.get("nx") else first
+
+    client.set = set_resent
+    t0 = time.monotonic()
+    assert store.reset_if_changed("meta", b"v2") is True
+    assert time.monotonic() - t0 < 4
+    assert store.get("meta") == b"v2" and store.num_keys() == 1
+    assert client.get(b"tl-reset:" + store.prefix) is None  # released
+
+
+@requires_redis
 def test_redis_node_api_and_namespaces(redis_hosts):
     from trainloom.data.stores.redis_store import RedisStore
 

@@ -167,8 +167,14 @@ FINGERPRINT_TYPES = (
     "str, bytes, int, float, bool, None, tuples, lists and dicts of these, numpy arrays and scalars "
     "(not of dtype object) and torch tensors (strided)"
 )
-_FP_V1 = b"trainloom-cache-v1|"
-_FP_V2 = b"trainloom-cache-v2|"
+#: What a stored fingerprint starts with. v3: cache keys carry the fingerprint's tag (CacheLoader.key);
+#: a namespace whose fingerprint is of an older version (v1: a repr, v2: a digest, both with untagged
+#: keys) is dropped once.
+_FP_V3 = b"trainloom-cache-v3|"
+_FP_OLD = (b"trainloom-cache-v1|", b"trainloom-cache-v2|")
+#: Hex digits of the fingerprint digest in each key (64 bits: two fingerprints of one namespace
+#: collide with probability 2**-64).
+_TAG_HEX = 16
 
 
 def _fp_feed(h: Any, x: Any, where: str, depth: int) -> None:
@@ -241,7 +247,7 @@ def _dataset_fingerprint_digest(length: int, user: Any) -> bytes:
     _fp_feed(h, "len", "", 1)
     _fp_feed(h, length, "len(dataset)", 1)
     _fp_feed(h, user, "fingerprint", 1)
-    return _FP_V2 + h.hexdigest().encode("ascii")
+    return _FP_V3 + h.hexdigest().encode("ascii")
 
 
 def fingerprint_digest(fingerprint: Any) -> bytes:
@@ -257,21 +263,7 @@ def fingerprint_digest(fingerprint: Any) -> bytes:
     """
     h = hashlib.sha256()
     _fp_feed(h, fingerprint, "fingerprint", 0)
-    return _FP_V2 + h.hexdigest().encode("ascii")
-
-
-def _repr_exact(x: Any, depth: int = 0) -> bool:
-    """Whether ``repr(x)`` is complete and stable across runs (earlier versions stored repr(fingerprint))."""
-    t = type(x)
-    if x is None or t in (bool, int, float, str, bytes, bytearray):
-        return True
-    if depth > 100:
-        return False
-    if t is tuple or t is list:
-        return all(_repr_exact(i, depth + 1) for i in x)
-    if t is dict:
-        return all(_repr_exact(k, depth + 1) and _repr_exact(v, depth + 1) for k, v in x.items())
-    return False
+    return _FP_V3 + h.hexdigest().encode("ascii")
 
 
 class _DatasetFingerprint:
@@ -594,14 +586,11 @@ class CacheLoader:
         else:
             shown, user_fp, owner = fingerprint, fingerprint, f"CacheLoader({dataset_name!r})"
         digest: Optional[bytes] = None
-        legacy: Optional[bytes] = None
         if shown is not None:
             if isinstance(fingerprint, _DatasetFingerprint):
                 digest = _dataset_fingerprint_digest(fingerprint.length, fingerprint.user)
             else:
                 digest = fingerprint_digest(shown)
-            # What trainloom stored before fingerprints were digests, when repr() was exact for it.
-            legacy = _FP_V1 + repr(shown).encode("utf-8", "surrogatepass") if _repr_exact(shown) else None
         self.dataset_name = dataset_name
         self.writer_buffer_size = writer_buffer_size
         self.on_error = on_error
@@ -613,7 +602,11 @@ class CacheLoader:
         self.backend = self.store.backend
         # Whether the store calls take _STORE_LOCK (see there).
         self._serialized = not self.store.thread_safe
-        self._prefix = (dataset_name + "_").encode("utf-8")
+        # With a fingerprint, keys carry its tag: a loader reads only values computed under its own
+        # fingerprint, whatever another job with another one (running at the same time), a restored
+        # snapshot or an evicted fingerprint entry left in the namespace.
+        tag = "" if digest is None else digest[len(_FP_V3) : len(_FP_V3) + _TAG_HEX].decode("ascii") + "_"
+        self._prefix = (dataset_name + "_" + tag).encode("utf-8")
         limit = getattr(self.store, "max_key_size", None)
         self._max_key = int(limit) if limit else sys.maxsize
         self._closed = False
@@ -623,16 +616,14 @@ class CacheLoader:
         self._has_meta = False
         self._location = _store_location(self.store)
         try:
-            self._open_checks(digest, legacy, shown, user_fp, owner)
+            self._open_checks(digest, shown, user_fp, owner)
         except BaseException:
             self._closed = self._blocked = True
             if not isinstance(backend, Store):
                 self.store.close()
             raise
 
-    def _open_checks(
-        self, digest: Optional[bytes], legacy: Optional[bytes], shown: Any, user_fp: Any, owner: str
-    ) -> None:
+    def _open_checks(self, digest: Optional[bytes], shown: Any, user_fp: Any, owner: str) -> None:
         """At construction: refuse a namespace another open loader of this process uses with another
         fingerprint, check the fingerprint, and warn (once per process) about an unnamed persistent
         cache and about entries reused from an earlier run without a fingerprint."""
@@ -671,7 +662,7 @@ class CacheLoader:
                     "dataset_name='train' and dataset_name='val'), or close() the other one first if it is "
                     "no longer used."
                 )
-            self._check_fingerprint(digest, legacy, shown)
+            self._check_fingerprint(digest, shown)
         first_open = self._location not in _OPENED
         _OPENED.add(self._location)
         _register_live(self, self._location, digest, desc)
@@ -895,7 +886,9 @@ class CacheLoader:
     # -- helpers ----------------------------------------------------------------------------------
     def key(self, key: Any) -> bytes:
         """The store key of ``key``: ``"{dataset_name}_{key}"`` as UTF-8 (lone surrogates, as in names
-        ``os.listdir`` could not decode, are kept with ``surrogatepass``).
+        ``os.listdir`` could not decode, are kept with ``surrogatepass``); with a fingerprint
+        ``"{dataset_name}_{tag}_{key}"``, ``tag`` being the first 16 hex digits of its digest, so that
+        values computed under another fingerprint are never read.
 
         Raises:
             ConfigError: the key is longer than the store allows (LMDB: 511 bytes, prefix included).
@@ -1067,33 +1060,36 @@ class CacheLoader:
             self._buffer_bytes -= len(self._buffer.pop(k))
             self._stats[_DROPPED] += 1
 
-    def _check_fingerprint(self, digest: bytes, legacy: Optional[bytes], shown: Any) -> None:
+    def _check_fingerprint(self, digest: bytes, shown: Any) -> None:
         """Store ``digest`` as the namespace's fingerprint, dropping its entries when another one was
-        stored. A fingerprint stored by an older trainloom (``legacy``: its exact repr) is upgraded in
-        place, without dropping anything. A read-only store is only read: its fingerprint must match."""
+        stored (they can no longer be read: keys carry the fingerprint's tag, see :meth:`key`). A
+        namespace without one (new, or its entry evicted or flushed) keeps its entries. A read-only
+        store is only read: its fingerprint must match."""
         if getattr(self.store, "readonly", False):
-            self._check_fingerprint_readonly(digest, legacy, shown)
+            self._check_fingerprint_readonly(digest, shown)
             return
         try:
             with self._store_lock():
-                if legacy is not None:
-                    cur = self.store.get(META_KEY)
-                    if cur is not None and as_bytes(cur) == legacy:
-                        self.store.set(META_KEY, digest)
+                before = self.store.get(META_KEY)  # only for the message below
                 dropped = self.store.reset_if_changed(META_KEY, digest)
         except StoreError as exc:
+            # Nothing stale can be served (keys carry this fingerprint's tag): only the old entries
+            # stay until a later check drops them.
             self._store_failed(exc, "the fingerprint check")
             return
         self._has_meta = True
         if dropped:
+            old = before is not None and as_bytes(before).startswith(_FP_OLD)
             log.warning(
-                "CacheLoader(%r): fingerprint changed (%s); dropped the stale entries of namespace %r",
+                "CacheLoader(%r): %s; dropped the stale entries of namespace %r",
                 self.dataset_name,
-                _short_repr(shown),
+                "the cache was written by an older trainloom (other keys)"
+                if old
+                else f"fingerprint changed ({_short_repr(shown)})",
                 getattr(self.store, "namespace", self.dataset_name),
             )
 
-    def _check_fingerprint_readonly(self, digest: bytes, legacy: Optional[bytes], shown: Any) -> None:
+    def _check_fingerprint_readonly(self, digest: bytes, shown: Any) -> None:
         """The fingerprint check of a store opened read-only: nothing can be dropped or written, so
         stored entries are served only when the stored fingerprint matches."""
         try:
@@ -1103,12 +1099,17 @@ class CacheLoader:
         except StoreError as exc:
             self._store_failed(exc, "the fingerprint check")
             return
-        if cur is not None and as_bytes(cur) in (digest, legacy):
+        if cur is not None and as_bytes(cur) == digest:
             self._has_meta = True
             return
         if cur is None and n == 0:
             return  # nothing cached yet: nothing to verify (and nothing will be written)
-        found = "no fingerprint" if cur is None else "another fingerprint"
+        if cur is None:
+            found = "no fingerprint"
+        elif as_bytes(cur).startswith(_FP_OLD):
+            found = "the fingerprint of an older trainloom (whose keys this version does not read)"
+        else:
+            found = "another fingerprint"
         ns = getattr(self.store, "namespace", self.dataset_name)
         raise ConfigError(
             f"CacheLoader({self.dataset_name!r}) with fingerprint {_short_repr(shown)}: {self._where()} was "

@@ -181,7 +181,8 @@ class Store(abc.ABC):
         self.mset({key: value})
 
     def reset_if_changed(self, key: Key, value: bytes) -> bool:
-        """Unless ``key`` already holds ``value``: clear the namespace, then set ``key`` to ``value``.
+        """When ``key`` holds another value than ``value``: clear the namespace, then set ``key`` to
+        ``value``. When it holds none (a new namespace, or the entry was evicted or flushed), only set it.
 
         Used for the cache fingerprint. Backends make this atomic where they can (LMDB does it in one
         write transaction).
@@ -192,7 +193,7 @@ class Store(abc.ABC):
         cur = self.get(key)
         if cur is not None and as_bytes(cur) == value:
             return False
-        dropped = self.num_keys() > 0
+        dropped = cur is not None and self.num_keys() > 0
         if dropped:
             self.clear()
         self.set(key, value)

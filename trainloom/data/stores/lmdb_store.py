@@ -450,8 +450,9 @@ class LmdbStore(Store):
         self._call("clear", run)
 
     def reset_if_changed(self, key: Key, value: bytes) -> bool:
-        """Atomically (one write transaction): unless ``key`` already holds ``value``, clear the
-        namespace and set ``key`` to ``value``. Used for the cache fingerprint.
+        """Atomically (one write transaction): when ``key`` holds another value than ``value``, clear
+        the namespace and set ``key`` to ``value``; when it holds none, only set it. Used for the
+        cache fingerprint.
 
         Returns:
             True when entries were dropped.
@@ -464,7 +465,7 @@ class LmdbStore(Store):
                     cur = t.get(kb)
                     if cur is not None and bytes(cur) == value:
                         return False
-                    dropped = t.stat(self._db)["entries"] > 0
+                    dropped = cur is not None and t.stat(self._db)["entries"] > 0
                     if dropped:
                         t.drop(self._db, delete=False)
                     t.put(kb, value)

@@ -316,7 +316,12 @@ class RedisNodeStore(Store):
             cur = self.get(key)
             if cur is not None and as_bytes(cur) == value:
                 return False  # already (or meanwhile, by another rank) set
-            if self._run("reset_if_changed", lambda c: c.set(lock, token, nx=True, px=self.RESET_LOCK_MS)):
+            # A SET NX that timed out after the server ran it is retried by the client and then finds
+            # the lock taken: by this very process, whose token it holds.
+            if self._run(
+                "reset_if_changed",
+                lambda c: c.set(lock, token, nx=True, px=self.RESET_LOCK_MS) or c.get(lock) == token,
+            ):
                 try:
                     return super().reset_if_changed(key, value)  # checks again, under the lock
                 finally:
