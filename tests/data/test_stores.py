@@ -304,27 +304,40 @@ def test_redis_out_of_memory_is_reported(own_redis):
 
 @requires_redis
 @pytest.mark.timeout(60)
-def test_started_server_is_private_and_dies_with_its_killed_job(tmp_path):
+@pytest.mark.parametrize("where", ["main", "thread"])
+def test_started_server_is_private_and_dies_with_its_killed_job(tmp_path, where):
+    # "thread": started from a thread pool (as Ray Train runs the training function), the server died
+    # as soon as that thread ended: PR_SET_PDEATHSIG follows the thread that forked it.
     code = textwrap.dedent("""
         import json, sys, time
+        from concurrent.futures import ThreadPoolExecutor
         from trainloom.data.stores.redis_store import RedisStore, _NODE_SERVERS
-        s = RedisStore(namespace="job")
+        if sys.argv[1] == "main":
+            s = RedisStore(namespace="job")
+        else:
+            with ThreadPoolExecutor(1) as pool:
+                s = pool.submit(RedisStore, namespace="job").result()
+            time.sleep(0.5)  # the pool's thread has ended
+            assert s.get("k") is None  # the server still answers
         srv = next(iter(_NODE_SERVERS.values()))
         print(json.dumps(dict(s.hosts[0], pid=srv.proc.pid)), flush=True)
         time.sleep(600)
     """)
-    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen([sys.executable, "-c", code, where], stdout=subprocess.PIPE, text=True)
     import json
 
     import psutil
 
-    info = json.loads(p.stdout.readline())
+    line = p.stdout.readline()
+    assert line, f"the job exited with {p.wait()}"
+    info = json.loads(line)
     try:
         assert info["host"] == "127.0.0.1" and len(info["password"]) == 32
         server = psutil.Process(info["pid"])
         conns = [c for c in server.net_connections("tcp") if c.status == psutil.CONN_LISTEN]
         assert conns and all(c.laddr.ip == "127.0.0.1" for c in conns)
         assert server.ppid() == p.pid  # not daemonized
+        assert server.is_running() and server.status() != psutil.STATUS_ZOMBIE
         from trainloom.data.stores.redis_store import RedisStore
 
         with pytest.raises(StoreUnavailableError, match="authentication|password|NOAUTH|unreachable"):

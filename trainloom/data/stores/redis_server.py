@@ -20,6 +20,7 @@ import ctypes
 import functools
 import logging
 import os
+import queue
 import secrets
 import shutil
 import signal
@@ -63,6 +64,53 @@ def _die_with_parent(prctl: Any, parent_pid: int) -> None:  # runs in the child 
     prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
+
+
+class _Spawner(threading.Thread):
+    """A thread that lives as long as its process and starts the servers.
+
+    ``PR_SET_PDEATHSIG`` fires when the *thread* that forked the child ends, not the process: a server
+    started from a thread pool (Ray Train runs the training function in a thread) died as soon as that
+    thread finished. Forking from this daemon thread ties the server to the process's exit instead.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(name="trainloom-redis-spawner", daemon=True)
+        self.pid = os.getpid()
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+
+    def run(self) -> None:
+        while True:
+            fn, box, done = self.jobs.get()
+            try:
+                box.append((True, fn()))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller, which re-raises it
+                box.append((False, exc))
+            done.set()
+
+    def call(self, fn: Any) -> Any:
+        box: List[Any] = []
+        done = threading.Event()
+        self.jobs.put((fn, box, done))
+        done.wait()
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+
+_SPAWNER: Optional[_Spawner] = None
+_SPAWNER_LOCK = threading.Lock()
+
+
+def _spawner() -> _Spawner:
+    """This process's spawner thread (a forked child starts its own)."""
+    global _SPAWNER
+    with _SPAWNER_LOCK:
+        if _SPAWNER is None or _SPAWNER.pid != os.getpid():
+            _SPAWNER = _Spawner()
+            _SPAWNER.start()
+        return _SPAWNER
 
 
 def _stop_all() -> None:
@@ -163,13 +211,16 @@ class RedisServer:
             parent = os.getpid()
             log_path = os.path.join(self._dir, "redis.log")
             with open(log_path, "wb") as logf:
-                self.proc = subprocess.Popen(
-                    argv,
-                    stdin=subprocess.DEVNULL,
-                    stdout=logf,
-                    stderr=subprocess.STDOUT,
-                    preexec_fn=functools.partial(_die_with_parent, _prctl(), parent),
-                    close_fds=True,
+                self.proc = _spawner().call(
+                    functools.partial(
+                        subprocess.Popen,
+                        argv,
+                        stdin=subprocess.DEVNULL,
+                        stdout=logf,
+                        stderr=subprocess.STDOUT,
+                        preexec_fn=functools.partial(_die_with_parent, _prctl(), parent),
+                        close_fds=True,
+                    )
                 )
             self.port = port
             if self._wait_ready():
