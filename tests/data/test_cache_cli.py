@@ -7,6 +7,7 @@ import pytest
 from trainloom._locate import find_redis_server
 from trainloom.cli import main
 from trainloom.data.cache import CacheLoader
+from trainloom.data.stores import StoreUnavailableError
 
 requires_redis = pytest.mark.skipif(find_redis_server() is None, reason="needs a redis-server binary")
 
@@ -67,15 +68,22 @@ def test_cache_cli_errors(tmp_path, capsys, monkeypatch):
     assert "namespace 'nope' not found" in capsys.readouterr().err
     assert main(["cache", "info", "--redis", "localhost"]) == 1
     assert (
-        "--redis must be HOST:PORT ([ADDR]:PORT for IPv6, or redis://[:PASSWORD@]HOST:PORT), got 'localhost'"
-        in (capsys.readouterr().err)
+        "--redis must be HOST:PORT ([ADDR]:PORT for IPv6, or redis://[[USER]:PASSWORD@]HOST:PORT[/DB]), "
+        "got 'localhost'" in (capsys.readouterr().err)
     )
     assert main(["cache", "info", "--redis", "127.0.0.1:99999"]) == 1
     assert "--redis: port 99999 is outside 1..65535" in capsys.readouterr().err
     assert main(["cache", "info", "--redis", "redis://127.0.0.1"]) == 1
-    assert "--redis must be HOST:PORT or redis://[:PASSWORD@]HOST:PORT, got 'redis://127.0.0.1'" in (
+    assert (
+        "--redis must be HOST:PORT or redis://[[USER]:PASSWORD@]HOST:PORT[/DB], got 'redis://127.0.0.1'"
+        in (capsys.readouterr().err)
+    )
+    assert main(["cache", "info", "--redis", "rediss://:pw@127.0.0.1:6380"]) == 1
+    assert "--redis: TLS (rediss://) is not supported, got 'rediss://:pw@127.0.0.1:6380'" in (
         capsys.readouterr().err
     )
+    assert main(["cache", "info", "--redis", "redis://127.0.0.1:6379/x"]) == 1
+    assert "got 'redis://127.0.0.1:6379/x'" in capsys.readouterr().err
     assert main(["cache"]) == 2
 
 
@@ -109,7 +117,47 @@ def test_cache_cli_redis_url_ipv4_brackets_and_password_from_the_environment(
     monkeypatch.setenv("REDISCLI_AUTH", pw)  # redis-cli's variable: the password stays out of `ps`
     assert main(["cache", "info", "--redis", f"[{redis_server.host}]:{port}", "--namespace", "cli2"]) == 0
     assert "namespace 'cli2': 1 entries" in capsys.readouterr().out
+    # Without --namespace every namespace is listed (it showed namespace '' with 0 entries); an unknown
+    # one is an error, as for LMDB (it showed 0 entries and exited 0).
+    assert main(["cache", "info", "--redis", url]) == 0
+    assert "\n  namespace 'cli2': 1 entries\n" in capsys.readouterr().out
+    assert main(["cache", "info", "--redis", url, "--namespace", "nope"]) == 1
+    err = capsys.readouterr().err
+    assert f"namespace 'nope' not found on redis {redis_server.host}:{port} (have: [" in err
+    assert "'cli2'" in err
     loader.clear()
+
+
+@requires_redis
+def test_cache_acl_user_and_db_from_hosts_and_from_the_cli_url(own_redis, capsys):
+    # "username" in hosts= was dropped (then "authentication failed ... check the password" although
+    # it was right), "db" was dropped (data went to db 0), and the CLI ignored USER@ and /DB in URLs.
+    import redis
+
+    srv = own_redis()
+    admin = redis.Redis(srv.host, srv.port, password=srv.password)
+    admin.execute_command("ACL", "SETUSER", "cache", "on", ">s3cret", "~*", "&*", "+@all")
+    host = {"host": srv.host, "port": srv.port, "username": "cache", "password": "s3cret", "db": 3}
+    loader = CacheLoader("redis", "acl", hosts=[host])
+    assert loader.get(1, lambda k: "one") == "one"
+    loader.flush()
+    assert admin.dbsize() == 0 and redis.Redis(srv.host, srv.port, password=srv.password, db=3).dbsize() == 1
+    url = f"redis://cache:s3cret@{srv.host}:{srv.port}/3"
+    assert main(["cache", "info", "--redis", url, "--namespace", "acl"]) == 0
+    assert "namespace 'acl': 1 entries" in capsys.readouterr().out
+    loader.close()
+    with pytest.raises(
+        StoreUnavailableError, match=r"authentication failed .*; check the username and password$"
+    ):
+        CacheLoader("redis", "acl", hosts=[dict(host, password="wrong")]).get(2, lambda k: k)
+    with pytest.raises(
+        ValueError,
+        match=r"^RedisStore: hosts\[0\] has unknown keys \['ssl'\]; each entry takes \['db', 'host', "
+        r"'password', 'port', 'username'\] \(TLS is not supported\)$",
+    ):
+        CacheLoader("redis", "acl", hosts=[dict(host, ssl=True)])
+    with pytest.raises(ValueError, match=r"^RedisStore: db must be an int >= 0, got '3'$"):
+        CacheLoader("redis", "acl", hosts=[dict(host, db="3")])
 
 
 @pytest.mark.parametrize(

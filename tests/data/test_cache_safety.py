@@ -216,6 +216,41 @@ def test_only_local_rank_0_judges_whether_entries_are_from_an_earlier_run(tmp_pa
         CachedDataset(Squares(8), path=tmp_path, dataset_name="imgs").close()
 
 
+def test_a_redis_server_of_the_users_own_is_persistent_too(own_redis, monkeypatch):
+    # hosts= servers outlive the job like LMDB, but reused entries and the unnamed namespace were only
+    # warned about for LMDB: a second run with other values and no fingerprint got 20/20 stale samples.
+    srv = own_redis()
+    hosts = [srv.address()]
+    earlier = CacheLoader("redis", "r", hosts=hosts)
+    [earlier.get(i, lambda k: ("earlier", k)) for i in range(3)]
+    earlier.close()
+    cache_mod._OPENED.clear()  # as in a new run
+    monkeypatch.setenv("RANK", "1")  # Redis is shared by every node: only global rank 0 judges
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        CacheLoader("redis", "r", hosts=hosts).close()
+    assert not _messages(rec, "reusing")
+    cache_mod._OPENED.clear()
+    monkeypatch.setenv("RANK", "0")
+    with pytest.warns(RuntimeWarning) as rec:
+        CacheLoader("redis", "r", hosts=hosts).close()
+    assert _messages(rec, "reusing") == [
+        f"CacheLoader('r'): reusing 3 cached entries written by an earlier run from "
+        f"RedisStore([{srv.host}:{srv.port}], cluster_mode=True, namespace='r') (namespace 'r'). No "
+        "fingerprint= was given, so they are served as they are even if the preprocessing changed "
+        "since. Pass fingerprint= (e.g. a version string or the transform parameters; a change drops "
+        "the old entries once), or clear the "
+        f"cache (`trainloom cache clear --redis {srv.host}:{srv.port} --namespace r`) when the "
+        "preprocessing changes."
+    ]
+    with pytest.warns(RuntimeWarning, match=r"^CacheLoader\(''\): no dataset_name was given"):
+        CacheLoader("redis", "", hosts=hosts).close()
+    with warnings.catch_warnings(record=True) as rec:  # a server trainloom started dies with the job
+        warnings.simplefilter("always")
+        CacheLoader("redis", "", hosts=None).get(0, lambda k: k)
+    assert not _messages(rec, "dataset_name") and not _messages(rec, "reusing")
+
+
 def test_entries_of_an_earlier_run_without_fingerprint_warn_once(tmp_path, caplog):
     _earlier_run(tmp_path, "imgs", 8)
     caplog.set_level(logging.WARNING, logger="trainloom.data")
@@ -482,6 +517,32 @@ def test_redis_value_over_the_server_limit_is_refused_alone(own_redis):
     with pytest.raises(StoreValueRefusedError, match="over the server's proto-max-bulk-len"):
         strict.store.mset({"x": b"1", "y": bytes((1 << 20) + 1)})
     assert strict.store.get("x") is None
+
+
+def test_redis_value_over_the_servers_query_buffer_limit_is_refused_alone(own_redis):
+    # A server with a lower client-query-buffer-limit disconnects a client sending a larger value:
+    # that read as "server unreachable ... is redis-server running?", raised at that sample every
+    # epoch, and with "bypass" switched the whole store off (nothing was ever written).
+    import redis
+
+    srv = own_redis()
+    redis.Redis(srv.host, srv.port, password=srv.password).config_set("client-query-buffer-limit", 1 << 20)
+    loader = CacheLoader("redis", "qb", writer_buffer_size=1, hosts=[srv.address()])
+    limit = (1 << 20) - 1024
+    assert loader.store.stores[0].max_value_size() == limit
+    loader.get(0, lambda k: np.zeros(3))
+    big = np.ones(3 << 19, dtype=np.uint8)  # 1.5 MiB
+    size = len(cache_mod._codec.encode(big))
+    with pytest.raises(
+        StoreError,
+        match=rf"key b'qb_1'.*is {size} bytes, over the server's client-query-buffer-limit \(less 1024 "
+        rf"bytes\) of {limit} bytes \(Redis would drop the connection\); not sent. Raise the server's limit "
+        r"\(redis-server --client-query-buffer-limit, CONFIG SET\)",
+    ):
+        loader.get(1, lambda k: big)
+    loader.get(2, lambda k: np.zeros(3))
+    assert loader.num_keys() == 2 and loader.store.status() and loader.stats()["buffered"] == 0
+    loader.close()
 
 
 def test_redis_server_proto_max_bulk_len_argument():

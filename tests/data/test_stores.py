@@ -219,6 +219,27 @@ def test_redis_fingerprint_reset_whose_lock_command_was_retried_does_not_wait_fo
 
 
 @requires_redis
+def test_redis_maxclients_reached_says_so(own_redis):
+    import redis
+
+    from trainloom.data.stores.redis_store import RedisNodeStore
+
+    srv = own_redis()
+    admin = redis.Redis(srv.host, srv.port, password=srv.password)
+    admin.config_set("maxclients", 1)
+    admin.ping()  # the one connection allowed
+    store = RedisNodeStore(srv.host, srv.port, srv.password, namespace="mc")
+    with pytest.raises(
+        StoreUnavailableError,
+        match=r": the server refused the connection: its maxclients is reached \(.*max number of clients "
+        r"reached.*\); raise the server's maxclients or use fewer processes \(each process and each "
+        r"persistent DataLoader worker holds one connection per server\)$",
+    ):
+        store.get("k")
+    admin.close()
+
+
+@requires_redis
 def test_redis_node_api_and_namespaces(redis_hosts):
     from trainloom.data.stores.redis_store import RedisStore
 

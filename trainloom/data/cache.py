@@ -378,7 +378,7 @@ def _store_location(store: Store) -> Tuple[Any, ...]:
         return ("cluster", tuple(_store_location(s) for s in store.stores))
     host, port = getattr(store, "host", None), getattr(store, "port", None)
     if store.backend == "redis" and host is not None and port is not None:
-        return ("redis", str(host), int(port), getattr(store, "namespace", None))
+        return ("redis", str(host), int(port), getattr(store, "db", 0), getattr(store, "namespace", None))
     return ("store", id(store), getattr(store, "namespace", None))
 
 
@@ -630,7 +630,10 @@ class CacheLoader:
         from trainloom.data.stores.lmdb_store import LmdbStore
 
         store = self.store
-        persistent = isinstance(store, LmdbStore) and not store.readonly
+        # A cache that outlives the job: LMDB on disk, or Redis servers the user runs (hosts=).
+        persistent = (isinstance(store, LmdbStore) and not store.readonly) or (
+            store.backend == "redis" and getattr(store, "managed", None) is False
+        )
         where = self._where()
         if persistent and store.namespace == "":
             _warn_process_once(
@@ -666,11 +669,13 @@ class CacheLoader:
         first_open = self._location not in _OPENED
         _OPENED.add(self._location)
         _register_live(self, self._location, digest, desc)
-        # Only one process per node judges: the ranks of one job open the node's LMDB at about the
-        # same time, and one that opens after another rank has flushed would take that for an earlier
-        # run (DataLoader workers never get here: their loaders are unpickled, not constructed).
-        local_leader = os.environ.get("LOCAL_RANK", "0").strip() in ("", "0")
-        if user_fp is None and persistent and first_open and local_leader:
+        # Only one process judges, per node for LMDB and per job for Redis (shared by the nodes): the
+        # ranks of one job open the cache at about the same time, and one that opens after another
+        # rank has flushed would take that for an earlier run (DataLoader workers never get here:
+        # their loaders are unpickled, not constructed).
+        judge = "RANK" if store.backend == "redis" else "LOCAL_RANK"
+        leader = os.environ.get(judge, "0").strip() in ("", "0")
+        if user_fp is None and persistent and first_open and leader:
             self._warn_reused(where)
 
     def _where(self) -> str:
@@ -691,14 +696,18 @@ class CacheLoader:
         if n <= 0:
             return
         ns = getattr(self.store, "namespace", self.dataset_name)
-        path = str(getattr(self.store, "path", ""))
+        if self.store.backend == "redis":
+            h = self.store.hosts[0]  # type: ignore[attr-defined]
+            where_opt = f"--redis {shlex.quote(str(h['host']))}:{int(h['port'])}"
+        else:
+            where_opt = f"--path {shlex.quote(str(getattr(self.store, 'path', '')))}"
         _warn_process_once(
             ("reuse", self._location),
             f"CacheLoader({self.dataset_name!r}): reusing {n} cached entries written by an earlier run "
             f"from {where} (namespace {ns!r}). No fingerprint= was given, so they are served as they are "
             "even if the preprocessing changed since. Pass fingerprint= (e.g. a version string or the "
             "transform parameters; a change drops the old entries once), or clear the cache "
-            f"(`trainloom cache clear --path {shlex.quote(path)} --namespace {shlex.quote(ns)}`) when the "
+            f"(`trainloom cache clear {where_opt} --namespace {shlex.quote(ns)}`) when the "
             "preprocessing changes.",
         )
 
@@ -1281,8 +1290,13 @@ class CacheLoader:
             _OOM,
             "oom",
             f"CacheLoader({self.dataset_name!r}): the store is out of memory ({exc}); no new values "
-            "will be written by this process (reads continue). Raise capacity_per_node= or clear "
-            "old caches.",
+            "will be written by this process (reads continue). "
+            + (
+                "Raise capacity_per_node= or clear old caches."
+                if getattr(self.store, "managed", False)
+                else "Raise the server's maxmemory, set an evicting maxmemory-policy (allkeys-lru) or "
+                "clear old caches."
+            ),
         )
 
     def _stop_writing(self, counter: int, what: str, message: str) -> None:

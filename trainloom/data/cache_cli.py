@@ -14,7 +14,7 @@ import os
 import sys
 import urllib.parse
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 from trainloom.data.cache import cached_values
 from trainloom.data.stores.base import StoreError
@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "--redis",
             default=None,
             metavar="HOST:PORT",
-            help="a Redis server instead of LMDB (also [IPv6]:PORT or redis://[:PASSWORD@]HOST:PORT)",
+            help="a Redis server instead of LMDB (also [IPv6]:PORT or redis://[[USER]:PASSWORD@]HOST:PORT[/DB])",
         )
         p.add_argument(
             "--password", default=None, help="the Redis server's password (default: $REDISCLI_AUTH)"
@@ -77,39 +77,58 @@ def _lmdb_path(args: argparse.Namespace) -> Path:
     return path
 
 
-def _redis_address(spec: str) -> Tuple[str, int, Optional[str]]:
-    """(host, port, password from the URL) of HOST:PORT, [IPv6]:PORT or redis://[:PW@]HOST:PORT."""
-    if spec.startswith(("redis://", "rediss://")):
+def _redis_address(spec: str) -> Dict[str, Any]:
+    """host, port and, from a URL, password, username and db of HOST:PORT, [IPv6]:PORT or
+    redis://[[USER]:PASSWORD@]HOST:PORT[/DB]."""
+    if spec.startswith("rediss://"):
+        # Connecting without TLS would send the password in clear to a server that expects TLS.
+        raise ValueError(f"--redis: TLS (rediss://) is not supported, got {spec!r}")
+    if spec.startswith("redis://"):
         url = urllib.parse.urlsplit(spec)
         try:
             port = url.port
         except ValueError:
             port = None
-        if not url.hostname or port is None:
-            raise ValueError(f"--redis must be HOST:PORT or redis://[:PASSWORD@]HOST:PORT, got {spec!r}")
-        password = urllib.parse.unquote(url.password) if url.password else None
-        return url.hostname, port, password
+        db_s = url.path.strip("/")
+        if not url.hostname or port is None or not (db_s == "" or db_s.isdigit()) or url.query:
+            raise ValueError(
+                f"--redis must be HOST:PORT or redis://[[USER]:PASSWORD@]HOST:PORT[/DB], got {spec!r}"
+            )
+        return {
+            "host": url.hostname,
+            "port": port,
+            "password": urllib.parse.unquote(url.password) if url.password else None,
+            "username": urllib.parse.unquote(url.username) if url.username else None,
+            "db": int(db_s or 0),
+        }
     host, _, port_s = spec.rpartition(":")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]  # [::1]:6379
     if not host or not port_s.isdigit():
         raise ValueError(
-            "--redis must be HOST:PORT ([ADDR]:PORT for IPv6, or redis://[:PASSWORD@]HOST:PORT), "
+            "--redis must be HOST:PORT ([ADDR]:PORT for IPv6, or redis://[[USER]:PASSWORD@]HOST:PORT[/DB]), "
             f"got {spec!r}"
         )
     port = int(port_s)
     if not 0 < port < 65536:
         raise ValueError(f"--redis: port {port} is outside 1..65535")
-    return host, port, None
+    return {"host": host, "port": port, "password": None, "username": None, "db": 0}
 
 
-def _redis_store(args: argparse.Namespace) -> Any:
+def _redis_store(args: argparse.Namespace, namespace: Optional[str] = None) -> Any:
     from trainloom.data.stores.redis_store import RedisNodeStore
 
-    host, port, url_password = _redis_address(args.redis)
+    addr = _redis_address(args.redis)
     # A password on the command line shows in `ps`: REDISCLI_AUTH (redis-cli's variable) or the URL too.
-    password = args.password or url_password or os.environ.get("REDISCLI_AUTH") or None
-    return RedisNodeStore(host, port, password, namespace=args.namespace or "")
+    password = args.password or addr["password"] or os.environ.get("REDISCLI_AUTH") or None
+    return RedisNodeStore(
+        addr["host"],
+        addr["port"],
+        password,
+        namespace=(args.namespace or "") if namespace is None else namespace,
+        username=addr["username"],
+        db=addr["db"],
+    )
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -121,7 +140,19 @@ def _info(args: argparse.Namespace) -> int:
             f"{_human(info['maxmemory']) if info['maxmemory'] else 'unlimited'} "
             f"(policy {info['maxmemory_policy']})"
         )
-        print(f"  namespace {info['namespace']!r}: {cached_values(store)} entries")
+        names = store.namespaces()
+        if args.namespace is not None and args.namespace not in names:
+            print(
+                f"namespace {args.namespace!r} not found on redis {info['host']} (have: {list(names)})",
+                file=sys.stderr,
+            )
+            store.close()
+            return 1
+        for ns in [args.namespace] if args.namespace is not None else names:
+            ns_store = store if ns == store.namespace else _redis_store(args, ns)
+            print(f"  namespace {ns!r}: {cached_values(ns_store)} entries")
+            if ns_store is not store:
+                ns_store.close()
         store.close()
         return 0
     path = _lmdb_path(args)

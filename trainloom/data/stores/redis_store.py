@@ -57,6 +57,11 @@ _MSET_BYTES = 16 << 20
 #: smaller values never need the server's setting.
 _DEFAULT_MAX_BULK = 512 << 20
 _MIN_MAX_BULK = 1 << 20
+#: Redis's default ``client-query-buffer-limit``: a client whose query buffer (a value being received)
+#: grows past it is disconnected; 1 MiB is the smallest setting Redis allows. A value must stay this
+#: much below it (the bulk's CRLF and some slack).
+_DEFAULT_QUERYBUF = 1 << 30
+_QUERYBUF_SLACK = 1 << 10
 
 # Servers this process started for hosts=None, by (bind, capacity, policy): shared by every
 # RedisStore of the process (and through the job store, by every rank of the node).
@@ -109,8 +114,12 @@ class RedisNodeStore(Store):
         namespace: str = "",
         timeout: float = 0.5,
         retries: int = 1,
+        username: Optional[str] = None,
+        db: int = 0,
     ) -> None:
         _import_redis()
+        if not isinstance(db, int) or isinstance(db, bool) or db < 0:
+            raise ValueError(f"RedisStore: db must be an int >= 0, got {db!r}")
         if not timeout > 0:
             raise ValueError(f"RedisStore: timeout must be > 0 seconds, got {timeout!r}")
         if not isinstance(retries, int) or retries < 0:
@@ -118,6 +127,8 @@ class RedisNodeStore(Store):
         self.host = str(host)
         self.port = int(port)
         self.password = password
+        self.username = username
+        self.db = db
         self.namespace = check_namespace(namespace)
         ns = self.namespace.encode("utf-8")
         # Length-prefixed so no namespace's prefix is a prefix of another's ("a" vs "a:b").
@@ -127,8 +138,8 @@ class RedisNodeStore(Store):
         self._client: Any = None
         self._pid = -1
         self._mean_size = 0
-        #: The server's proto-max-bulk-len, read once when a value over 1 MiB is first written.
-        self._max_bulk: Optional[int] = None
+        #: The server's value limit and its setting's name, read when a value over ~1 MiB is first written.
+        self._max_bulk: Optional[Tuple[int, str]] = None
 
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
@@ -147,7 +158,9 @@ class RedisNodeStore(Store):
         self._client = redis.Redis(
             host=self.host,
             port=self.port,
+            username=self.username,
             password=self.password,
+            db=self.db,
             socket_timeout=self.timeout,
             socket_connect_timeout=self.timeout,
             # 32 KiB (the default) means ~5 recv() calls per 150 KB image; 256 KiB reads a batch of
@@ -164,7 +177,16 @@ class RedisNodeStore(Store):
         where = f"RedisStore.{what} on {self.host}:{self.port} (namespace {self.namespace!r})"
         if isinstance(exc, redis.exceptions.AuthenticationError):
             return StoreUnavailableError(
-                f"{where}: authentication failed ({exc}); check the password", "redis"
+                f"{where}: authentication failed ({exc}); check the "
+                + ("username and password" if self.username else "password"),
+                "redis",
+            )
+        if isinstance(exc, redis.exceptions.ConnectionError) and "max number of clients" in str(exc):
+            return StoreUnavailableError(
+                f"{where}: the server refused the connection: its maxclients is reached ({exc}); raise "
+                "the server's maxclients or use fewer processes (each process and each persistent "
+                "DataLoader worker holds one connection per server)",
+                backend="redis",
             )
         if isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
             return StoreUnavailableError(
@@ -215,36 +237,50 @@ class RedisNodeStore(Store):
         return _codec.decode_list(self.mget_apply(keys, _identity), missing)
 
     def max_value_size(self) -> int:
-        """The largest value the server accepts: its ``proto-max-bulk-len`` (512 MiB by default; the
-        default is assumed when ``CONFIG GET`` is not allowed). A larger value makes Redis drop the
-        connection, so :meth:`mset` refuses it before sending anything."""
+        """The largest value the server accepts: the smaller of its ``proto-max-bulk-len`` (512 MiB by
+        default) and its ``client-query-buffer-limit`` (1 GiB by default; a value over it makes the
+        server disconnect the client), less some slack. The defaults are assumed when ``CONFIG GET`` is
+        not allowed. A larger value makes Redis drop the connection, so :meth:`mset` refuses it before
+        sending anything."""
+        return self._value_limit()[0]
+
+    def _value_limit(self) -> Tuple[int, str]:
+        """(the largest value the server accepts, the name of the setting that limits it)."""
         if self._max_bulk is None:
             redis = _import_redis()
 
-            def run(c: Any) -> int:
+            def setting(c: Any, name: str, default: int) -> int:
                 try:
-                    got = c.config_get("proto-max-bulk-len")
+                    got = c.config_get(name)
                 except redis.exceptions.ResponseError as exc:  # CONFIG renamed/disabled (managed Redis)
-                    log.debug("RedisStore: CONFIG GET proto-max-bulk-len refused (%s); assuming 512 MiB", exc)
-                    return _DEFAULT_MAX_BULK
-                value = got.get("proto-max-bulk-len") or got.get(b"proto-max-bulk-len")
-                return int(value) if value is not None else _DEFAULT_MAX_BULK
+                    log.debug("RedisStore: CONFIG GET %s refused (%s); assuming %d", name, exc, default)
+                    return default
+                value = got.get(name) or got.get(name.encode())
+                return int(value) if value is not None else default
+
+            def run(c: Any) -> Tuple[int, str]:
+                bulk = setting(c, "proto-max-bulk-len", _DEFAULT_MAX_BULK)
+                querybuf = setting(c, "client-query-buffer-limit", _DEFAULT_QUERYBUF) - _QUERYBUF_SLACK
+                if querybuf < bulk:
+                    return querybuf, f"client-query-buffer-limit (less {_QUERYBUF_SLACK} bytes)"
+                return bulk, "proto-max-bulk-len"
 
             self._max_bulk = self._run("config_get", run)
         return self._max_bulk
 
     def _check_size(self, key: Key, vb: Any) -> None:
         n = len(vb) if not isinstance(vb, memoryview) else vb.nbytes
-        if n <= _MIN_MAX_BULK:
+        if n <= _MIN_MAX_BULK - _QUERYBUF_SLACK:
             return
-        limit = self.max_value_size()
+        limit, name = self._value_limit()
         if n > limit:
             shown = key_bytes(key).decode("utf-8", "replace")
+            option = name.split(" ")[0]
             raise StoreValueRefusedError(
                 f"RedisStore.mset on {self.host}:{self.port} (namespace {self.namespace!r}): the value of "
-                f"key {shown[:80]!r} is {n} bytes, over the server's proto-max-bulk-len of {limit} bytes "
+                f"key {shown[:80]!r} is {n} bytes, over the server's {name} of {limit} bytes "
                 "(Redis would drop the connection); not sent. Raise the server's limit "
-                "(redis-server --proto-max-bulk-len, CONFIG SET) or use the LMDB backend for values this "
+                f"(redis-server --{option}, CONFIG SET) or use the LMDB backend for values this "
                 "large",
                 backend="redis",
                 key=shown,
@@ -254,8 +290,7 @@ class RedisNodeStore(Store):
         """Set the pairs (MSET commands of at most 16 MiB each, pipelined).
 
         Raises:
-            StoreValueRefusedError: a value is larger than the server's ``proto-max-bulk-len``;
-                nothing was sent.
+            StoreValueRefusedError: a value is larger than :meth:`max_value_size`; nothing was sent.
         """
         check_mapping(dictionary, "RedisStore")
         if not dictionary:
@@ -285,6 +320,22 @@ class RedisNodeStore(Store):
 
     def _scan(self, c: Any) -> Any:
         return c.scan_iter(match=_glob_escape(self.prefix) + b"*", count=1000)
+
+    def namespaces(self) -> Dict[str, int]:
+        """Every trainloom namespace on this server (db) and its entry count (one SCAN of all keys)."""
+
+        def run(c: Any) -> Dict[str, int]:
+            found: Dict[str, int] = {}
+            for k in c.scan_iter(match=b"tl:*", count=1000):
+                # "tl:<length>:<name>:<key>" (length-prefixed, so names may hold ':')
+                length, sep, rest = k[3:].partition(b":")
+                if not (sep and length.isdigit()) or rest[int(length) : int(length) + 1] != b":":
+                    continue
+                name = rest[: int(length)].decode("utf-8", "surrogateescape")
+                found[name] = found.get(name, 0) + 1
+            return dict(sorted(found.items()))
+
+        return self._run("namespaces", run)
 
     def num_keys(self) -> int:
         return self._run("num_keys", lambda c: sum(1 for _ in self._scan(c)))
@@ -407,11 +458,16 @@ def _spawn_hosts(bind: str, capacity: int, policy: str, startup_timeout: float) 
     return [json.loads(store.get(f"{tag}/node{n}")) for n in range(num_nodes)]
 
 
+#: What an entry of ``RedisStore(hosts=...)`` may hold.
+_HOST_KEYS = frozenset(("host", "port", "password", "username", "db"))
+
+
 class RedisStore(ClusterStore):
     """A Redis-backed store (Bagua's ``RedisStore``), sharded over every server in cluster mode.
 
     Args:
-        hosts: ``[{"host": ..., "port": ..., "password": ...(optional)}, ...]`` of running servers.
+        hosts: ``[{"host": ..., "port": ..., "password": ..., "username": ..., "db": ...}, ...]`` of
+            running servers (``password``, ``username``, an ACL user, and ``db``, default 0, optional).
             ``None`` (default): one ``redis-server`` per node is started by the first process of the
             node (local rank 0; under ``torch.distributed`` its address and generated password are
             shared through the job's store) and used by every process of the job on that node; it
@@ -475,6 +531,13 @@ class RedisStore(ClusterStore):
         for i, h in enumerate(hosts):
             if not isinstance(h, Mapping) or "host" not in h or "port" not in h:
                 raise ValueError(f"RedisStore: hosts[{i}] = {h!r} must be a dict with 'host' and 'port'")
+            unknown = sorted(set(h) - _HOST_KEYS, key=str)
+            if unknown:
+                # A silently dropped "username" failed as a wrong password; a dropped "db" wrote to db 0.
+                raise ValueError(
+                    f"RedisStore: hosts[{i}] has unknown keys {unknown}; each entry takes "
+                    f"{sorted(_HOST_KEYS)} (TLS is not supported)"
+                )
         self.hosts = [dict(h) for h in hosts]
         self.cluster_mode = bool(cluster_mode)
         self.capacity_per_node = capacity_per_node
@@ -490,13 +553,19 @@ class RedisStore(ClusterStore):
                     namespace=namespace,
                     timeout=timeout,
                     retries=retries,
+                    username=h.get("username"),
+                    db=h.get("db", 0),
                 )
                 for h in chosen
             ]
         )
 
     def shutdown(self) -> None:
-        """Close the clients and stop the servers this process started (unmanaged ones are kept)."""
+        """Close the clients and stop the servers this process started (unmanaged ones are kept).
+
+        Every ``hosts=None`` store of this process with the same ``capacity_per_node`` and
+        ``maxmemory_policy`` shares one started server: shutting down one of them stops it for all.
+        """
         self.close()
         if self.managed and os.getpid() == self._owner:
             addrs = {(h["host"], int(h["port"])) for h in self.hosts}
