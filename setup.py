@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext as _build_ext
 
 ROOT = Path(__file__).resolve().parent
 PYX = ROOT / "pyx"
@@ -159,10 +160,10 @@ def _build_info() -> dict[str, object]:
     }
 
 
-def _write_build_info(info: dict[str, object]) -> None:
+def _write_build_info(info: dict[str, object], target: Path) -> None:
     # Read back by trainloom.show_config(); generated, not tracked by git. A partial build
     # (TRAINLOOM_BUILD_ONLY) keeps what the previous build recorded for the other modules.
-    target = ROOT / "trainloom" / "_build_info.py"
+    target.parent.mkdir(parents=True, exist_ok=True)
     if os.environ.get("TRAINLOOM_BUILD_ONLY") and target.exists():
         previous: dict = {}
         exec(compile(target.read_text(), str(target), "exec"), previous)
@@ -198,7 +199,22 @@ def _summary(info: dict[str, object]) -> None:
         )
 
 
-_info = _build_info()
-_write_build_info(_info)
-_summary(_info)
-setup(ext_modules=_cythonize(_extensions()))
+class build_ext(_build_ext):  # noqa: N801 - the command's name
+    """build_ext that records what it built (trainloom/_build_info.py) next to the modules it
+    writes: in the checkout for an in-place or editable build, in the build tree for a wheel. Only
+    a build records: an sdist, a metadata query or a wheel built elsewhere must not mark the
+    checkout's compiled modules as up to date (the stale-build check reads these hashes)."""
+
+    def run(self) -> None:
+        super().run()
+        info = _build_info()
+        root = ROOT if self.inplace or getattr(self, "editable_mode", False) else Path(self.build_lib)
+        _write_build_info(info, root / "trainloom" / "_build_info.py")
+        _summary(info)
+
+
+_exts = _extensions()
+if not _exts:
+    # An sdist without the .pyx sources would otherwise build a pure-Python wheel that cannot import.
+    sys.exit(f"trainloom: no Cython sources (pyx/**/_*.pyx) under {PYX}; nothing to build.")
+setup(ext_modules=_cythonize(_exts), cmdclass={"build_ext": build_ext})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -94,3 +95,141 @@ def test_build_without_openmp_warns_and_runs_serially(tmp_path):
     assert mod.openmp_threads_used(4) == 1
     info = (work / "trainloom" / "_build_info.py").read_text()
     assert "'openmp': False" in info and "'openmp_disabled_by_env': True" in info
+
+
+_BLOCK = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):  # as if these compiled modules had not been built
+    def find_spec(self, name, path=None, target=None):
+        if name in ("trainloom._openmp_helpers", "trainloom.data._codec"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Block())
+from trainloom.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_info_and_help_work_and_say_what_is_missing_without_a_compiled_module():
+    # `trainloom info` exists to diagnose a build, but with a compiled module missing it (and
+    # --help, --version) crashed with a traceback: the package imported one at import time.
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-c", _BLOCK, *args], capture_output=True, text=True, timeout=120
+        )
+
+    info = run("info")
+    assert info.returncode == 0, info.stderr
+    assert (
+        "OpenMP            : no (compiled module missing: trainloom's compiled module "
+        "'trainloom._openmp_helpers' could not be imported" in info.stdout
+    )
+    helped = run("--help")
+    assert helped.returncode == 0, helped.stderr
+    assert (
+        "unavailable here: cache: inspect or clear trainloom caches (info, clear) [unavailable: "
+        "trainloom's compiled module 'trainloom.data._codec' could not be imported"
+    ) in " ".join(helped.stdout.split())
+    cache = run("cache", "info")
+    assert cache.returncode == 2
+    assert (
+        "trainloom cache: " in cache.stderr
+        and "'trainloom.data._codec' could not be imported" in cache.stderr
+    )
+
+
+def _copy_sources(dest: Path) -> None:
+    """The checkout's tracked files, and its generated C files with their times (so that cythonize
+    finds them up to date), into ``dest``."""
+    files = subprocess.run(
+        ["git", "-C", str(ROOT), "ls-files", "--cached", "--others", "--exclude-standard"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    files += [str(p.relative_to(ROOT)) for p in (ROOT / "pyx").rglob("*.c")]
+    for rel in files:
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, dest / rel)
+
+
+def test_sdist_carries_the_sources_and_does_not_touch_the_build_record(tmp_path):
+    # The sdist had the generated .c files but no .pyx/.pxd: a wheel built from it had no compiled
+    # module at all (and pip reported success). setup.py also rewrote trainloom/_build_info.py on
+    # every run (sdist, metadata), so an edited .pyx no longer counted as stale.
+    if not (ROOT / ".git").exists() or shutil.which("git") is None:
+        pytest.skip("needs the git checkout")
+    src = tmp_path / "src"
+    _copy_sources(src)
+    out = subprocess.run(
+        [sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path / "dist")],
+        cwd=src,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert not (src / "trainloom" / "_build_info.py").exists()
+    import tarfile
+
+    (sdist,) = (tmp_path / "dist").glob("trainloom-*.tar.gz")
+    with tarfile.open(sdist) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    sources = {str(p.relative_to(ROOT)) for p in (ROOT / "pyx").rglob("*.p[xy][xd]")}
+    assert sources and sources <= names
+    assert {"LICENSE", "MANIFEST.in", "tests/conftest.py", "tests/multiproc.py", "docs/cache.md"} <= names
+
+
+def test_setup_without_sources_refuses_to_build(tmp_path):
+    if not (ROOT / "setup.py").exists():
+        pytest.skip("installed without sources")
+    (tmp_path / "pyx").mkdir()
+    (tmp_path / "trainloom").mkdir()
+    shutil.copy(ROOT / "setup.py", tmp_path)
+    out = subprocess.run(
+        [sys.executable, "setup.py", "build_ext", "--inplace"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 1
+    assert (
+        f"trainloom: no Cython sources (pyx/**/_*.pyx) under {tmp_path / 'pyx'}; nothing to build."
+        in out.stderr
+    )
+
+
+_SHADOWED = """
+import sys
+# An editable install's finder would resolve trainloom's submodules from its own checkout.
+sys.meta_path[:] = [f for f in sys.meta_path if "EditableFinder" not in repr(f)]
+import trainloom
+trainloom._openmp_helpers
+"""
+
+
+def test_an_unbuilt_checkout_shadowing_an_installed_copy_says_so(tmp_path):
+    # Python started inside a clone that was installed with `pip install .` imports the clone (not
+    # built): the error only said "rebuild", not that a working installed copy was being shadowed.
+    src, site = tmp_path / "src", tmp_path / "site"
+    shutil.copytree(ROOT / "trainloom", src / "trainloom", ignore=shutil.ignore_patterns("*.so", "*cache__"))
+    (src / "setup.py").write_text("")
+    (site / "trainloom").mkdir(parents=True)
+    (site / "trainloom" / "__init__.py").write_text("")
+    dist = site / "trainloom-0.1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: trainloom\nVersion: 0.1.0\n")
+    out = subprocess.run(
+        [sys.executable, "-c", _SHADOWED],
+        cwd=src,
+        env={**os.environ, "PYTHONPATH": str(site)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 1
+    assert (
+        f"This trainloom is the source checkout {src} (the current directory or PYTHONPATH comes first on "
+        f"sys.path), which is not built; an installed copy is at {site / 'trainloom'}: run Python from "
+        "another directory to use it, or build the checkout."
+    ) in " ".join(out.stderr.split())

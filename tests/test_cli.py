@@ -37,6 +37,34 @@ def test_show_config_matches_config_dict():
     assert f"CPU count         : {c['cpu_count']}" in buf.getvalue()
 
 
+def test_nccl_version_codes_read_as_versions():
+    from trainloom._config import nccl_version_string
+
+    assert [nccl_version_string(c) for c in (23203, 21899, 21003, 2708, 2408)] == [
+        "2.32.3",
+        "2.18.99",
+        "2.10.3",
+        "2.7.8",
+        "2.4.8",
+    ]
+    nccl = trainloom.config()["nccl"]
+    if nccl.get("available"):  # the test extra installs libnccl (it loads without a GPU)
+        buf = io.StringIO()
+        trainloom.show_config(file=buf)
+        assert f"NCCL              : yes, {nccl_version_string(nccl['version'])} at " in buf.getvalue()
+
+
+def test_python_dash_m_trainloom_and_the_demo_under_OO():
+    out = subprocess.run([sys.executable, "-m", "trainloom", "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout == f"trainloom {trainloom.__version__}\n"
+    # docstrings are stripped under -OO; the demo's help used its docstring's first line
+    out = subprocess.run(
+        [sys.executable, "-OO", "-m", "trainloom.demo", "--help"], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: trainloom demo [-h]")
+
+
 def test_bench_unknown_name(capsys):
     assert cli.main(["bench", "no_such_bench"]) == 2
     err = capsys.readouterr().err
@@ -270,6 +298,23 @@ def test_parse_size():
 def _fake_tools(tmp_path: Path, monkeypatch, body: str) -> None:
     (tmp_path / "bench_x.py").write_text(body)
     monkeypatch.setenv("TRAINLOOM_TOOLS_DIR", str(tmp_path))
+
+
+def test_bench_runs_tools_of_a_trainloom_checkout_only(tmp_path, monkeypatch, capsys):
+    # Installed without sources, `trainloom bench x` ran ./tools/bench_x.py of whatever project the
+    # current directory was.
+    monkeypatch.delenv("TRAINLOOM_TOOLS_DIR", raising=False)
+    monkeypatch.setattr(cli, "__file__", str(tmp_path / "site" / "trainloom" / "cli.py"))
+    other = tmp_path / "other"
+    (other / "tools").mkdir(parents=True)
+    (other / "tools" / "bench_x.py").write_text("raise SystemExit('ran')\n")
+    monkeypatch.chdir(other)
+    assert cli.tools_dir() is None and cli.main(["bench", "x"]) == 2
+    assert "trainloom bench: no tools/ directory found." in capsys.readouterr().err
+    (other / "pyx").mkdir()  # a trainloom checkout
+    (other / "tools" / "benchutil.py").write_text("")
+    assert cli.tools_dir() == other / "tools" and cli.main(["bench", "x"]) == 1
+    assert capsys.readouterr().err == "ran\n"
 
 
 def test_bench_systemexit_message_is_printed(tmp_path, monkeypatch, capsys):

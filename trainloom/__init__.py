@@ -7,6 +7,8 @@ Subpackages:
 * :mod:`trainloom.optim` -- ``fuse_optimizer`` / ``fuse_step``.
 """
 
+from typing import Any
+
 # torch first, then compiled modules: torch's libgomp is then the OpenMP runtime the kernels share.
 import torch  # noqa: F401
 
@@ -24,7 +26,14 @@ from trainloom.errors import (
 
 __version__ = "0.1.0"
 
-_openmp_helpers = import_compiled("trainloom._openmp_helpers")
+
+def __getattr__(name: str) -> Any:
+    # The OpenMP helpers load on first use (after torch, imported above), so that `trainloom info`
+    # and `trainloom --help` still work, and say what is missing, when a compiled module is.
+    if name == "_openmp_helpers":
+        return import_compiled("trainloom._openmp_helpers")
+    raise AttributeError(f"module 'trainloom' has no attribute {name!r}")
+
 
 __all__ = [
     "__version__",

@@ -27,6 +27,26 @@ def _describe_dir(pkg_dir: Path, stem: str) -> str:
     return f"No compiled file {stem}.*.so in {pkg_dir}."
 
 
+def _shadow_hint(pkg_root: Path) -> str:
+    """When this trainloom is an unbuilt source checkout that shadows an installed copy (Python run
+    from inside the clone that was installed with ``pip install .``): say so."""
+    if not (pkg_root.parent / "setup.py").exists():
+        return ""
+    try:
+        from importlib.metadata import PackageNotFoundError, distribution
+
+        installed = Path(str(distribution("trainloom").locate_file("trainloom"))).resolve()
+    except (PackageNotFoundError, OSError):
+        return ""
+    if installed == pkg_root or not (installed / "__init__.py").exists():
+        return ""
+    return (
+        f" This trainloom is the source checkout {pkg_root.parent} (the current directory or "
+        f"PYTHONPATH comes first on sys.path), which is not built; an installed copy is at {installed}: "
+        "run Python from another directory to use it, or build the checkout."
+    )
+
+
 def import_compiled(name: str) -> ModuleType:
     """Import the compiled module ``name`` (e.g. ``"trainloom.optim._fused"``).
 
@@ -46,7 +66,11 @@ def import_compiled(name: str) -> ModuleType:
         where = _describe_dir(pkg_dir, parts[-1])
         src = Path(__file__).resolve().parent.parent / "pyx" / Path(*parts[1:]).with_suffix(".pyx")
         hint = f" Its source is {src}." if src.exists() else ""
-        msg = f"trainloom's compiled module {name!r} could not be imported ({exc}). {where}{hint}\n{_REBUILD}"
+        shadow = _shadow_hint(Path(__file__).resolve().parent)
+        msg = (
+            f"trainloom's compiled module {name!r} could not be imported ({exc}). {where}{hint}{shadow}\n"
+            f"{_REBUILD}"
+        )
         raise ImportError(msg, name=name, path=os.fspath(pkg_dir)) from exc
 
 

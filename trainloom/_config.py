@@ -37,6 +37,14 @@ def _nccl_status() -> Dict[str, Any]:
     return info
 
 
+def nccl_version_string(code: int) -> str:
+    """``ncclGetVersion()``'s code as a version: 23203 -> "2.32.3" (NCCL >= 2.9 encodes
+    major*10000 + minor*100 + patch, earlier releases major*1000 + minor*100 + patch)."""
+    if code >= 10000:
+        return f"{code // 10000}.{code % 10000 // 100}.{code % 100}"
+    return f"{code // 1000}.{code % 1000 // 100}.{code % 100}"
+
+
 def config() -> Dict[str, Any]:
     """The facts :func:`show_config` prints, as a dict (for tests and bug reports)."""
     import torch
@@ -104,7 +112,7 @@ def show_config(file: Optional[TextIO] = None) -> None:
     elif "error" in omp:
         omp_line += f" (compiled module missing: {omp['error'].splitlines()[0]})"
     if nccl.get("available"):
-        nccl_line = f"yes, {nccl['version']} at {nccl['path']}"
+        nccl_line = f"yes, {nccl_version_string(nccl['version'])} at {nccl['path']}"
     else:
         nccl_line = f"no ({nccl.get('reason', 'not found')})"
     lines = [

@@ -31,7 +31,10 @@ def tools_dir() -> Optional[Path]:
     env = os.environ.get("TRAINLOOM_TOOLS_DIR")
     candidates = [Path(env)] if env else []
     candidates.append(Path(__file__).resolve().parent.parent / "tools")
-    candidates.append(Path.cwd() / "tools")
+    # A trainloom checkout in the current directory (not any project's tools/: `trainloom bench x`
+    # must not run some other ./tools/bench_x.py).
+    if (Path.cwd() / "pyx").is_dir() and (Path.cwd() / "tools" / "benchutil.py").is_file():
+        candidates.append(Path.cwd() / "tools")
     for c in candidates:
         if c.is_dir() and any(c.glob("bench_*.py")):
             return c
@@ -102,14 +105,23 @@ def _build_parser() -> Tuple[argparse.ArgumentParser, Dict[str, str]]:
     for name, (module, help_text) in SUBCOMMANDS.items():
         try:
             mod = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name is None or not module.startswith(exc.name):
+        except ImportError as exc:
+            # Only trainloom's own parts missing (an optional module, or a compiled module that is
+            # missing or stale: import_compiled's message says how to rebuild) make a subcommand
+            # unavailable; anything else is a bug and raises.
+            missing = exc.name or ""
+            if not missing or not (module.startswith(missing) or missing.startswith("trainloom.")):
                 raise
-            unavailable[name] = f"{help_text} [unavailable: {module} is not in this build]"
+            if isinstance(exc, ModuleNotFoundError):
+                unavailable[name] = f"{help_text} [unavailable: {module} is not in this build]"
+            else:
+                unavailable[name] = f"{help_text} [unavailable: {str(exc).splitlines()[0]}]"
             continue
         p = sub.add_parser(name, help=help_text, description=(mod.__doc__ or help_text).strip())
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
+    if unavailable:
+        parser.epilog = "unavailable here: " + "; ".join(f"{n}: {why}" for n, why in unavailable.items())
     return parser, unavailable
 
 

@@ -548,7 +548,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="trainloom demo", description=__doc__.splitlines()[0])
+    # __doc__ is None under python -OO
+    p = argparse.ArgumentParser(prog="trainloom demo", description=(__doc__ or "").split("\n", 1)[0] or None)
     add_arguments(p)
     return run(p.parse_args(argv))
 

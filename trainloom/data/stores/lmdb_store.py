@@ -59,7 +59,7 @@ def _import_lmdb() -> Any:
         import lmdb
     except ImportError as exc:  # pragma: no cover - lmdb is a core dependency
         raise ImportError(
-            "LmdbStore needs the 'lmdb' package: pip install 'trainloom[lmdb]' (or lmdb)"
+            "LmdbStore needs the 'lmdb' package, a dependency of trainloom: pip install lmdb"
         ) from exc
     return lmdb
 
