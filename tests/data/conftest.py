@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from trainloom._locate import find_redis_server
-
-HAS_REDIS = find_redis_server() is not None
+from redisutil import HAS_REDIS, REASON
 
 
 def _start(**kw):
@@ -19,7 +16,7 @@ def _start(**kw):
 def redis_server():
     """One shared server for tests that do not break it (each test uses its own namespace)."""
     if not HAS_REDIS:
-        pytest.skip("needs a redis-server binary")
+        pytest.skip(REASON)
     srv = _start()
     yield srv
     srv.stop()
@@ -29,7 +26,7 @@ def redis_server():
 def own_redis():
     """A server per test, for tests that kill, pause or fill it."""
     if not HAS_REDIS:
-        pytest.skip("needs a redis-server binary")
+        pytest.skip(REASON)
     servers = []
 
     def make(**kw):

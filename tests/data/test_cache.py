@@ -16,16 +16,14 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from redisutil import requires_redis
 from torch.utils.data import DataLoader, Dataset
 
-from trainloom._locate import find_redis_server
 from trainloom.data.cache import CacheClosedError, CachedDataset, CacheLoader
 from trainloom.data.codec import CodecError, encode
 from trainloom.data.stores import LmdbStore, StoreError
 from trainloom.data.stores.base import StoreUnavailableError
 from trainloom.errors import ConfigError
-
-requires_redis = pytest.mark.skipif(find_redis_server() is None, reason="needs a redis-server binary")
 
 
 class CountingDataset(Dataset):

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from redisutil import requires_redis
 
-from trainloom._locate import find_redis_server
 from trainloom.cli import main
 from trainloom.data.cache import CacheLoader
 from trainloom.data.stores import StoreUnavailableError
-
-requires_redis = pytest.mark.skipif(find_redis_server() is None, reason="needs a redis-server binary")
 
 
 def test_cache_info_and_clear_lmdb(tmp_path, capsys):

@@ -1325,3 +1325,13 @@ def test_batch_fn_returning_a_ragged_batch():
         r"batch must be a non-empty list of indices$",
     ):
         list(LoadBalancingDistributedBatchSampler(s, batch_fn=lambda idx: [[idx[0], [idx[1]]]]))
+    # an object array (numpy < 1.24 makes one of a ragged batch, with a warning; None does on any)
+    with pytest.raises(
+        ConfigError,
+        match=r"batch_fn returned an empty or malformed batch \(batch 0, rank 0\): \[\d+, None\]; ",
+    ):
+        list(LoadBalancingDistributedBatchSampler(s, batch_fn=lambda idx: [[idx[0], None]]))
+    with pytest.raises(
+        ConfigError, match=r"^batch_fn returned non-integer indices \(batch 0, rank 0\): \[1.0, 2.0\]$"
+    ):
+        list(LoadBalancingDistributedBatchSampler(s, batch_fn=lambda idx: [[1.0, 2.0]]))

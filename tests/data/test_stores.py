@@ -11,14 +11,12 @@ import textwrap
 
 import pytest
 import torch
+from redisutil import requires_redis
 
-from trainloom._locate import find_redis_server
 from trainloom.data.cache import CacheLoader
 from trainloom.data.stores import ClusterStore, LmdbStore, Store, StoreError, StoreFullError, shard_of
 from trainloom.data.stores.base import StoreOutOfMemoryError, StoreUnavailableError
 from trainloom.errors import ConfigError
-
-requires_redis = pytest.mark.skipif(find_redis_server() is None, reason="needs a redis-server binary")
 
 
 def test_lmdb_basic_api(tmp_path):

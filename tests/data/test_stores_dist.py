@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import pytest
 from multiproc import run_ranks
-
-from trainloom._locate import find_redis_server
-
-requires_redis = pytest.mark.skipif(find_redis_server() is None, reason="needs a redis-server binary")
+from redisutil import requires_redis
 
 
 def _ranks_share_one_server(rank, world_size):

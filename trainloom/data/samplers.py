@@ -24,6 +24,7 @@ import math
 import numbers
 import operator
 import struct
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
@@ -36,6 +37,10 @@ from trainloom._warnings import warn_at_caller
 from trainloom.errors import ConfigError
 
 _P = import_compiled("trainloom.data._partition")
+
+#: numpy < 1.24 makes an object array of a ragged list (with a VisibleDeprecationWarning) where later
+#: versions raise ValueError; the batch check treats both as a malformed batch.
+_NP_RAGGED_WARNS = np.lib.NumpyVersion(np.__version__) < "1.24.0"
 
 log = logging.getLogger("trainloom.data")
 
@@ -1104,10 +1109,15 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
             batches = []
             for j, batch in enumerate(out):
                 try:
-                    arr = np.asarray(batch)
+                    if _NP_RAGGED_WARNS:
+                        with warnings.catch_warnings():
+                            warnings.simplefilter("ignore")
+                            arr = np.asarray(batch)
+                    else:
+                        arr = np.asarray(batch)
                 except ValueError:  # ragged: a batch holding lists
                     arr = np.empty((0, 0))
-                if arr.ndim != 1 or arr.size == 0:
+                if arr.ndim != 1 or arr.size == 0 or arr.dtype == object:
                     raise ConfigError(
                         f"batch_fn returned an empty or malformed batch (batch {j}, rank {r}): {batch!r}; "
                         "every batch must be a non-empty list of indices"
