@@ -1470,9 +1470,16 @@ cdef class Engine:
             self._set_abort(A_USER)
 
     def close(self):
-        """Mark this rank closed for its peers and unmap. Idempotent."""
+        """Mark this rank closed for its peers and unmap. Idempotent. In a forked child (``os.fork()``
+        after the communicator was made) only the child's mapping goes: the rank is the parent's."""
         cdef double t0
         if self.st.base == NULL or self.closed:
+            return
+        if getpid() != self.pid:
+            self.closed = 1
+            if self.exports == 0:
+                munmap(self.st.base, self.st.total)
+                self.st.base = NULL
             return
         if self.busy or self.p2p_running:
             # another thread is inside an op: make its waits give up, then wait for it to leave

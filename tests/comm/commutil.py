@@ -1500,3 +1500,81 @@ def getter_on_one_rank(rank: int, ws: int) -> Dict[str, Any]:
     else:
         time.sleep(5)
     return out
+
+
+def script_patterns(rank: int, ws: int, engine: str) -> Dict[str, Any]:
+    """Tensors and call patterns of real training scripts (found by a probe): a reshaped output,
+    reduce_scatter into its own buffer, asynchronous results into non-contiguous views without a
+    wait(), tensors made under inference_mode, op numbers after sends, a child made by os.fork()."""
+    os.environ["TRAINLOOM_CPU_ENGINE"] = "auto" if engine == "shm" else engine
+    C.init_process_group(timeout=20)
+    out: Dict[str, Any] = {"engine": C.get_default_group().get_global_communicator().cpu_engine_kind()}
+    total = float(sum(range(1, ws + 1)))
+    # recv of another shape, same count (gloo broadcast send's shape onto recv's and failed)
+    g = torch.full((2, 4), float(rank + 1))
+    flat = torch.zeros(8)
+    C.allreduce(g, flat)
+    red = torch.zeros(8)
+    C.reduce(g, red, 0)
+    out["reshaped"] = (flat.tolist(), red.tolist())
+    # reduce_scatter into a chunk of its own send buffer (shm refused it on some ranks only)
+    buf = torch.arange(4.0 * ws) + rank
+    C.reduce_scatter(buf, buf[0:4])
+    out["rs_own_chunk"] = buf[0:4].tolist()
+    # asynchronous results into non-contiguous views: done when is_completed() says so, after a later
+    # synchronous call, and at destroy, without a wait()
+    m = torch.full((4, 3), float(rank + 1))
+    w = C.allreduce_inplace(m[:, 0], async_op=True)
+    deadline = time.monotonic() + 20
+    while not w.is_completed() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    out["completed_col"] = m[:, 0].tolist()
+    C.allreduce_inplace(m[:, 1], async_op=True)
+    C.barrier()
+    out["after_barrier_col"] = m[:, 1].tolist()
+    s = torch.full((2, 2 * ws), float(rank + 1)).t()  # reduce_scatter_inplace on a transposed view
+    w = C.reduce_scatter_inplace(s, async_op=True)
+    while not w.is_completed() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    out["rs_inplace_view"] = s.tolist()
+    # eval metrics made under inference_mode, reduced outside it
+    with torch.inference_mode():
+        conf = torch.full((3, 3), float(rank + 1))
+    C.allreduce_inplace(conf.t())
+    C.broadcast(conf[:, 0], 0)
+    out["inference"] = conf.tolist()
+    # collectives keep equal numbers on every rank after sends and receives
+    if ws >= 2 and rank in (0, 1):
+        for _ in range(3):
+            if rank == 0:
+                C.send(torch.ones(2), 1)
+            else:
+                C.recv(torch.zeros(2), 0)
+    comm = C.get_default_group().get_global_communicator()
+    if engine == "shm":
+        seq = torch.tensor([float(comm._cpu._seq)])
+        seqs = torch.zeros(ws)
+        C.allgather(seq, seqs)
+        out["seqs"] = seqs.tolist()
+    # a child forked after init that exits normally (atexit) must leave the parent's rank open
+    if rank == 0:
+        pid = os.fork()
+        if pid == 0:
+            from trainloom.comm import group
+
+            group._destroy_at_exit()  # what the child's interpreter exit runs
+            os._exit(0)
+        os.waitpid(pid, 0)
+        time.sleep(0.5)  # the other ranks wait for this one in the next collective
+    t = torch.ones(2)
+    try:
+        C.allreduce_inplace(t)
+        out["after_fork"] = t.tolist()
+    except CommError as exc:
+        out["after_fork"] = f"{type(exc).__name__}: {exc}"
+    last = m[:, 2]
+    C.allreduce_inplace(last, async_op=True)  # never waited
+    C.destroy_process_group()
+    out["destroyed_col"] = last.tolist()
+    out["total"] = total
+    return out

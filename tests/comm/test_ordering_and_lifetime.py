@@ -20,6 +20,7 @@ from commutil import (
     p2p_exchange,
     p2p_recv_timeout,
     reinit_keeping_groups,
+    script_patterns,
     shm_segments,
     store_host_gone,
     store_port_in_use,
@@ -289,3 +290,29 @@ def test_ctrl_c_with_an_async_receive_in_flight_exits_now_and_peers_fail_fast(tm
     assert "KeyboardInterrupt" in out.stderr, out.stderr[-2000:]
     expected = "rank 1: CommError the communicator was aborted by rank 0 (abort() was called)"
     assert expected in out.stdout, (out.stdout, out.stderr[-2000:])
+
+
+@pytest.mark.parametrize("engine", ["gloo", "shm"])
+def test_patterns_of_real_training_scripts(engine):
+    """Found by a probe; each used to fail on one engine or silently leave an old value:
+    gloo refused a recv of another shape (same count) with torch's broadcasting error, and reduce then
+    left the other ranks waiting for the timeout; shm refused reduce_scatter into a chunk of its own
+    send buffer on some ranks only; an asynchronous result into a non-contiguous view was written only
+    by wait() (is_completed(), a later barrier and destroy saw the old values); a tensor made under
+    inference_mode raised after the exchange; shm numbered collectives differently on ranks that had
+    sent; a child made by os.fork() that exited normally closed its parent's rank for every peer."""
+    ws = 3
+    res = run_ranks(script_patterns, ws, engine, timeout=120)
+    total = float(sum(range(1, ws + 1)))
+    for rank, r in enumerate(res):
+        assert r["engine"] == engine
+        assert r["reshaped"] == ([total] * 8, [total] * 8 if rank == 0 else [0.0] * 8)
+        assert r["rs_own_chunk"] == [ws * (4 * rank + i) + ws * (ws - 1) / 2 for i in range(4)]
+        assert r["completed_col"] == r["after_barrier_col"] == r["destroyed_col"] == [total] * 4
+        assert r["rs_inplace_view"] == [
+            [total] * 2 if row // 2 == rank else [float(rank + 1)] * 2 for row in range(2 * ws)
+        ]
+        assert r["inference"] == [[total] * 3] * 3
+        assert r["after_fork"] == [float(ws)] * 2
+        if engine == "shm":
+            assert len(set(r["seqs"])) == 1, r["seqs"]

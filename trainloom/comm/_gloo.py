@@ -436,7 +436,7 @@ class GlooEngine:
         seq = self._begin("allreduce")
         self._agree("allreduce", seq, make_header("allreduce", seq, send, op=op), timeout)
         if recv.data_ptr() != send.data_ptr():
-            recv.copy_(send)
+            recv.view(-1).copy_(send.view(-1))  # same count, maybe another shape (as on shm)
         if recv.numel():
             self._reduce_buffer(recv, op, "allreduce", seq, timeout)
 
@@ -449,7 +449,7 @@ class GlooEngine:
             return
         if self.rank == dst:
             if recv.data_ptr() != send.data_ptr():
-                recv.copy_(send)
+                recv.view(-1).copy_(send.view(-1))  # same count, maybe another shape (as on shm)
             buf = recv
         else:
             buf = send.clone()  # gloo uses non-root buffers as scratch; never touch the caller's input

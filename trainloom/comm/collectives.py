@@ -343,7 +343,7 @@ class _Staged:
         def _copy_back() -> None:
             with torch.no_grad():
                 for dst, src in back:
-                    dst.copy_(src)
+                    _write(dst, src)
 
         return _copy_back
 
@@ -379,11 +379,21 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride())
 
 
+def _write(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``, also into a tensor made under ``torch.inference_mode()`` (an eval metric):
+    torch refuses in-place updates of those outside inference mode, and the engines write them."""
+    if dst.is_inference():
+        with torch.inference_mode():
+            dst.copy_(src)
+    else:
+        dst.copy_(src)
+
+
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     if _same_view(dst, src):
         return
     src = src.reshape(dst.shape)
-    dst.copy_(src.clone() if _overlaps(src, dst) else src)
+    _write(dst, src.clone() if _overlaps(src, dst) else src)
 
 
 # --------------------------------------------------------------------------- reductions
@@ -765,6 +775,8 @@ def reduce_scatter(
         return _local(async_op, r, lambda: _copy(r, s))
     st = _Staged(name)
     sc = st.input(s)
+    if _overlaps(sc, r):  # e.g. into a chunk of its own send buffer (other chunks are still read)
+        sc = sc.clone()
     rc = st.output(r, load=False)
     return _go(
         c, name, _where(s), lambda e: e.reduce_scatter(sc, rc, int(o)), async_op, r, st, (sc, rc), (r, int(o))
@@ -815,15 +827,16 @@ def reduce_scatter_inplace(
 
     def _write_back() -> None:
         with torch.no_grad():
-            t.copy_(owner)
+            _write(t, owner)
 
-    return _then(work, _write_back, async_op, t)
+    return _then(c, work, _write_back, async_op, t)
 
 
 def _then(
-    work: Optional[Work], after: Callable[[], None], async_op: bool, result: torch.Tensor
+    comm: Communicator, work: Optional[Work], after: Callable[[], None], async_op: bool, result: torch.Tensor
 ) -> Optional[Work]:
-    """Run ``after`` once ``work`` completed (inside ``wait()`` when asynchronous)."""
+    """Run ``after`` once ``work`` completed: for a CPU tensor as the next operation of ``comm``'s
+    worker (so that it is done without a wait(), as the operation itself is), else in ``wait()``."""
     if work is None:
         after()
         return CompletedWork("local", result) if async_op else None
@@ -831,6 +844,13 @@ def _then(
         work.wait()
         after()
         return None
+    if result.is_cpu:
+
+        def then(_engine: Any) -> None:
+            work.wait()  # done already (the worker runs operations in order); re-raises its error
+            after()
+
+        return comm.execute(work.op_name, "cpu", then, True, result, needs_engine=False)
     return _ChainedWork(work, after, result)
 
 

@@ -75,6 +75,8 @@ class _State:
     groups: List[ProcessGroup] = dataclasses.field(default_factory=list)
     names: Dict[str, int] = dataclasses.field(default_factory=dict)
     owns_torch_pg: bool = False
+    # the process that initialised the default group (a forked child inherits it, not its use)
+    pid: int = -1
     generation: int = 0
     # The store key namespace of this generation: "tl/<generation>", plus "r<n>." under torchrun's
     # n-th restart (its agent store keeps the earlier attempts' keys: see _namespace).
@@ -507,6 +509,10 @@ class Communicator:
                         fn(None)
                     else:
                         fn(self._cpu if self._cpu is not None else self.engine(device))
+                    if async_op and finish is not None:
+                        # The copy into a non-contiguous output is part of the operation: is_completed(),
+                        # a later operation and destroy_process_group() see it done without a wait().
+                        finish()
                 except CommError as exc:
                     self._annotate(exc)
                     raise
@@ -539,7 +545,7 @@ class Communicator:
                         self._p2p_executors[queue] = executor
                     fut = executor.submit(run, deps)
                     self._p2p_last[queue] = fut
-            return FutureWork(opname, fut, result, finish)
+            return FutureWork(opname, fut, result)
         # (not from inside a running operation: a composite op calling this communicator would
         # otherwise wait for itself)
         if not inside:
@@ -1023,6 +1029,7 @@ def init_process_group(
     _STATE.groups = []
     pg = ProcessGroup(list(range(launch.world_size)), None, "default")
     _STATE.default = pg
+    _STATE.pid = os.getpid()
     _STATE.groups.append(pg)
     if not _ATEXIT:
         atexit.register(_destroy_at_exit)
@@ -1035,7 +1042,9 @@ def init_process_group(
 
 
 def _destroy_at_exit() -> None:
-    if _STATE.default is not None:
+    # Not in a child made with os.fork() after init: the process group is the parent's (destroying
+    # it closed the parent's rank for every peer).
+    if _STATE.default is not None and _STATE.pid == os.getpid():
         destroy_process_group()
 
 
@@ -1045,7 +1054,7 @@ def _abort_pending_on_failed_exit() -> None:
     their peers fail fast, instead of both waiting for that work's timeout (the interpreter joins
     the worker threads before atexit runs). A normal exit keeps waiting: work every rank issued
     completes."""
-    if getattr(sys, "last_value", None) is None:
+    if getattr(sys, "last_value", None) is None or _STATE.pid != os.getpid():
         return
     for pg in list(_STATE.groups):
         for c in (pg._global, pg._intra, pg._inter):

@@ -349,6 +349,7 @@ class ShmCommunicator:
         self.world_size = world_size
         self.prefix = prefix
         self._seq = 0
+        self._p2p_seq = 0
         self._heap_used = 0
         self._heap_lock = threading.Lock()
         self._saved_affinity: Optional[set] = None
@@ -800,6 +801,12 @@ class ShmCommunicator:
         # shape: a torch.Size (a tuple of ints) or (); the core keeps the first 8 dims for messages
         self._seq += 1
         return (kind, self._seq, dcode, redop, root, numel, extra, shape)
+
+    def _p2p_desc(self, dcode: int, numel: int, shape: Any) -> tuple:
+        # Sends and receives are numbered apart from the collectives, whose numbers then stay equal
+        # on every rank (messages and CommTimeoutError.seq name the same call), as on gloo.
+        self._p2p_seq += 1
+        return (_shm.OP_SEND, self._p2p_seq, dcode, -1, -1, numel, 0, shape)
 
     def _fmt_desc(self, d: Dict[str, Any], small: bool = False) -> str:
         """One rank's descriptor for a message; ``small``: add its small_bytes (allreduce/reduce)."""
@@ -1387,7 +1394,7 @@ class ShmCommunicator:
             dcode = self._tensor("send", "tensor", tensor)[0]
             dst = self._check_rank("send", "dst", dst, allow_self=False)
             t = self._deadline(timeout)
-            d = self._desc(_shm.OP_SEND, dcode, -1, -1, tensor.numel(), 0, tensor.shape)
+            d = self._p2p_desc(dcode, tensor.numel(), tensor.shape)
             rc = eng.send(d, tensor.data_ptr(), tensor.numel() * tensor.element_size(), dst, t)
             if rc:
                 self._raise(rc, "send", d[1], t, peer=dst)
@@ -1408,7 +1415,7 @@ class ShmCommunicator:
             dcode = self._tensor("recv", "tensor", tensor)[0]
             src = self._check_rank("recv", "src", src, allow_self=False)
             t = self._deadline(timeout)
-            d = self._desc(_shm.OP_SEND, dcode, -1, -1, tensor.numel(), 0, tensor.shape)
+            d = self._p2p_desc(dcode, tensor.numel(), tensor.shape)
             rc = eng.recv(d, tensor.data_ptr(), tensor.numel() * tensor.element_size(), src, t)
             if rc:
                 self._raise(rc, "recv", d[1], t, peer=src)
