@@ -858,16 +858,20 @@ def _connect_store(launch: LaunchEnv, host: bool, timeout: float) -> Any:
     deadline = time.monotonic() + timeout
     while True:
         left = datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001))
-        base = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size, host, timeout=left)
+        base = None
+        addr, port = launch.master_addr, launch.master_port
         try:
+            base = dist.TCPStore(addr, port, launch.world_size, host, timeout=left)
             if host or _use_agent_store() or not base.check([_DESTROYED_KEY]):
                 base.set_timeout(datetime.timedelta(seconds=timeout))
                 return base
         except RuntimeError:
-            # The earlier generation's server closed while this client asked it ("Failed to recv,
-            # got 0 bytes"): rank 0 is re-creating it; connect again (this raised at once, and rank 0
-            # then waited for this client for the whole timeout: seen once in a full test run).
-            if time.monotonic() >= deadline:
+            # The earlier generation's server closed while this client connected to it or asked it
+            # ("Failed to recv, got 0 bytes"): rank 0 is re-creating it; connect again (this raised
+            # at once, and rank 0 then waited for this client for the whole timeout: seen in full
+            # test runs, in the constructor's handshake as well as in the check). The host's own
+            # store and connection failures until the deadline raise as before.
+            if host or time.monotonic() >= deadline:
                 raise
         del base
         if time.monotonic() >= deadline:
