@@ -1532,6 +1532,11 @@ def script_patterns(rank: int, ws: int, engine: str) -> Dict[str, Any]:
     C.allreduce_inplace(m[:, 1], async_op=True)
     C.barrier()
     out["after_barrier_col"] = m[:, 1].tolist()
+    h = torch.full((4, 2), float(rank + 1))
+    w = C.allreduce(h[:, 0], h[:, 0], async_op=True, hierarchical=True)
+    while not w.is_completed() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    out["hier_col"] = h[:, 0].tolist()
     s = torch.full((2, 2 * ws), float(rank + 1)).t()  # reduce_scatter_inplace on a transposed view
     w = C.reduce_scatter_inplace(s, async_op=True)
     while not w.is_completed() and time.monotonic() < deadline:

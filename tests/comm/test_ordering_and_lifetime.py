@@ -309,6 +309,7 @@ def test_patterns_of_real_training_scripts(engine):
         assert r["reshaped"] == ([total] * 8, [total] * 8 if rank == 0 else [0.0] * 8)
         assert r["rs_own_chunk"] == [ws * (4 * rank + i) + ws * (ws - 1) / 2 for i in range(4)]
         assert r["completed_col"] == r["after_barrier_col"] == r["destroyed_col"] == [total] * 4
+        assert r["hier_col"] == [total] * 4
         assert r["rs_inplace_view"] == [
             [total] * 2 if row // 2 == rank else [float(rank + 1)] * 2 for row in range(2 * ws)
         ]

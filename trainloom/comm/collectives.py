@@ -620,10 +620,11 @@ def _hierarchical_async(
     if leader and inter is not None:
         w = inter.execute(name, cpu, across(dep), True, None, after=[dep])
         dep = w._future  # type: ignore[union-attr]
-    w = intra.execute(name, cpu, fan_out(dep), True, None, after=[dep], needs_engine=not one)
+    # the copy into a non-contiguous output runs on the worker as the last step's end, as for flat calls
+    w = intra.execute(name, cpu, fan_out(dep), True, None, st.finish(), after=[dep], needs_engine=not one)
     last = w._future  # type: ignore[union-attr]
     c.set_fence(last)  # later calls on the global communicator wait for the whole operation
-    return FutureWork(name, last, r, st.finish())
+    return FutureWork(name, last, r)
 
 
 def reduce(
