@@ -49,6 +49,24 @@ def _replace_step(opt: torch.optim.Optimizer, params: list) -> None:
         st["step"] = torch.zeros_like(st["step"])
 
 
+def _train_twins(make: Callable, reset: Callable) -> tuple:
+    """Seven steps of ``make(params)`` stepped by torch and, on twin parameters, fused; ``reset`` is
+    applied to both before the fifth step. Returns (ref params, fused params, ref opt, fused opt)."""
+    ref = make_params(gap=False)
+    fus = twin(ref)
+    opt_r, opt_f = make(ref), fuse_optimizer(make(fus))
+    for s in range(7):
+        if s == 4:
+            reset(opt_r, ref)
+            reset(opt_f, fus)
+        grads = make_grads(ref, s, none_every=0)
+        set_grads(ref, grads)
+        set_grads(fus, grads)
+        opt_r.step()
+        opt_f.fuse_step()
+    return ref, fus, opt_r, opt_f
+
+
 _RESETS = [_clear_all, _delete_one, _new_dict, _empty_dict, _replace_tensors, _replace_step]
 
 
@@ -65,19 +83,7 @@ def test_state_reset_by_hand_is_seen(name: str, reset: Callable) -> None:
     # A warm restart or a re-initialised layer drops or replaces optimizer state between two steps;
     # torch then starts it afresh or steps the new tensors. fuse_step's fast path used to keep
     # stepping the old flat state, and state_dict() then lacked those parameters.
-    make = OPTIMIZERS[name]
-    ref = make_params(gap=False)
-    fus = twin(ref)
-    opt_r, opt_f = make(ref), fuse_optimizer(make(fus))
-    for s in range(7):
-        if s == 4:
-            reset(opt_r, ref)
-            reset(opt_f, fus)
-        grads = make_grads(ref, s, none_every=0)
-        set_grads(ref, grads)
-        set_grads(fus, grads)
-        opt_r.step()
-        opt_f.fuse_step()
+    ref, fus, opt_r, opt_f = _train_twins(OPTIMIZERS[name], reset)
     assert_bitwise(ref, fus)
     sd_r, sd_f = opt_r.state_dict()["state"], opt_f.state_dict()["state"]
     assert sorted(sd_r) == sorted(sd_f) == list(range(len(ref)))
@@ -89,19 +95,11 @@ def test_state_reset_by_hand_is_seen(name: str, reset: Callable) -> None:
 @pytest.mark.parametrize("which", ["all", "one"])
 def test_step_counter_reset_in_place_is_seen(which: str) -> None:
     # st["step"].zero_() restarts Adam's bias correction; the fast path used its cached step count.
-    ref = make_params(gap=False)
-    fus = twin(ref)
-    opt_r, opt_f = torch.optim.Adam(ref, lr=1e-2), fuse_optimizer(torch.optim.Adam(fus, lr=1e-2))
-    for s in range(7):
-        if s == 4:
-            for opt, ps in ((opt_r, ref), (opt_f, fus)):
-                for p in ps if which == "all" else ps[3:4]:
-                    opt.state[p]["step"].zero_()
-        grads = make_grads(ref, s, none_every=0)
-        set_grads(ref, grads)
-        set_grads(fus, grads)
-        opt_r.step()
-        opt_f.fuse_step()
+    def zero_steps(opt: torch.optim.Optimizer, ps: list) -> None:
+        for p in ps if which == "all" else ps[3:4]:
+            opt.state[p]["step"].zero_()
+
+    ref, fus, opt_r, opt_f = _train_twins(lambda ps: torch.optim.Adam(ps, lr=1e-2), zero_steps)
     assert_bitwise(ref, fus)
     assert [float(opt_f.state[p]["step"]) for p in fus] == [float(opt_r.state[p]["step"]) for p in ref]
 
