@@ -1542,6 +1542,38 @@ def script_patterns(rank: int, ws: int, engine: str) -> Dict[str, Any]:
     while not w.is_completed() and time.monotonic() < deadline:
         time.sleep(0.001)
     out["rs_inplace_view"] = s.tolist()
+    # composite operations unpack their results after the exchange (the early torch.distributed list
+    # API, ColossalAI's all_gather along a dim, Bluefog's neighbour ops): done when is_completed()
+    # says so and after a later barrier, without a wait(); also for tensors made under inference_mode
+    import trainloom.comm.classic as tdist
+    from trainloom.comm import colossal, neighbor
+    from trainloom.comm.topology import RingGraph, set_topology
+
+    def _done(work: Any) -> None:
+        while not work.is_completed() and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    mine = torch.full((2,), float(rank + 1))
+    outs = [torch.zeros(2) for _ in range(ws)]
+    _done(tdist.all_gather(outs, mine, async_op=True))
+    gathered = [torch.zeros(2) for _ in range(ws)] if rank == 0 else None
+    tdist.gather(mine, 0, gathered, async_op=True)
+    C.barrier()
+    cat, w = colossal.all_gather(mine.view(2, 1), dim=1, async_op=True)
+    _done(w)
+    out["composite_lists"] = (
+        [o.tolist() for o in outs],
+        [o.tolist() for o in gathered] if gathered is not None else None,
+        cat.tolist(),
+    )
+    set_topology(RingGraph(ws))  # with 3 ranks every rank is a neighbour: the mean of all ranks
+    small = neighbor.neighbor_allreduce_async(torch.full((3,), float(rank + 1)))  # allgather path
+    large = neighbor.neighbor_allreduce_async(torch.full((16384,), float(rank + 1)))  # exchange path
+    with torch.inference_mode():
+        inf = neighbor.neighbor_allreduce_async(torch.full((3,), float(rank + 1)))
+    for w in (small, large, inf):
+        _done(w)
+    out["composite_neighbor"] = [sorted(set(w.tensor.tolist())) for w in (small, large, inf)]
     # eval metrics made under inference_mode, reduced outside it
     with torch.inference_mode():
         conf = torch.full((3, 3), float(rank + 1))

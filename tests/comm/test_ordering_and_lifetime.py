@@ -300,7 +300,9 @@ def test_patterns_of_real_training_scripts(engine):
     send buffer on some ranks only; an asynchronous result into a non-contiguous view was written only
     by wait() (is_completed(), a later barrier and destroy saw the old values); a tensor made under
     inference_mode raised after the exchange; shm numbered collectives differently on ranks that had
-    sent; a child made by os.fork() that exited normally closed its parent's rank for every peer."""
+    sent; a child made by os.fork() that exited normally closed its parent's rank for every peer;
+    composite operations (list all_gather/gather, ColossalAI all_gather along dim 1, neighbour
+    allreduce) unpacked their results only in wait()."""
     ws = 3
     res = run_ranks(script_patterns, ws, engine, timeout=120)
     total = float(sum(range(1, ws + 1)))
@@ -314,6 +316,11 @@ def test_patterns_of_real_training_scripts(engine):
             [total] * 2 if row // 2 == rank else [float(rank + 1)] * 2 for row in range(2 * ws)
         ]
         assert r["inference"] == [[total] * 3] * 3
+        ranks = [[float(q + 1)] * 2 for q in range(ws)]
+        along_dim1 = [[float(q + 1) for q in range(ws)]] * 2
+        assert r["composite_lists"] == (ranks, ranks if rank == 0 else None, along_dim1)
+        for values in r["composite_neighbor"]:  # small (allgather path), large (exchange), inference
+            assert len(values) == 1 and values[0] == pytest.approx(total / ws), r["composite_neighbor"]
         assert r["after_fork"] == [float(ws)] * 2
         if engine == "shm":
             assert len(set(r["seqs"])) == 1, r["seqs"]

@@ -43,7 +43,7 @@ from trainloom.comm import collectives as _core
 from trainloom.comm import group as _group
 from trainloom.comm.collectives import ReduceOp
 from trainloom.comm.group import Communicator, ProcessGroup
-from trainloom.comm.neighbor import ThenWork
+from trainloom.comm.neighbor import then_work
 from trainloom.comm.topology import group_rank_of as _local
 from trainloom.comm.topology import resolve_comm
 from trainloom.comm.work import CompletedWork, Work
@@ -360,7 +360,7 @@ def _check_list(lst: Any, n: int, like: torch.Tensor, arg: str, opname: str) -> 
 def _unpack(flat: torch.Tensor, outs: List[torch.Tensor]) -> None:
     k = flat.numel() // max(len(outs), 1)
     for i, o in enumerate(outs):
-        o.copy_(flat[i * k : (i + 1) * k].view(o.shape))
+        _core._write(o, flat[i * k : (i + 1) * k].view(o.shape))
 
 
 def all_gather(
@@ -382,7 +382,7 @@ def all_gather(
     outs = _check_list(tensor_list, c.nranks(), t, "tensor_list", opname)
     flat = torch.empty(c.nranks() * t.numel(), dtype=t.dtype, device=t.device)
     inner = _core.allgather(t, flat, comm=c, async_op=True)
-    return _sync(ThenWork(opname, inner, lambda: _unpack(flat, outs), None), async_op)
+    return _sync(then_work(c, opname, inner, lambda: _unpack(flat, outs), None), async_op)
 
 
 def gather(
@@ -408,7 +408,7 @@ def gather(
         outs = _check_list(gather_list, c.nranks(), t, "gather_list", opname)
         flat = torch.empty(c.nranks() * t.numel(), dtype=t.dtype, device=t.device)
         inner = _core.gather(t, flat, d, comm=c, async_op=True)
-        return _sync(ThenWork(opname, inner, lambda: _unpack(flat, outs), None), async_op)
+        return _sync(then_work(c, opname, inner, lambda: _unpack(flat, outs), None), async_op)
     if gather_list:
         raise ValueError(f"{opname}: gather_list must be empty on rank {me_global}, which is not dst={dst}")
     return _sync(_core.gather(t, None, d, comm=c, async_op=True), async_op)  # type: ignore[arg-type]

@@ -834,29 +834,43 @@ def reduce_scatter_inplace(
 
 
 def _then(
-    comm: Communicator, work: Optional[Work], after: Callable[[], None], async_op: bool, result: torch.Tensor
+    comm: Communicator,
+    work: Optional[Work],
+    after: Callable[[], None],
+    async_op: bool,
+    result: Optional[torch.Tensor],
+    op_name: Optional[str] = None,
 ) -> Optional[Work]:
-    """Run ``after`` once ``work`` completed: for a CPU tensor as the next operation of ``comm``'s
-    worker (so that it is done without a wait(), as the operation itself is), else in ``wait()``."""
-    if work is None:
+    """Run ``after`` (local copies or arithmetic into the results) once ``work`` completed.
+
+    A CPU operation (a :class:`FutureWork`) runs ``after`` as the next operation of ``comm``'s worker,
+    so the results are complete when ``is_completed()`` says so, before any later collective on
+    ``comm`` and at destroy, without a ``wait()``, as the operation itself is; it runs in the issuing
+    thread's inference mode (tensors made under ``torch.inference_mode()`` can only be updated in
+    it). A CUDA operation runs ``after`` in ``wait()``. ``op_name`` names the returned Work
+    (default: ``work``'s).
+    """
+    if work is None or isinstance(work, CompletedWork):
         after()
-        return CompletedWork("local", result) if async_op else None
+        return CompletedWork(op_name or "local", result) if async_op else None
     if not async_op:
         work.wait()
         after()
         return None
-    if result.is_cpu:
+    if isinstance(work, FutureWork):
+        inference = torch.is_inference_mode_enabled()
 
         def then(_engine: Any) -> None:
             work.wait()  # done already (the worker runs operations in order); re-raises its error
-            after()
+            with torch.inference_mode(inference):
+                after()
 
-        return comm.execute(work.op_name, "cpu", then, True, result, needs_engine=False)
+        return comm.execute(op_name or work.op_name, "cpu", then, True, result, needs_engine=False)
     return _ChainedWork(work, after, result)
 
 
 class _ChainedWork(Work):
-    def __init__(self, inner: Work, after: Callable[[], None], result: torch.Tensor) -> None:
+    def __init__(self, inner: Work, after: Callable[[], None], result: Optional[torch.Tensor]) -> None:
         super().__init__(inner.op_name, result)
         self._inner = inner
         self._after: Optional[Callable[[], None]] = after

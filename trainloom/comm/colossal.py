@@ -30,7 +30,7 @@ from trainloom.comm import collectives as _core
 from trainloom.comm.collectives import ReduceOp
 from trainloom.comm.env import as_int
 from trainloom.comm.group import Communicator, ProcessGroup
-from trainloom.comm.neighbor import ThenWork
+from trainloom.comm.neighbor import then_work
 from trainloom.comm.topology import group_rank_of as _local_rank
 from trainloom.comm.topology import resolve_comm
 from trainloom.comm.work import CompletedWork, Work
@@ -146,7 +146,7 @@ def all_gather(tensor: torch.Tensor, dim: int, parallel_mode: Any = None, async_
     def place() -> None:
         out.copy_(buf.movedim(0, d).reshape(new_shape))
 
-    return _ret(out, ThenWork(opname, inner, place, out), async_op)
+    return _ret(out, then_work(c, opname, inner, place, out), async_op)
 
 
 def reduce_scatter(

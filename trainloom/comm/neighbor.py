@@ -75,7 +75,9 @@ class ThenWork(Work):
     """A Work that runs ``after`` once ``inner`` finished (in the thread that waits).
 
     ``inner`` None means the data movement already finished. ``is_completed()`` is the inner
-    operation's; ``after`` is local arithmetic or copies that :meth:`wait` runs once.
+    operation's; ``after`` is local arithmetic or copies that :meth:`wait` runs once. The operations
+    of this package use :func:`then_work`, which runs ``after`` of a CPU operation on the
+    communicator's worker instead (so it is done when ``is_completed()`` says so).
     """
 
     def __init__(
@@ -98,8 +100,24 @@ class ThenWork(Work):
         return True if self._inner is None else self._inner.is_completed()
 
 
-def _then(op_name: str, inner: Optional[Work], after: Optional[Callable[[], None]], result: Any) -> Work:
-    return ThenWork(op_name, inner, after, result)
+def then_work(
+    c: Communicator, op_name: str, inner: Work, after: Optional[Callable[[], None]], result: Any
+) -> Work:
+    """``inner`` followed by ``after`` (local arithmetic or copies into the results), as one Work.
+
+    For a CPU operation ``after`` runs on ``c``'s worker right after ``inner``: the results are
+    complete when ``is_completed()`` (or :func:`poll`) says so, before any later collective on ``c``
+    and at destroy, as torch.distributed's CPU Work guarantees. For CUDA it runs in ``wait()``.
+    """
+    if after is None:
+        return ThenWork(op_name, inner, None, result)
+
+    def run() -> None:
+        with torch.no_grad():
+            after()
+
+    work = _core._then(c, inner, run, True, result, op_name)
+    return work if work is not None else CompletedWork(op_name, result)
 
 
 # ---------------------------------------------------------------------------- handles
@@ -270,7 +288,7 @@ def neighbor_allreduce_async(
         if acc is not out:
             out.copy_(acc)
 
-    return _then(opname, inner, combine, out)
+    return then_work(c, opname, inner, combine, out)
 
 
 def _exchange(c: Communicator, topo: Any, me: int, flat: torch.Tensor) -> tuple:
@@ -365,9 +383,9 @@ def neighbor_allgather_async(tensor: torch.Tensor, name: Optional[str] = None, c
         def pick() -> None:
             torch.index_select(buf.view(n, numel), 0, index, out=out.view(k, numel))
 
-        return _then(opname, inner, pick, out)
+        return then_work(c, opname, inner, pick, out)
     buf, inner = _exchange(c, topo, me, flat)
-    return _then(opname, inner, None, buf.view(shape))
+    return then_work(c, opname, inner, None, buf.view(shape))
 
 
 def neighbor_allgather(
