@@ -396,20 +396,21 @@ def mismatches(rank: int, ws: int, engine: str) -> Dict[str, str]:
 
 
 def late_rank(rank: int, ws: int, engine: str) -> Dict[str, Any]:
-    """Rank 1 never calls the second allreduce: the others time out naming the op and rank 1."""
+    """Rank 1 never calls the second allreduce and rank 2 calls it 1.2 s after rank 0: the others
+    time out naming the op and rank 1 only."""
     os.environ["TRAINLOOM_CPU_ENGINE"] = "auto" if engine == "shm" else engine
     C.init_process_group(timeout=2)
     C.allreduce_inplace(torch.ones(2))
     res: Dict[str, Any] = {}
+    if rank == 2:
+        time.sleep(1.2)
     if rank != 1:
         t0 = time.monotonic()
         res["error"] = _expect(C.allreduce_inplace, CommError, torch.ones(2))
         res["seconds"] = time.monotonic() - t0
-    store = C.group._STATE.store  # rank 1 waits (through the store) until the others gave up
-    if rank != 1:
-        store.set(f"late_done/{rank}", "1")
-    else:
-        store.wait([f"late_done/{r}" for r in range(ws) if r != 1], datetime.timedelta(seconds=30))
+    store = C.group._STATE.store  # every rank waits (through the store) until the others gave up
+    store.set(f"late_done/{rank}", "1")  # (rank 0 hosts the store: it must not exit first)
+    store.wait([f"late_done/{r}" for r in range(ws)], datetime.timedelta(seconds=30))
     C.destroy_process_group()
     return res
 

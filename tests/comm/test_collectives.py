@@ -107,6 +107,14 @@ def test_missing_rank_times_out_instead_of_hanging(engine):
     # shm engine aborts the communicator at the first timeout, so the other rank may see that abort).
     assert timeouts, res
     assert any("#2" in e and "[1]" in e for e in timeouts), timeouts
+    if engine == "gloo":
+        # Both report it, and rank 0 does not name rank 2, which arrived 1.2 s after it (gloo learns
+        # arrivals from the other ranks' timeouts: a census of 1 s named [1, 2]).
+        for rank in (0, 2):
+            assert res[rank]["error"].startswith(
+                f"CommTimeoutError: allreduce #2 (gloo, rank {rank} of 3): timed out after 2s; ranks [1] "
+                "did not arrive within 2s of this rank."
+            ), res[rank]["error"]
     assert res[1] == {}
 
 

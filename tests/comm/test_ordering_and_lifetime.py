@@ -151,7 +151,8 @@ def test_timeout_on_a_sub_communicator_names_global_ranks():
     assert res[0] == {} and res[2] == {}
     err = res[1]["error"]
     assert err.startswith(
-        "allreduce #2 (gloo, rank 0 of 2): timed out after 3s; ranks [1] did not arrive."
+        "allreduce #2 (gloo, rank 0 of 2): timed out after 3s; ranks [1] did not arrive within 3s of "
+        "this rank."
     ), err
     assert err.endswith("its ranks are global ranks 0->1, 1->2; missing: global ranks [2]]"), err
     op, seq, missing, global_missing, name = res[1]["attrs"]
@@ -176,7 +177,8 @@ def test_hierarchical_timeout_names_the_global_ranks_each_rank_waits_for():
     # rank 0 waits in the inter-node allreduce (gloo) for the other leader, global rank 2
     err0 = res[0]["error"]
     assert err0.startswith(
-        "CommTimeoutError: allreduce #2 (gloo, rank 0 of 2): timed out after 3s; ranks [1] did not arrive."
+        "CommTimeoutError: allreduce #2 (gloo, rank 0 of 2): timed out after 3s; ranks [1] did not arrive "
+        "within 3s of this rank."
     ), err0
     assert err0.endswith(
         " [communicator default/inter: its ranks are global ranks 0->0, 1->2; missing: global ranks [2]]"

@@ -95,6 +95,9 @@ OPCODES = {
 _OPCODE_NAMES = {v: k for k, v in OPCODES.items()}
 _MAGIC = 0x746C6F6F6D  # "tloom"
 _HDR = 16
+#: After a timeout, how long (at most; the timeout if shorter) to wait for the other ranks' timeouts
+#: before naming the ranks that did not arrive.
+_CENSUS_S = 5.0
 _MAX_DIMS = 6
 _NO = -1  # header field that does not apply to this operation
 # send/recv header tags, one per direction (data goes with tag 0): a send to a peer and a receive
@@ -322,8 +325,13 @@ class GlooEngine:
                     f"matching {other} on the peer, or raise the timeout"
                 )
             else:
-                missing = self._missing_ranks(seq)
-                who = f"ranks {missing} did not arrive" if missing else "a peer stopped responding"
+                window = min(max(timeout, 1.0), _CENSUS_S)
+                missing = self._missing_ranks(seq, window)
+                who = (
+                    f"ranks {missing} did not arrive within {window:g}s of this rank"
+                    if missing
+                    else "a peer stopped responding"
+                )
                 msg = (
                     f"{who}. Check that every rank calls the same collectives in the same order, or raise "
                     "the timeout"
@@ -341,12 +349,16 @@ class GlooEngine:
             ) from None
         raise CommError(f"{opname} #{seq} (gloo, rank {self.rank}): {text[:300]}") from None
 
-    def _missing_ranks(self, seq: int) -> List[int]:
-        """After a timeout: which ranks never reached operation ``seq`` (through the store)."""
+    def _missing_ranks(self, seq: int, window: float) -> List[int]:
+        """After a timeout: which ranks had not reached operation ``seq`` ``window`` s after this one.
+
+        Each rank that times out says so in the store; a rank that arrived ``d`` s after this one times
+        out ``d`` s later, so waiting ``window`` s finds every rank that arrived within ``window`` s of
+        this one (waiting the whole timeout would find all that arrived before this one gave up).
+        """
         try:
             self._store.set(f"{self._prefix}/late/{seq}/{self.rank}", "1")
-            # Ranks that arrived time out within moments of each other; give them that long.
-            deadline = time.monotonic() + 1.0
+            deadline = time.monotonic() + window
             missing = list(range(self.world_size))
             while missing and time.monotonic() < deadline:
                 missing = [
