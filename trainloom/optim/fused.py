@@ -334,6 +334,7 @@ class _FusedInfo:
         self.warned = False
         self.fast: Optional[List[Any]] = None
         self.step_hook: Any = None
+        self.load_hook: Any = None
         # per param group: parameters that stay outside the flat buffers (0-d, complex, ...)
         self.outside: List[List[torch.Tensor]] = []
         self.warned_shared = False
@@ -420,7 +421,8 @@ def fuse_optimizer(
             device and dtype) into one contiguous buffer each. With False, nothing moves and
             :func:`fuse_step` fuses only tensors that already happen to be adjacent in memory.
         check_flatten: warn (once) when the flat layout had to be rebuilt because parameters,
-            param groups or state changed behind the optimizer's back.
+            param groups or state changed behind the optimizer's back (``load_state_dict()``
+            rebuilds it quietly: a resume is routine).
 
     Returns:
         The same optimizer object; ``optimizer.fuse_step(closure=None)`` is bound on it. Keep a
@@ -484,6 +486,9 @@ def fuse_optimizer(
         info.shared = _overlapping([p for g in optimizer.param_groups for p in g["params"]])
     # A step() between two fuse_steps changes step counts and may create state: recheck then.
     info.step_hook = optimizer.register_step_post_hook(lambda *_: _invalidate(info))
+    # A checkpoint loaded through the optimizer's own load_state_dict() is moved into the flat
+    # buffers at once and quietly (a resume is routine; only changes behind its back warn).
+    info.load_hook = optimizer.register_load_state_dict_post_hook(lambda opt: _sync(opt, info, quiet=True))
     # Bound on this instance only: no class-wide patching.
     optimizer.fuse_step = _BoundFuseStep(optimizer)  # type: ignore[attr-defined]
     # copy.deepcopy looks __deepcopy__ up on the instance: a deep copy is fused too.
@@ -818,8 +823,13 @@ def _adopt_unfrozen(info: _FusedInfo) -> None:
     info.unhooked_any = any(b.unhooked for b in info.buckets)
 
 
-def _sync(optimizer: torch.optim.Optimizer, info: _FusedInfo, moved: Optional[str] = None) -> bool:
-    """Detect changes made behind the fused layout's back and re-fuse; True if it re-fused."""
+def _sync(
+    optimizer: torch.optim.Optimizer, info: _FusedInfo, moved: Optional[str] = None, quiet: bool = False
+) -> bool:
+    """Detect changes made behind the fused layout's back and re-fuse; True if it re-fused.
+
+    ``quiet``: called after ``load_state_dict()``, whose changes are expected (logged, no warning).
+    """
     reason = moved
     groups = optimizer.param_groups
     if reason is not None:
@@ -827,18 +837,18 @@ def _sync(optimizer: torch.optim.Optimizer, info: _FusedInfo, moved: Optional[st
     elif len(groups) != len(info.groups):
         reason = f"param groups changed ({len(info.groups)} -> {len(groups)})"
     elif optimizer.state is not info.state_obj:
-        reason = "optimizer state was replaced (load_state_dict)"
+        reason = "optimizer state was replaced"
     else:
         for gi, g in enumerate(groups):
             if g is not info.groups[gi]:
-                reason = f"param group {gi} was replaced (load_state_dict)"
+                reason = f"param group {gi} was replaced"
                 break
             if not _K.same_objects(g["params"], info.group_params[gi]):
                 reason = f"the parameters of param group {gi} changed"
                 break
     if reason is None:
         return False
-    if info.check_flatten and not info.warned:
+    if info.check_flatten and not info.warned and not quiet:
         _warn(f"fuse_step: {reason}; re-fusing the optimizer's flat buffers")
         info.warned = True
     logger.info("re-fusing %s: %s", type(optimizer).__name__, reason)
