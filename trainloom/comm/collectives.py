@@ -861,7 +861,13 @@ def _then(
         inference = torch.is_inference_mode_enabled()
 
         def then(_engine: Any) -> None:
-            work.wait()  # done already (the worker runs operations in order); re-raises its error
+            try:
+                work.wait()  # done already (the worker runs operations in order); re-raises its error
+            except CommError as exc:
+                if op_name and op_name != work.op_name and exc.args and isinstance(exc.args[0], str):
+                    # name the call the user made, before the engine's step (e.g. its allgather)
+                    exc.args = (f"{op_name}: {exc.args[0]}",) + tuple(exc.args[1:])
+                raise
             with torch.inference_mode(inference):
                 after()
 
