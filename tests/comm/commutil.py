@@ -1575,6 +1575,30 @@ def script_patterns(rank: int, ws: int, engine: str) -> Dict[str, Any]:
     for w in (small, large, inf):
         _done(w)
     out["composite_neighbor"] = [sorted(set(w.tensor.tolist())) for w in (small, large, inf)]
+    # a call issued while an earlier asynchronous call that writes its tensor is pending reads the
+    # written values (the copies made at issue time read the old ones)
+    x = torch.full((2 * ws,), float(rank + 1))
+    C.allreduce_inplace(x, async_op=True)
+    C.reduce_scatter_inplace(x)  # clones x
+    y = torch.full((2 * ws,), float(rank + 1))
+    C.allreduce_inplace(y, async_op=True)
+    C.alltoall_inplace(y)  # clones y
+    col = torch.full((4, 2), float(rank + 1))[:, 0]
+    C.allreduce_inplace(col, async_op=True)
+    C.allreduce_inplace(col, async_op=True).wait()  # stages the column: a contiguous copy
+    wide = torch.full((2, 2 * ws), float(rank + 1))
+    colossal.all_reduce(wide, async_op=True)
+    part = colossal.reduce_scatter(wide, dim=1)  # copies it into rank-major rows
+    z = torch.full((3,), float(rank + 1))
+    C.allreduce_inplace(z, async_op=True)
+    mean = neighbor.neighbor_allreduce(z)  # its own term
+    out["after_pending"] = [
+        x.view(ws, 2)[rank].tolist(),
+        sorted(set(y.tolist())),
+        col.tolist(),
+        sorted(set(part.flatten().tolist())),
+        sorted(set(mean.tolist())),
+    ]
     # eval metrics made under inference_mode, reduced outside it
     with torch.inference_mode():
         conf = torch.full((3, 3), float(rank + 1))

@@ -321,6 +321,9 @@ def test_patterns_of_real_training_scripts(engine):
         ranks = [[float(q + 1)] * 2 for q in range(ws)]
         along_dim1 = [[float(q + 1) for q in range(ws)]] * 2
         assert r["composite_lists"] == (ranks, ranks if rank == 0 else None, along_dim1)
+        sq = total * ws  # an allreduce of the allreduced values
+        assert r["after_pending"][:4] == [[sq] * 2, [total], [sq] * 4, [sq]], r["after_pending"]
+        assert len(r["after_pending"][4]) == 1 and r["after_pending"][4][0] == pytest.approx(total)
         for values in r["composite_neighbor"]:  # small (allgather path), large (exchange), inference
             assert len(values) == 1 and values[0] == pytest.approx(total / ws), r["composite_neighbor"]
         assert r["after_fork"] == [float(ws)] * 2

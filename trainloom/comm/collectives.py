@@ -299,6 +299,22 @@ def _check_v(
             )
 
 
+def _settle(c: Communicator, t: torch.Tensor, queue: Optional[str] = None) -> None:
+    """Before the calling thread copies ``t`` for a CPU operation: wait for the asynchronous
+    operations issued earlier on ``c`` that the operation follows anyway (all of them for a
+    collective; ``queue`` ``"send:<peer>"``: the collectives and the earlier sends to that peer).
+    They may still write ``t``, and a copy made now would read the values from before them. Free when
+    none is pending."""
+    if t.is_cpu:
+        c.wait_pending(queue)
+
+
+def _clone(c: Communicator, t: torch.Tensor) -> torch.Tensor:
+    """``t.clone()`` taken after the earlier asynchronous operations on ``c`` (see :func:`_settle`)."""
+    _settle(c, t)
+    return t.clone()
+
+
 class _Staged:
     """Contiguous stand-ins for the caller's tensors; copies results back into non-contiguous outputs.
 
@@ -306,15 +322,18 @@ class _Staged:
     engine: their memory holds the other sign, so they are staged like non-contiguous tensors (the
     gloo engine raised torch's internal error on them while the other ranks waited)."""
 
-    __slots__ = ("_back", "_opname")
+    __slots__ = ("_back", "_opname", "_comm", "_queue")
 
-    def __init__(self, opname: str = "") -> None:
+    def __init__(self, opname: str, comm: Communicator, queue: Optional[str] = None) -> None:
         self._back: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self._opname = opname
+        self._comm = comm
+        self._queue = queue  # a point-to-point operation's queue (see _settle)
 
     def input(self, t: torch.Tensor) -> torch.Tensor:
         if t.is_contiguous() and not (t.is_conj() or t.is_neg()):
             return t
+        _settle(self._comm, t, self._queue)
         return t.resolve_conj().resolve_neg().contiguous()
 
     def output(self, t: torch.Tensor, load: bool = True, arg: str = "recv_tensor") -> torch.Tensor:
@@ -327,6 +346,7 @@ class _Staged:
                 "tensor whose elements have their own memory (t.clone())"
             )
         if load:
+            _settle(self._comm, t, self._queue)
             s = t.resolve_conj().resolve_neg().contiguous()
             if s.data_ptr() == t.data_ptr():  # contiguous already: the staging copy must not alias t
                 s = s.clone()
@@ -457,14 +477,14 @@ def allreduce(
         return _local(async_op, r, lambda: _copy(r, s))
     if hierarchical:
         return _hierarchical(c, s, r, o, async_op)
-    st = _Staged(name)
+    st = _Staged(name, c)
     if _same_view(s, r):
         rc = st.output(r, load=True, arg="tensor")
         sc = rc
     else:
         sc = st.input(s)
         if _overlaps(sc, r):
-            sc = sc.clone()
+            sc = _clone(c, sc)
         rc = st.output(r, load=False)
     return _go(
         c, name, _where(s), lambda e: e.allreduce(sc, rc, int(o)), async_op, r, st, (sc, rc), (s, int(o))
@@ -567,11 +587,11 @@ def _hierarchical_async(
 ) -> Work:
     """The CPU asynchronous hierarchical allreduce: three queued steps, each after the previous one."""
     name = "allreduce(hierarchical)"
-    st = _Staged(name)
+    st = _Staged(name, c)
     out = st.output(r, load=False)  # contiguous r, or a staging tensor copied back by Work.wait()
     src = st.input(s)
     if not _same_view(src, out) and _overlaps(src, out):
-        src = src.clone()
+        src = _clone(c, src)
     acc = torch.empty(out.shape, dtype=torch.float32) if wide else out
     one = intra.nranks() == 1
 
@@ -687,7 +707,7 @@ def reduce(
     o = _op(op, s.dtype, name)
     if c.nranks() == 1:
         return _local(async_op, r, lambda: _copy(r, s))
-    st = _Staged(name)
+    st = _Staged(name, c)
     sc = st.input(s)
     if c.rank() == d:
         same = _same_view(s, r)
@@ -695,7 +715,7 @@ def reduce(
         if same:
             sc = rc
         elif _overlaps(sc, r):
-            sc = sc.clone()
+            sc = _clone(c, sc)
     else:
         rc = r if r.is_contiguous() else torch.empty(r.shape, dtype=r.dtype, device=r.device)
     return _go(
@@ -774,10 +794,10 @@ def reduce_scatter(
     o = _op(op, s.dtype, name)
     if n == 1:
         return _local(async_op, r, lambda: _copy(r, s))
-    st = _Staged(name)
+    st = _Staged(name, c)
     sc = st.input(s)
     if _overlaps(sc, r):  # e.g. into a chunk of its own send buffer (other chunks are still read)
-        sc = sc.clone()
+        sc = _clone(c, sc)
     rc = st.output(r, load=False)
     return _go(
         c, name, _where(s), lambda e: e.reduce_scatter(sc, rc, int(o)), async_op, r, st, (sc, rc), (r, int(o))
@@ -820,6 +840,7 @@ def reduce_scatter_inplace(
     _op(op, t.dtype, name)
     k = t.numel() // n
     me = c.rank()
+    _settle(c, t)
     owner = t if t.is_contiguous() else t.contiguous()
     flat = owner.view(-1)
     work = reduce_scatter(flat.clone(), flat[me * k : (me + 1) * k], op, c, async_op)
@@ -932,7 +953,7 @@ def broadcast(
     s = _rank_arg(src, "src", c, name)
     if c.nranks() == 1:
         return _local(async_op, t, lambda: None)
-    st = _Staged(name)
+    st = _Staged(name, c)
     tc = st.output(t, load=c.rank() == s, arg="tensor")
     return _go(c, name, _where(t), lambda e: e.broadcast(tc, s), async_op, t, st, (tc,), (t, -1, s))
 
@@ -974,10 +995,10 @@ def allgather(
     _numel(r, n * s.numel(), "recv_tensor", name, f"nranks={n} * send_tensor's {s.numel()}")
     if n == 1:
         return _local(async_op, r, lambda: _copy(r, s))
-    st = _Staged(name)
+    st = _Staged(name, c)
     sc = st.input(s)
     if _overlaps(sc, r):
-        sc = sc.clone()
+        sc = _clone(c, sc)
     rc = st.output(r, load=False)
     return _go(c, name, _where(s), lambda e: e.allgather(sc, rc), async_op, r, st, (sc, rc), (s,))
 
@@ -1020,7 +1041,7 @@ def allgather_inplace(tensor: torch.Tensor, comm: CommArg = None, async_op: bool
     if t.numel() % n:
         raise ValueError(f"{name}: tensor has {t.numel()} elements, not divisible by nranks={n}")
     k = t.numel() // n
-    chunk = t.reshape(-1)[c.rank() * k : (c.rank() + 1) * k].clone()
+    chunk = _clone(c, t.reshape(-1)[c.rank() * k : (c.rank() + 1) * k])
     return allgather(chunk, t, c, async_op)
 
 
@@ -1059,7 +1080,7 @@ def gather(
     s = _tensor(send_tensor, "send_tensor", name)
     d = _rank_arg(dst, "dst", c, name)
     n = c.nranks()
-    st = _Staged(name)
+    st = _Staged(name, c)
     sc = st.input(s)
     if c.rank() == d:
         r = _tensor(recv_tensor, "recv_tensor", name)
@@ -1068,7 +1089,7 @@ def gather(
         if n == 1:
             return _local(async_op, r, lambda: _copy(r, s))
         if _overlaps(sc, r):
-            sc = sc.clone()
+            sc = _clone(c, sc)
         rc = st.output(r, load=False)
     else:
         r = recv_tensor if isinstance(recv_tensor, torch.Tensor) else None
@@ -1111,7 +1132,7 @@ def gather_inplace(
     n = c.nranks()
     if c.rank() == d:
         _numel(t, n * k, "tensor", name, f"on dst: nranks={n} * count={k}")
-        own = t.reshape(-1)[d * k : (d + 1) * k].clone()
+        own = _clone(c, t.reshape(-1)[d * k : (d + 1) * k])
         return gather(own, t, d, c, async_op)
     _numel(t, k, "tensor", name, "count, on ranks other than dst")
     return gather(t, t, d, c, async_op)
@@ -1152,7 +1173,7 @@ def scatter(
     r = _tensor(recv_tensor, "recv_tensor", name)
     sr = _rank_arg(src, "src", c, name)
     n = c.nranks()
-    st = _Staged(name)
+    st = _Staged(name, c)
     if c.rank() == sr:
         s = _tensor(send_tensor, "send_tensor", name)
         _same(s, r, "send_tensor", "recv_tensor", name)
@@ -1161,7 +1182,7 @@ def scatter(
             return _local(async_op, r, lambda: _copy(r, s))
         sc = st.input(s)
         if _overlaps(sc, r):
-            sc = sc.clone()
+            sc = _clone(c, sc)
     else:
         sc = torch.empty(0, dtype=r.dtype, device=r.device)
     rc = st.output(r, load=False)
@@ -1248,10 +1269,10 @@ def alltoall(
     _numel(r, s.numel(), "recv_tensor", name, "same as send_tensor")
     if n == 1:
         return _local(async_op, r, lambda: _copy(r, s))
-    st = _Staged(name)
+    st = _Staged(name, c)
     sc = st.input(s)
     if _overlaps(sc, r):
-        sc = sc.clone()
+        sc = _clone(c, sc)
     rc = st.output(r, load=False)
     return _go(c, name, _where(s), lambda e: e.alltoall(sc, rc), async_op, r, st, (sc, rc), (s,))
 
@@ -1278,8 +1299,8 @@ def alltoall_inplace(tensor: torch.Tensor, comm: CommArg = None, async_op: bool 
     """
     if comm is NON_COMM_MEMBER:
         return _not_member("alltoall_inplace", async_op, tensor)
-    _tensor(tensor, "tensor", "alltoall_inplace")
-    return alltoall(tensor.detach().clone(), tensor, comm, async_op)
+    t = _tensor(tensor, "tensor", "alltoall_inplace")
+    return alltoall(_clone(_comm(comm, "alltoall_inplace"), t.detach()), tensor, comm, async_op)
 
 
 def alltoall_v(
@@ -1344,10 +1365,10 @@ def alltoall_v(
                 r.copy_(full)
 
         return _local(async_op, r, body)
-    st = _Staged(name)
+    st = _Staged(name, c)
     sc = st.input(s)
     if _overlaps(sc, r):
-        sc = sc.clone()
+        sc = _clone(c, sc)
     rc = st.output(r, load=True)  # untouched regions keep their values
     return _go(
         c,
@@ -1391,8 +1412,9 @@ def alltoall_v_inplace(
     """
     if comm is NON_COMM_MEMBER:
         return _not_member("alltoall_v_inplace", async_op, tensor)
-    _tensor(tensor, "tensor", "alltoall_v_inplace")
-    return alltoall_v(tensor.detach().clone(), counts, displs, tensor, counts, displs, comm, async_op)
+    t = _tensor(tensor, "tensor", "alltoall_v_inplace")
+    send = _clone(_comm(comm, "alltoall_v_inplace"), t.detach())
+    return alltoall_v(send, counts, displs, tensor, counts, displs, comm, async_op)
 
 
 # --------------------------------------------------------------------------- point to point, barrier
@@ -1426,7 +1448,7 @@ def send(tensor: torch.Tensor, dst: int, comm: CommArg = None, async_op: bool = 
     d = _rank_arg(dst, "dst", c, name)
     if d == c.rank():
         raise ValueError(f"{name}: dst={d} is this rank; send to another rank")
-    st = _Staged(name)
+    st = _Staged(name, c, f"send:{d}")
     tc = st.input(t)
     return _go(c, name, _where(t), lambda e: e.send(tc, d), async_op, None, st, (tc,), p2p=f"send:{d}")
 
@@ -1459,7 +1481,7 @@ def recv(tensor: torch.Tensor, src: int, comm: CommArg = None, async_op: bool = 
     s = _rank_arg(src, "src", c, name)
     if s == c.rank():
         raise ValueError(f"{name}: src={s} is this rank; receive from another rank")
-    st = _Staged(name)
+    st = _Staged(name, c)
     tc = st.output(t, load=False, arg="tensor")
     return _go(c, name, _where(t), lambda e: e.recv(tc, s), async_op, t, st, (tc,), p2p=f"recv:{s}")
 
@@ -1488,4 +1510,4 @@ def barrier(comm: CommArg = None, async_op: bool = False) -> Optional[Work]:
     c = _comm(comm, name)
     if c.nranks() == 1:
         return _local(async_op, None, lambda: None)
-    return _go(c, name, "cpu", lambda e: e.barrier(), async_op, None, _Staged())
+    return _go(c, name, "cpu", lambda e: e.barrier(), async_op, None, _Staged(name, c))

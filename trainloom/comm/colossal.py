@@ -194,7 +194,10 @@ def reduce_scatter(
             f"{n} ranks"
         )
     k = shape[d] // n
-    # Chunk i along dim becomes row i of a contiguous (n, ...) buffer (a copy only when dim != 0).
+    # Chunk i along dim becomes row i of a contiguous (n, ...) buffer (a copy only when dim != 0,
+    # taken after the earlier asynchronous operations, which may still write t).
+    if d != 0 or not t.is_contiguous():
+        _core._settle(c, t)
     send = t.reshape(shape[:d] + (n, k) + shape[d + 1 :]).movedim(d, 0).contiguous()
     out = torch.empty(shape[:d] + (k,) + shape[d + 1 :], dtype=t.dtype, device=t.device)
     return _ret(out, _core.reduce_scatter(send.view(-1), out, op, comm=c, async_op=True), async_op)

@@ -259,17 +259,13 @@ def neighbor_allreduce_async(
     src = t.detach()
     out = torch.empty(src.shape, dtype=src.dtype, device=src.device)
     acc_dtype = torch.float32 if src.dtype in _HALF else src.dtype
-    # The self term is computed now: it snapshots this rank's value and overlaps the transfer.
-    # ``out`` is contiguous; the float32 accumulator of a half tensor is made contiguous too (a
-    # transposed or channels_last input would otherwise keep its strides and defeat acc.view(-1)).
-    if acc_dtype == src.dtype:
-        acc = torch.mul(src, sw, out=out)
-    else:
-        acc = src.to(acc_dtype, memory_format=torch.contiguous_format).mul_(sw)
     numel = src.numel()
-    flat = src.reshape(-1)
     if n == 1:
+        torch.mul(src, sw, out=out)
         return CompletedWork(opname, out)
+    if not src.is_contiguous():
+        _core._settle(c, src)  # the flat copy below reads src after earlier asynchronous operations
+    flat = src.reshape(-1)
     strategy = exchange_strategy(topo, numel * src.element_size())
     if strategy == "allgather":
         buf = torch.empty(n * numel, dtype=src.dtype, device=src.device)
@@ -280,9 +276,17 @@ def neighbor_allreduce_async(
         buf, inner = _exchange(c, topo, me, flat)
         rows = buf.view(len(ins), numel)
         pick = [(rows[ins.index(r)], w) for r, w in nw.items() if w != 0.0]
-    acc_flat = acc.view(-1)
 
     def combine() -> None:
+        # The self term is taken here, after the exchange, as the engine reads src when the exchange
+        # runs (an earlier asynchronous operation may still write src when this call is made). ``out``
+        # is contiguous; the float32 accumulator of a half tensor is made contiguous too (a transposed
+        # or channels_last input would otherwise keep its strides and defeat acc.view(-1)).
+        if acc_dtype == src.dtype:
+            acc = torch.mul(src, sw, out=out)
+        else:
+            acc = src.to(acc_dtype, memory_format=torch.contiguous_format).mul_(sw)
+        acc_flat = acc.view(-1)
         for row, w in pick:
             acc_flat.add_(row if row.dtype == acc_dtype else row.to(acc_dtype), alpha=w)
         if acc is not out:
