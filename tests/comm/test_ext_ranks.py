@@ -359,6 +359,27 @@ def styles_suite(rank: int, ws: int, engine: str) -> Dict[str, Any]:
         cd.send(torch.full((1,), 42.0), 0)
         cd.send(torch.full((3,), 7.0), 0)
     cd.barrier()
+    # a refused isend announces nothing and a refused irecv skips nothing: any-source receives that
+    # follow get every real message (a phantom announcement paired them with the wrong sender)
+    sparse = torch.ones(2).to_sparse()
+    if rank == 0:
+        got = []
+        for _ in range(ws - 1):
+            buf = torch.empty(2)
+            got.append((cd.recv(buf), buf.tolist()))
+        out["after_refused_isend"] = sorted(got)
+    else:
+        if rank == ws - 1:
+            out["refused_isend"] = _expect(cd.isend, TypeError, sparse, 0)
+        cd.send(torch.full((2,), 10.0 * rank), 0)
+    cd.barrier()
+    if rank == 0:
+        out["refused_irecv"] = _expect(cd.irecv, TypeError, sparse, 1)
+        buf = torch.empty(2)
+        out["after_refused_irecv"] = (cd.recv(buf), buf.tolist())
+    elif rank == 1:
+        cd.send(torch.full((2,), 5.0), 0)
+    cd.barrier()
     lst = [torch.empty(2, 2) for _ in range(ws)]
     cd.all_gather(lst, torch.full((2, 2), float(rank)))
     out["all_gather"] = [t[0, 0].item() for t in lst]

@@ -72,6 +72,11 @@ def test_colossal_and_classic_forms(ws, engine):
     assert res[0]["any"] == [(s, [float(s)] * 2) for s in range(1, ws)]
     assert res[0]["explicit"] == (ws - 1, [42.0])
     assert res[0]["any_after"] == (ws - 1, [7.0] * 3)
+    assert res[0]["after_refused_isend"] == [(r, [10.0 * r] * 2) for r in range(1, ws)]
+    assert res[0]["after_refused_irecv"] == (1, [5.0, 5.0])
+    layout = "must be a dense (strided) tensor, got layout torch.sparse_coo"
+    assert res[0]["refused_irecv"] == f"TypeError: irecv: tensor {layout}"
+    assert res[ws - 1]["refused_isend"] == f"TypeError: isend: tensor {layout}"
     assert res[0]["gather"] == [[2.0 * i] * 3 for i in range(ws)]
 
 

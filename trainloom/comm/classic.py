@@ -171,9 +171,9 @@ def get_world_size(group: GroupArg = None) -> int:  # noqa: A002 - torch's name
 
 
 def _tensor(t: Any, arg: str, opname: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{opname}: {arg} must be a torch.Tensor, got {type(t).__name__}")
-    return t
+    """The core's checks (type, layout, device, dtype) under this module's names, before anything
+    is announced or counted for the any-source protocol."""
+    return _core._tensor(t, arg, opname)
 
 
 def _sync(work: Optional[Work], async_op: bool) -> Optional[Work]:
@@ -225,23 +225,34 @@ def isend(tensor: torch.Tensor, dst: int, group: GroupArg = None) -> Work:  # no
         req = isend(torch.ones(4), dst=1)
         req.wait()
     """
-    opname = "isend"
+    return _isend(tensor, dst, group, "isend")
+
+
+def _isend(tensor: torch.Tensor, dst: int, group: GroupArg, opname: str) -> Work:
     t = _tensor(tensor, "tensor", opname)
     c = _comm(group, opname)
     d = _local(dst, "dst", c, opname)
     if d == c.rank():
         raise ValueError(f"{opname}: dst={dst} is this rank; send to another rank")
+    work = _core.send(t, d, comm=c, async_op=True)
+    # Announced once the send was accepted: a refused send must announce nothing, or an any-source
+    # recv would wait for a message that never comes and pair the next ones with the wrong sender.
     _announce(c, d)
-    return _core.send(t, d, comm=c, async_op=True)  # type: ignore[return-value]
+    return work  # type: ignore[return-value]
 
 
 def send(tensor: torch.Tensor, dst: int, group: GroupArg = None) -> None:  # noqa: A002
     """Send ``tensor`` to global rank ``dst``; the receiver may call ``recv`` with or without ``src``."""
-    isend(tensor, dst, group).wait()
+    _isend(tensor, dst, group, "send").wait()
 
 
 def irecv(tensor: torch.Tensor, src: int, group: GroupArg = None) -> Work:  # noqa: A002
     """Receive into ``tensor`` from global rank ``src`` asynchronously (a Work).
+
+    Every message received with an explicit ``src`` is taken to be one sent with :func:`send` /
+    :func:`isend` (announced): a later ``recv(src=None)`` skips its announcement. A message from
+    the Bagua-style :func:`trainloom.comm.send` is not announced; receive those with an explicit
+    ``src`` too, and do not mix them with any-source receives of messages from the same sender.
 
     Example::
 
@@ -249,15 +260,24 @@ def irecv(tensor: torch.Tensor, src: int, group: GroupArg = None) -> Work:  # no
         ...
         req.wait()
     """
-    opname = "irecv"
+    return _irecv(tensor, src, group, "irecv")
+
+
+def _irecv(tensor: torch.Tensor, src: int, group: GroupArg, opname: str) -> Work:
     t = _tensor(tensor, "tensor", opname)
     c = _comm(group, opname)
     s = _local(src, "src", c, opname)
     if s == c.rank():
         raise ValueError(f"{opname}: src={src} is this rank; receive from another rank")
+    key = (c.name, s)
     with _ANY.lock:
-        _ANY.skip[(c.name, s)] += 1
-    return _core.recv(t, s, comm=c, async_op=True)  # type: ignore[return-value]
+        _ANY.skip[key] += 1
+    try:
+        return _core.recv(t, s, comm=c, async_op=True)  # type: ignore[return-value]
+    except BaseException:
+        with _ANY.lock:  # refused: it takes no message, so none is to be skipped
+            _ANY.skip[key] -= 1
+        raise
 
 
 def recv(tensor: torch.Tensor, src: Optional[int] = None, group: GroupArg = None) -> int:  # noqa: A002
@@ -278,7 +298,7 @@ def recv(tensor: torch.Tensor, src: Optional[int] = None, group: GroupArg = None
     t = _tensor(tensor, "tensor", opname)
     c = _comm(group, opname)
     if src is not None:
-        irecv(t, src, group).wait()
+        _irecv(t, src, group, opname).wait()
         return src
     if c.nranks() == 1:
         raise ValueError(f"{opname}: src=None (any source) in a group of one rank: there is no sender")
@@ -323,8 +343,9 @@ def all_reduce(
     async_op: bool = False,  # noqa: A002
 ) -> Optional[Work]:
     """Reduce ``tensor`` in place over the group (``op``: reduce_op / ReduceOp / torch's ReduceOp)."""
+    t = _tensor(tensor, "tensor", "all_reduce")
     c = _comm(group, "all_reduce")
-    return _sync(_core.allreduce_inplace(tensor, op, comm=c, async_op=True), async_op)
+    return _sync(_core.allreduce_inplace(t, op, comm=c, async_op=True), async_op)
 
 
 def reduce(
@@ -335,9 +356,10 @@ def reduce(
     async_op: bool = False,  # noqa: A002
 ) -> Optional[Work]:
     """Reduce ``tensor`` onto global rank ``dst`` in place."""
+    t = _tensor(tensor, "tensor", "reduce")
     c = _comm(group, "reduce")
     d = _local(dst, "dst", c, "reduce")
-    return _sync(_core.reduce_inplace(tensor, d, op, comm=c, async_op=True), async_op)
+    return _sync(_core.reduce_inplace(t, d, op, comm=c, async_op=True), async_op)
 
 
 def _check_list(lst: Any, n: int, like: torch.Tensor, arg: str, opname: str) -> List[torch.Tensor]:
