@@ -717,17 +717,20 @@ def validation_two_ranks(rank: int, ws: int) -> Dict[str, Any]:
     return out
 
 
-def absent_rank(rank: int, ws: int) -> Dict[str, Any]:
-    """Rank 1 never makes the first CPU collective: connecting the gloo engine times out, naming rank 1."""
-    os.environ["TRAINLOOM_CPU_ENGINE"] = "gloo"
+def absent_rank(rank: int, ws: int, engine: str) -> Dict[str, Any]:
+    """Rank 1 never makes the first CPU collective: connecting the engine times out, naming rank 1."""
+    os.environ["TRAINLOOM_CPU_ENGINE"] = "auto" if engine == "shm" else engine
     C.init_process_group(timeout=2)
     store = C.group._STATE.store
     res: Dict[str, Any] = {}
     if rank != 1:
-        res["error"] = _expect(C.allreduce_inplace, CommError, torch.ones(2))
-        store.set(f"absent_done/{rank}", "1")
-    else:
-        store.wait([f"absent_done/{r}" for r in range(ws) if r != 1], datetime.timedelta(seconds=30))
+        try:
+            C.allreduce_inplace(torch.ones(2))
+        except CommError as exc:
+            res["error"] = f"{type(exc).__name__}: {exc}"
+            res["attrs"] = (exc.op, exc.seq, exc.missing_ranks, exc.global_missing_ranks)  # type: ignore[attr-defined]
+    store.set(f"absent_done/{rank}", "1")  # every rank waits: rank 0 hosts the store
+    store.wait([f"absent_done/{r}" for r in range(ws)], datetime.timedelta(seconds=30))
     C.destroy_process_group()
     return res
 

@@ -128,11 +128,18 @@ def test_dead_peer_raises_instead_of_hanging(engine):
     assert shm_segments() == before
 
 
-def test_member_that_never_connects_times_out_naming_it():
-    res = run_ranks(absent_rank, 3, timeout=60)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_member_that_never_connects_times_out_naming_it(engine):
+    # (the shared-memory engine said "missing store keys [...] ... construct the communicator with the
+    # same prefix", without .op or .missing_ranks)
+    res = run_ranks(absent_rank, 3, engine, timeout=60)
+    kind = "gloo communicator" if engine == "gloo" else "ShmCommunicator("
     for rank in (0, 2):
-        assert res[rank]["error"].startswith("CommTimeoutError: gloo communicator"), res[rank]
-        assert "ranks [1] never joined" in res[rank]["error"]
+        assert res[rank]["error"].startswith(f"CommTimeoutError: {kind}"), res[rank]
+        assert "connecting failed after 2" in res[rank]["error"], res[rank]
+        assert "ranks [1] never joined" in res[rank]["error"], res[rank]
+        assert res[rank]["attrs"] == ("connect", 0, [1], [1])
+    assert res[1] == {}
 
 
 @pytest.mark.parametrize("engine", ENGINES)

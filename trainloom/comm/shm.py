@@ -388,7 +388,24 @@ class ShmCommunicator:
             )
         store.set(mine, f"{ident}|{_pid_namespace()}|{os.getpid()}")
         node_keys = [f"{pre}/node/{p}" for p in range(W)]
-        self._store_wait(store, node_keys, "exchanging node identities")
+        try:
+            self._store_wait(store, node_keys, "exchanging node identities")
+        except CommTimeoutError as exc:
+            # Ranks that never came: they skipped the first operation on this group (the engine
+            # connects at the first one, e.g. under `if rank == 0: allreduce(...)`) or are busy.
+            try:
+                missing = [p for p in range(W) if not store.check([node_keys[p]])]
+            except RuntimeError:  # the store is gone as well: keep the report of the keys
+                raise exc from None
+            err = CommTimeoutError(
+                f"ShmCommunicator(prefix={pre!r}) rank {r} of {W}: connecting failed after "
+                f"{self._timeout:g} s; ranks {missing} never joined. Every rank must create the "
+                "communicator, with the same prefix; trainloom.comm creates it at the first operation on "
+                "a group, so every rank must call that operation (one that skipped it, e.g. under "
+                "`if rank == 0:`, or is still busy elsewhere never joins), or raise the timeout"
+            )
+            err.op, err.seq, err.missing_ranks = "connect", 0, missing  # type: ignore[attr-defined]
+            raise err from None
         infos = [store.get(k).decode().rsplit("|", 2) for k in node_keys]
         elsewhere = [p for p in range(W) if infos[p][0] != infos[0][0]]
         if elsewhere:
