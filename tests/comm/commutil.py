@@ -384,6 +384,10 @@ def mismatches(rank: int, ws: int, engine: str) -> Dict[str, str]:
         [0, 2],
         comm=fresh(),
     )
+    if rank == 0:  # different collectives
+        out["other"] = _expect(C.allreduce_inplace, CommError, torch.ones(4), comm=fresh())
+    else:
+        out["other"] = _expect(C.allgather, CommError, torch.ones(4), torch.zeros(4 * ws), comm=fresh())
     # an asynchronous call reports the mismatch from Work.wait()
     w = C.allreduce_inplace(torch.ones(2 if rank == 0 else 3), comm=fresh(), async_op=True)
     out["async"] = _expect(w.wait, CommError)

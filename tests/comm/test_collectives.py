@@ -88,6 +88,9 @@ def test_cross_rank_mismatch_raises_on_every_rank(engine):
         assert "root" in r["root"] or "src" in r["root"]
         assert "CommError" in r["alltoall_v"]
         assert "numel=2" in r["async"] and "numel=3" in r["async"]
+        # both ranks name both calls; shm told the allreduce rank to "set small_bytes to the same value"
+        assert "allreduce" in r["other"] and "allgather" in r["other"], r["other"]
+        assert "small_bytes" not in r["other"], r["other"]
         assert r["after"] == "[2.0, 2.0, 2.0]"
     assert "rank 0" in res[0]["numel"] and "rank 1" in res[0]["numel"]
     assert "rank 0" in res[1]["numel"] and "rank 1" in res[1]["numel"]

@@ -891,9 +891,11 @@ class ShmCommunicator:
             mine_d = eng.last_desc(self.rank)
             theirs = eng.last_desc(other)
             # allreduce/reduce carry small_bytes (it picks the algorithm): show it if it differs
-            small = mine_d["extra"] != theirs["extra"] and mine_d["opkind"] in (
-                _shm.OP_ALLREDUCE,
-                _shm.OP_REDUCE,
+            # (only when both run the same one: another collective carries no small_bytes at all)
+            small = (
+                mine_d["extra"] != theirs["extra"]
+                and mine_d["opkind"] == theirs["opkind"]
+                and mine_d["opkind"] in (_shm.OP_ALLREDUCE, _shm.OP_REDUCE)
             )
             hint = " Every rank must call the same collective with the same size, dtype, op and root" + (
                 ", and set small_bytes to the same value." if small else "."
