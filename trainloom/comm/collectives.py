@@ -25,7 +25,7 @@ import torch.distributed as dist
 from trainloom.comm.env import as_int
 from trainloom.comm.group import _STATE, NON_COMM_MEMBER, WORLD, Communicator, NonCommMember
 from trainloom.comm.ops import ReduceOp
-from trainloom.comm.work import CompletedWork, FutureWork, Work
+from trainloom.comm.work import CompletedWork, FutureWork, ThenWork, Work
 from trainloom.errors import CommError
 
 __all__ = [
@@ -893,24 +893,7 @@ def _then(
                 after()
 
         return comm.execute(op_name or work.op_name, "cpu", then, True, result, needs_engine=False)
-    return _ChainedWork(work, after, result)
-
-
-class _ChainedWork(Work):
-    def __init__(self, inner: Work, after: Callable[[], None], result: Optional[torch.Tensor]) -> None:
-        super().__init__(inner.op_name, result)
-        self._inner = inner
-        self._after: Optional[Callable[[], None]] = after
-
-    def wait(self, timeout: Optional[float] = None) -> bool:
-        self._inner.wait(timeout)
-        if self._after is not None:
-            self._after()
-            self._after = None
-        return True
-
-    def is_completed(self) -> bool:
-        return self._inner.is_completed()
+    return ThenWork(op_name or work.op_name, work, after, result)
 
 
 # --------------------------------------------------------------------------- data movement

@@ -44,7 +44,7 @@ from trainloom.comm.collectives import ReduceOp
 from trainloom.comm.env import as_int
 from trainloom.comm.group import Communicator, ProcessGroup
 from trainloom.comm.topology import _check_weight, exchange_strategy, resolve_comm, topology_entry
-from trainloom.comm.work import CompletedWork, Work
+from trainloom.comm.work import CompletedWork, ThenWork, Work
 
 __all__ = [
     "neighbor_allreduce",
@@ -71,35 +71,6 @@ CommArg = Union[None, Communicator, ProcessGroup]
 _HALF = (torch.float16, torch.bfloat16)
 
 
-class ThenWork(Work):
-    """A Work that runs ``after`` once ``inner`` finished (in the thread that waits).
-
-    ``inner`` None means the data movement already finished. ``is_completed()`` is the inner
-    operation's; ``after`` is local arithmetic or copies that :meth:`wait` runs once. The operations
-    of this package use :func:`then_work`, which runs ``after`` of a CPU operation on the
-    communicator's worker instead (so it is done when ``is_completed()`` says so).
-    """
-
-    def __init__(
-        self, op_name: str, inner: Optional[Work], after: Optional[Callable[[], None]], result: Any
-    ) -> None:
-        super().__init__(op_name, result)
-        self._inner = inner
-        self._after = after
-
-    def wait(self, timeout: Optional[float] = None) -> bool:
-        if self._inner is not None:
-            self._inner.wait(timeout)
-        if self._after is not None:
-            after, self._after = self._after, None
-            with torch.no_grad():
-                after()
-        return True
-
-    def is_completed(self) -> bool:
-        return True if self._inner is None else self._inner.is_completed()
-
-
 def then_work(
     c: Communicator, op_name: str, inner: Work, after: Optional[Callable[[], None]], result: Any
 ) -> Work:
@@ -116,8 +87,7 @@ def then_work(
         with torch.no_grad():
             after()
 
-    work = _core._then(c, inner, run, True, result, op_name)
-    return work if work is not None else CompletedWork(op_name, result)
+    return _core._then(c, inner, run, True, result, op_name)  # type: ignore[return-value]
 
 
 # ---------------------------------------------------------------------------- handles

@@ -1,6 +1,6 @@
 """Work handles returned by collectives called with ``async_op=True``.
 
-Three kinds, one interface (``wait(timeout=None)``, ``is_completed()``, ``result()``):
+Four kinds, one interface (``wait(timeout=None)``, ``is_completed()``, ``result()``):
 
 * :class:`CompletedWork` -- the operation already ran (``async_op=True`` on a path that finished
   synchronously, e.g. world size 1 or an empty tensor);
@@ -8,6 +8,8 @@ Three kinds, one interface (``wait(timeout=None)``, ``is_completed()``, ``result
 * :class:`CudaWork` -- an NCCL operation enqueued on a CUDA stream; ``wait()`` makes the *current*
   stream wait on the recorded event (no host synchronization), as ``torch.distributed``'s
   ``Work.wait`` does, and keeps the tensors alive until then.
+* :class:`ThenWork` -- another Work followed by local copies or arithmetic that ``wait()`` runs
+  (composite CUDA operations).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 
 from trainloom.errors import CommTimeoutError
 
-__all__ = ["Work", "CompletedWork", "FutureWork", "CudaWork"]
+__all__ = ["Work", "CompletedWork", "FutureWork", "CudaWork", "ThenWork"]
 
 
 class Work:
@@ -164,3 +166,32 @@ class CudaWork(Work):
 
     def is_completed(self) -> bool:
         return bool(self._event.query())
+
+
+class ThenWork(Work):
+    """A Work that runs ``after`` once ``inner`` finished (in the thread that waits).
+
+    ``inner`` None means the data movement already finished. ``is_completed()`` is the inner
+    operation's; ``after`` is local arithmetic or copies that :meth:`wait` runs once. The collectives'
+    ``_then`` (and :func:`trainloom.comm.neighbor.then_work`) use it for CUDA operations; for CPU
+    ones they run ``after`` on the communicator's worker instead (done when ``is_completed()`` says so).
+    """
+
+    def __init__(
+        self, op_name: str, inner: Optional[Work], after: Optional[Callable[[], None]], result: Any
+    ) -> None:
+        super().__init__(op_name, result)
+        self._inner = inner
+        self._after = after
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        if self._inner is not None:
+            self._inner.wait(timeout)
+        if self._after is not None:
+            after, self._after = self._after, None
+            with torch.no_grad():
+                after()
+        return True
+
+    def is_completed(self) -> bool:
+        return True if self._inner is None else self._inner.is_completed()
