@@ -298,6 +298,17 @@ def test_bad_arguments_raise_before_any_engine(world1):
             r"^allreduce: op=torch.distributed.ReduceOp.PREMUL_SUM has no trainloom equivalent",
         ),
         (
+            lambda: C.allreduce_inplace(f32, dist._make_nccl_premul_sum(2.0)),
+            TypeError,
+            r"^allreduce: op=torch.distributed premul-sum \(factor 2.0\) has no trainloom equivalent: "
+            r"multiply the tensor by the factor and use ReduceOp.SUM$",
+        ),
+        (
+            lambda: C.allreduce_inplace(f32, dist.ReduceOp(dist.ReduceOp.BAND)),
+            TypeError,
+            r"^allreduce: op=BAND needs an integer or bool dtype, got torch.float32$",
+        ),
+        (
             lambda: C.allreduce_inplace(f32, True),
             TypeError,
             r"op must be a trainloom.comm.ReduceOp, got True",

@@ -90,6 +90,6 @@ def test_tutorial_launcher_with_multiprocessing_runs(mode, tmp_path: Path) -> No
         assert r["ring"] is True
         assert r["group0"] == [6.0, 6.0]
         assert r["group1"] == (
-            "all_reduce: comm must be a trainloom Communicator or ProcessGroup (None: the default group), "
-            "got int"
+            "all_reduce: group must be a ProcessGroup from new_group(), group.WORLD or None (the world), "
+            "got int 1"
         )

@@ -155,8 +155,14 @@ def new_group(ranks: Optional[Sequence[int]] = None) -> ProcessGroup:
 
 def _comm(g: GroupArg, opname: str) -> Communicator:
     # group=0: the id of the world group before torch 0.4 (the distributed tutorial's
-    # average_gradients passes it); any other int is refused by resolve_comm.
+    # average_gradients passes it); any other int is refused here.
     world = g is None or g is group.WORLD or (type(g) is int and g == 0)
+    if not world and not isinstance(g, (ProcessGroup, Communicator)):
+        # resolve_comm would speak of the core's ``comm=``, which this API's users never see.
+        raise TypeError(
+            f"{opname}: group must be a ProcessGroup from new_group(), group.WORLD or None (the world), "
+            f"got {type(g).__name__} {g!r}"
+        )
     return resolve_comm(None if world else g, opname)  # type: ignore[arg-type]
 
 

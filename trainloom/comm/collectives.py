@@ -223,6 +223,13 @@ def _check_op(op: Any, dtype: torch.dtype, opname: str) -> ReduceOp:
                 "(use a trainloom.comm.ReduceOp)"
             )
         value = mapped
+    elif isinstance(op, dist.ReduceOp):  # an instance: ReduceOp(ReduceOp.MAX), _make_nccl_premul_sum(f)
+        if op.op == dist.ReduceOp.PREMUL_SUM:
+            raise TypeError(
+                f"{opname}: op=torch.distributed premul-sum (factor {op.factor!r}) has no trainloom "
+                "equivalent: multiply the tensor by the factor and use ReduceOp.SUM"
+            )
+        return _check_op(op.op, dtype, opname)
     elif as_int(op) is not None:
         try:
             value = ReduceOp(int(op))
