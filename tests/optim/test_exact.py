@@ -188,3 +188,42 @@ def test_mkl_square_root_is_found_and_checked():
     assert torch.equal(out, torch.sqrt(x))
     with pytest.raises(ValueError, match="give both function addresses or neither"):
         K.set_vml_sqrt(1, 0, 0)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_fused_tail_split_is_measured_and_decisive(kind, dtype):
+    """torch's fused=True kernels round each tensor's last ``numel % split`` elements apart; the
+    split is the vector width torch's kernel runs at, which is not always the CPU's (on AVX512
+    machines torch 2.13 runs its fused optimizers' AVX2 build). The probe must single it out: exactly
+    one candidate reproduces torch's step, parameters and state, bit for bit."""
+    from trainloom.optim import fused
+
+    g = torch.Generator().manual_seed(7)
+    n = sum(fused._PROBE_SIZES)
+    p0 = torch.randn(n, generator=g, dtype=torch.float64).to(dtype)
+    grads = [torch.randn(n, generator=g, dtype=torch.float64).to(dtype) for _ in range(2)]
+    ref = fused._probe_torch(kind, p0, grads)
+    item = 4 if dtype == torch.float32 else 8
+    matches = [
+        s for s in (32 // item, 64 // item) if torch.equal(fused._probe_kernel(kind, p0, grads, s), ref)
+    ]
+    assert len(matches) == 1, matches
+    assert fused._fused_split(kind, dtype) == matches[0]
+
+
+@pytest.mark.parametrize("name", ["sgd-fused", "adamw-fused"])
+def test_fused_groups_step_per_tensor_when_no_split_matches(name, monkeypatch):
+    """Where no compiled kernel reproduces torch's fused=True kernel (a torch that rounds its tails
+    some other way), fuse_step leaves such groups to torch, per tensor: still bitwise equal."""
+    from trainloom.optim import fused
+
+    monkeypatch.setattr(
+        fused, "_FUSED_SPLIT", {(k, d): None for k in ("sgd", "adam") for d in (torch.float32, torch.float64)}
+    )
+    make = dict(CONFIGS)[name]
+    ref, fus, _, opt_f = run_pair(make, _alternate, 20, torch.float32, none_every=0, gap=False)
+    assert_bitwise(ref, fus)
+    info = opt_f._trainloom_fused
+    group = opt_f.param_groups[0]
+    assert all(fused._kernel_for(opt_f, group, b) is None for b in info.buckets)

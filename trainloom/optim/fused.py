@@ -1423,7 +1423,7 @@ class _SgdKernel(_Kernel):
     def run(self, opt: Any, group: Dict[str, Any], b: _Bucket, run: _Run) -> None:
         # torch's fused=True kernel rounds the momentum update of each tensor's scalar tail
         # differently from its vector body; the for-loop/foreach paths use one formula.
-        plan = _plan(b, run, _vector_len(b.dtype) if self.fused else 1)
+        plan = _plan(b, run, _fused_split("sgd", b.dtype) or 1 if self.fused else 1)
         mom = float(group["momentum"])
         buf = b.state_flat.get("momentum_buffer") if mom != 0 else None
         _K.sgd_step(
@@ -1563,8 +1563,7 @@ class _AdamKernel(_Kernel):
             )
             _K.bump_steps(run.step_ptrs, 1.0)
             return
-        vl = _vector_len(b.dtype)
-        plan = _plan(b, run, vl)
+        plan = _plan(b, run, _fused_split("adam", b.dtype) or 1)
         n = plan[3]
         _K.adam_step(
             code,
@@ -1650,15 +1649,108 @@ def _install_vml() -> bool:
     return True
 
 
-_CAPABILITY: List[str] = []
+# Per (kernel, dtype): how many leading elements of each tensor torch's fused=True CPU kernel
+# computes with its vector formula (numel - numel % split); None when no split reproduces it.
+_FUSED_SPLIT: Dict[Tuple[str, torch.dtype], Optional[int]] = {}
+# Sizes whose tails differ under every candidate split (8/16 float32, 4/8 float64 elements).
+_PROBE_SIZES = (15, 7, 31, 3, 47, 13, 23, 9) * 4
 
 
-def _vector_len(dt: torch.dtype) -> int:
-    """Elements per ATen CPU vector for ``dt``: torch's fused Adam changes formula at the tail."""
-    if not _CAPABILITY:
-        _CAPABILITY.append(torch.backends.cpu.get_cpu_capability())
-    width = 64 if "512" in _CAPABILITY[0] else 32
-    return width // (4 if dt == torch.float32 else 8)
+def _fused_split(kind: str, dt: torch.dtype) -> Optional[int]:
+    """Elements per vector of torch's fused=True ``kind`` ("sgd", "adam") kernel for ``dt``.
+
+    torch's fused CPU Adam and SGD compute the last ``numel % split`` elements of every tensor with
+    another FMA contraction than the vector body. The split is the ATen vector width, but which
+    width a kernel runs at is torch's choice: a kernel registered with ``REGISTER_DISPATCH`` runs
+    its AVX2 build on an AVX512 machine (torch 2.13's fused optimizers do), one registered with
+    ``ALSO_REGISTER_AVX512_DISPATCH`` the AVX512 build. So it is measured, once per process:
+    torch's step and the compiled kernel at each candidate split on a few hundred elements whose
+    tails differ between the candidates. A split whose result is bitwise torch's is kept; when
+    none is, ``fuse_step`` updates fused=True groups per tensor through torch (exact, slower).
+    """
+    key = (kind, dt)
+    if key in _FUSED_SPLIT:
+        return _FUSED_SPLIT[key]
+    item = 4 if dt == torch.float32 else 8
+    candidates = [32 // item, 64 // item]
+    if "512" in torch.backends.cpu.get_cpu_capability():
+        candidates.reverse()  # try the likelier one first; the order only matters on a tie
+    g = torch.Generator().manual_seed(20261128)
+    n = sum(_PROBE_SIZES)
+    p0 = torch.randn(n, generator=g, dtype=torch.float64).to(dt)
+    grads = [torch.randn(n, generator=g, dtype=torch.float64).to(dt) for _ in range(2)]
+    ref = _probe_torch(kind, p0, grads)
+    found: Optional[int] = None
+    for split in candidates:
+        if torch.equal(_probe_kernel(kind, p0, grads, split), ref):
+            found = split
+            break
+    _FUSED_SPLIT[key] = found
+    if found is None:
+        logger.info(
+            "no compiled kernel reproduces torch's fused=True %s for %s here: such groups step per tensor "
+            "through torch",
+            kind,
+            dt,
+        )
+    else:
+        logger.debug("torch's fused=True %s for %s: vector body of numel - numel %% %d", kind, dt, found)
+    return found
+
+
+def _probe_optimizer(kind: str, params: List[torch.Tensor]) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, fused=True)
+    return torch.optim.Adam(params, lr=1e-2, weight_decay=0.1, fused=True)
+
+
+def _probe_torch(kind: str, p0: torch.Tensor, grads: List[torch.Tensor]) -> torch.Tensor:
+    """Two steps of torch's fused=True optimizer over the probe tensors; the flat result."""
+    params = [t.clone().requires_grad_() for t in p0.split(_PROBE_SIZES)]
+    opt = _probe_optimizer(kind, params)
+    for gr in grads:
+        for prm, gp in zip(params, gr.split(_PROBE_SIZES)):
+            prm.grad = gp.clone()
+        opt.step()
+    # the state too: a tail rounded apart in exp_avg_sq seldom shows in the parameter at once
+    names = ["momentum_buffer"] if kind == "sgd" else ["exp_avg", "exp_avg_sq"]
+    return torch.cat([prm.detach() for prm in params] + [opt.state[prm][k] for k in names for prm in params])
+
+
+def _probe_kernel(kind: str, p0: torch.Tensor, grads: List[torch.Tensor], split: int) -> torch.Tensor:
+    """torch's first step (it creates the state), then the compiled kernel's second at ``split``."""
+    params = [t.clone().requires_grad_() for t in p0.split(_PROBE_SIZES)]
+    opt = _probe_optimizer(kind, params)
+    for prm, gp in zip(params, grads[0].split(_PROBE_SIZES)):
+        prm.grad = gp.clone()
+    opt.step()
+    flat = torch.cat([prm.detach() for prm in params])
+    lens = np.asarray(_PROBE_SIZES, dtype=np.int64)
+    starts = np.concatenate(([0], np.cumsum(lens)[:-1])).astype(np.int64)
+    plan = _K.make_plan(starts, lens, lens - lens % split, _CHUNK)
+    code = _dtype_code(p0.dtype)
+    grad = grads[1].clone()
+    group = opt.param_groups[0]
+    if kind == "sgd":
+        buf = torch.cat([opt.state[prm]["momentum_buffer"] for prm in params])
+        _K.sgd_step(
+            code, flat.data_ptr(), grad.data_ptr(), buf.data_ptr(), *plan,
+            lr=0.1, wd=0.0, momentum=0.9, dampening=0.0, nesterov=False, maximize=False, first=False,
+            tail_alt=1, nthreads=1,
+        )  # fmt: skip
+        return torch.cat([flat, buf])
+    m = torch.cat([opt.state[prm]["exp_avg"] for prm in params])
+    v = torch.cat([opt.state[prm]["exp_avg_sq"] for prm in params])
+    beta1, beta2 = group["betas"]
+    step = 2.0
+    lr, wd = float(group["lr"]), float(group["weight_decay"])
+    _K.adam_step(
+        code, flat.data_ptr(), grad.data_ptr(), m.data_ptr(), v.data_ptr(), 0, *plan,
+        w=1 - beta1, b2=beta2, c2=1 - beta2, bc2s=math.sqrt(1 - beta2**step), eps=float(group["eps"]),
+        nss=-(lr / (1 - beta1**step)), wd=wd, decay=1.0, amsgrad=False, maximize=False, l2=True,
+        decoupled=False, body_v_alt=0, tail_v_alt=1, nthreads=1,
+    )  # fmt: skip
+    return torch.cat([flat, m, v])
 
 
 def _kernel_for(opt: Any, group: Dict[str, Any], b: _Bucket) -> Optional[_Kernel]:
@@ -1672,12 +1764,16 @@ def _kernel_for(opt: Any, group: Dict[str, Any], b: _Bucket) -> Optional[_Kernel
     if isinstance(opt, torch.optim.SGD):
         if not all(_is_float(group[k]) for k in ("lr", "momentum", "dampening", "weight_decay")):
             return None
+        if group.get("fused") and _fused_split("sgd", b.dtype) is None:
+            return None
         return _SgdKernel(bool(group.get("fused")))
     if isinstance(opt, torch.optim.Adam):
         betas = group["betas"]
         if not all(
             _is_float(x) for x in (group["lr"], betas[0], betas[1], group["weight_decay"], group["eps"])
         ):
+            return None
+        if group.get("fused") and _fused_split("adam", b.dtype) is None:
             return None
         decoupled = bool(group.get("decoupled_weight_decay", False)) or isinstance(opt, torch.optim.AdamW)
         return _AdamKernel(bool(group.get("fused")), decoupled, bool(group["amsgrad"]))
