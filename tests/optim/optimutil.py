@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Callable, List, Sequence
 
+import pytest
 import torch
 
 
@@ -60,6 +61,20 @@ def set_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> 
             p.grad = gr.clone(memory_format=torch.preserve_format)
         else:
             p.grad.copy_(gr)
+
+
+def require_kernel(kind: str, flavour: str, dtype: torch.dtype = torch.float32) -> None:
+    """Skip a test about the compiled ``kind`` kernel ("sgd", "adam") where it does not reproduce
+    torch's ``flavour`` path ("loop", "foreach", "fused"): fuse_step then steps through torch there
+    (exactness itself is still tested: test_exact.py::test_exact_where_torch_runs_without_fma)."""
+    from trainloom.optim import fused
+
+    if not fused._kernel_verified(kind, flavour, dtype):
+        pytest.skip(
+            f"the compiled {kind} kernel does not reproduce torch's {flavour} path for {dtype} on this "
+            f"machine (torch CPU capability {torch.backends.cpu.get_cpu_capability()}): "
+            "fuse_step uses torch here"
+        )
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

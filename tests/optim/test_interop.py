@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, List
 
 import pytest
 import torch
-from optimutil import assert_bitwise
+from optimutil import assert_bitwise, require_kernel
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from trainloom.optim import flat_buffers, fuse_optimizer
@@ -229,6 +229,7 @@ def test_a_pre_hook_can_replace_the_closure_and_a_bad_return_raises_as_in_torch(
 
 
 def test_hooks_keep_the_steady_state_fast_path_and_step_still_invalidates_it():
+    require_kernel("adam", "loop")
     m = _model()
     opt = fuse_optimizer(torch.optim.Adam(m.parameters(), lr=0.01))
     count: Dict[str, int] = {"post": 0}

@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from optimutil import assert_bitwise, make_grads, make_params, set_grads, twin
+from optimutil import assert_bitwise, make_grads, make_params, require_kernel, set_grads, twin
 
 from trainloom.optim import FuseError, flat_buffers, fuse_optimizer, fuse_step, is_fused_optimizer
 
@@ -59,6 +59,7 @@ def test_one_buffer_per_group_and_dtype_and_zero_d_step_never_flattened():
 
 
 def test_grads_land_in_flat_buffer_after_zero_grad_and_backward():
+    require_kernel("adam", "fused")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.ReLU(), torch.nn.Linear(7, 2))
     ref = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.ReLU(), torch.nn.Linear(7, 2))

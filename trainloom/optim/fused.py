@@ -26,6 +26,7 @@ import itertools
 import logging
 import math
 import os
+import threading
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -1423,7 +1424,7 @@ class _SgdKernel(_Kernel):
     def run(self, opt: Any, group: Dict[str, Any], b: _Bucket, run: _Run) -> None:
         # torch's fused=True kernel rounds the momentum update of each tensor's scalar tail
         # differently from its vector body; the for-loop/foreach paths use one formula.
-        plan = _plan(b, run, _fused_split("sgd", b.dtype) or 1 if self.fused else 1)
+        plan = _plan(b, run, _FUSED_SPLIT[("sgd", b.dtype)] if self.fused else 1)
         mom = float(group["momentum"])
         buf = b.state_flat.get("momentum_buffer") if mom != 0 else None
         _K.sgd_step(
@@ -1563,7 +1564,7 @@ class _AdamKernel(_Kernel):
             )
             _K.bump_steps(run.step_ptrs, 1.0)
             return
-        plan = _plan(b, run, _fused_split("adam", b.dtype) or 1)
+        plan = _plan(b, run, _FUSED_SPLIT[("adam", b.dtype)])
         n = plan[3]
         _K.adam_step(
             code,
@@ -1649,108 +1650,149 @@ def _install_vml() -> bool:
     return True
 
 
+# Per (kernel, flavour, dtype): whether the compiled kernel reproduces torch's step bit for bit on
+# this machine and torch build, checked once per process (see _kernel_verified).
+_KERNEL_OK: Dict[Tuple[str, str, torch.dtype], bool] = {}
 # Per (kernel, dtype): how many leading elements of each tensor torch's fused=True CPU kernel
-# computes with its vector formula (numel - numel % split); None when no split reproduces it.
-_FUSED_SPLIT: Dict[Tuple[str, torch.dtype], Optional[int]] = {}
+# computes with its vector formula (numel - numel % split), as measured by _kernel_verified.
+_FUSED_SPLIT: Dict[Tuple[str, torch.dtype], int] = {}
 # Sizes whose tails differ under every candidate split (8/16 float32, 4/8 float64 elements).
 _PROBE_SIZES = (15, 7, 31, 3, 47, 13, 23, 9) * 4
+_PROBE_LOCK = threading.RLock()
+_PROBING = threading.local()
 
 
-def _fused_split(kind: str, dt: torch.dtype) -> Optional[int]:
-    """Elements per vector of torch's fused=True ``kind`` ("sgd", "adam") kernel for ``dt``.
+def _flavour(group: Dict[str, Any]) -> str:
+    """Which of torch's code paths a group takes: "fused", "foreach" or "loop"."""
+    if group.get("fused"):
+        return "fused"
+    return "foreach" if group.get("foreach") else "loop"
 
-    torch's fused CPU Adam and SGD compute the last ``numel % split`` elements of every tensor with
-    another FMA contraction than the vector body. The split is the ATen vector width, but which
-    width a kernel runs at is torch's choice: a kernel registered with ``REGISTER_DISPATCH`` runs
-    its AVX2 build on an AVX512 machine (torch 2.13's fused optimizers do), one registered with
-    ``ALSO_REGISTER_AVX512_DISPATCH`` the AVX512 build. So it is measured, once per process:
-    torch's step and the compiled kernel at each candidate split on a few hundred elements whose
-    tails differ between the candidates. A split whose result is bitwise torch's is kept; when
-    none is, ``fuse_step`` updates fused=True groups per tensor through torch (exact, slower).
+
+def _kernel_verified(kind: str, flavour: str, dt: torch.dtype) -> bool:
+    """Whether the compiled ``kind`` ("sgd", "adam") kernel reproduces torch's ``flavour`` path.
+
+    The kernels copy torch's rounding (which products are fused into an FMA, where the vector body
+    of a fused=True kernel ends), and that depends on the machine and the torch build: a torch or
+    CPU without FMA (torch's DEFAULT capability, e.g. ``ATEN_CPU_CAPABILITY=default``) rounds
+    otherwise, and torch's fused=True kernels split each tensor at the vector width they run at,
+    which is not the CPU's on AVX512 machines (torch registers them with ``REGISTER_DISPATCH``, which
+    runs their AVX2 build there). So, once per process and configuration, a probe runs torch's
+    optimizer and a fused twin (through ``fuse_step`` itself) for three steps over tensors whose
+    tails differ under every candidate split, with every flag the kernel implements, and compares
+    parameters and state bit for bit; for fused=True each candidate split is tried. Without a match
+    the kernel is not used: such groups step through torch (flat views; per tensor for fused=True),
+    exact but without the single pass.
     """
-    key = (kind, dt)
-    if key in _FUSED_SPLIT:
-        return _FUSED_SPLIT[key]
-    item = 4 if dt == torch.float32 else 8
-    candidates = [32 // item, 64 // item]
-    if "512" in torch.backends.cpu.get_cpu_capability():
-        candidates.reverse()  # try the likelier one first; the order only matters on a tie
+    key = (kind, flavour, dt)
+    ok = _KERNEL_OK.get(key)
+    if ok is not None:
+        return ok
+    if getattr(_PROBING, "key", None) == key:
+        return True  # inside the probe's own fuse_step
+    with _PROBE_LOCK:
+        ok = _KERNEL_OK.get(key)
+        if ok is not None:
+            return ok
+        splits = [1]
+        if flavour == "fused":
+            item = 4 if dt == torch.float32 else 8
+            splits = [32 // item, 64 // item]
+            if "512" in torch.backends.cpu.get_cpu_capability():
+                splits.reverse()  # try the likelier one first
+        found: Optional[int] = None
+        _PROBING.key = key
+        try:
+            for split in splits:
+                if flavour == "fused":
+                    _FUSED_SPLIT[(kind, dt)] = split
+                if _probe_matches_torch(kind, flavour, dt):
+                    found = split
+                    break
+        finally:
+            _PROBING.key = None
+            _KERNEL_OK[key] = found is not None
+    if found is None:
+        logger.info(
+            "the compiled %s kernel does not reproduce torch's %s path for %s here: such groups step "
+            "through torch (exact, without the single pass)",
+            kind,
+            flavour,
+            dt,
+        )
+    elif flavour == "fused":
+        logger.debug("torch's fused=True %s for %s: vector body of numel - numel %% %d", kind, dt, found)
+    return found is not None
+
+
+def _probe_optimizers(kind: str, flavour: str) -> List[Callable[[List[torch.Tensor]], torch.optim.Optimizer]]:
+    """Optimizers over the probe tensors that use every flag of ``kind``'s kernel, in ``flavour``."""
+    flag: Dict[str, Any] = {"fused": True} if flavour == "fused" else {"foreach": flavour == "foreach"}
+
+    def deal(ps: List[torch.Tensor], *kws: Dict[str, Any]) -> List[Dict[str, Any]]:
+        """One param group per ``kws``, the tensors dealt to them in turn."""
+        return [dict(params=ps[i :: len(kws)], **kw) for i, kw in enumerate(kws)]
+
+    if kind == "sgd":
+        return [
+            lambda ps: torch.optim.SGD(
+                deal(
+                    ps,
+                    dict(lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=True),
+                    dict(lr=0.01, momentum=0.8, dampening=0.3, maximize=True),
+                    dict(lr=0.05, weight_decay=0.1),
+                ),
+                **flag,
+            )
+        ]
+    return [
+        lambda ps: torch.optim.Adam(
+            deal(
+                ps,
+                dict(lr=1e-2, weight_decay=0.1, amsgrad=True),
+                dict(lr=1e-3, betas=(0.3, 0.9), maximize=True),
+            ),
+            **flag,
+        ),
+        lambda ps: torch.optim.AdamW(
+            deal(ps, dict(lr=1e-2, weight_decay=0.1), dict(lr=1e-3, amsgrad=True, maximize=True)), **flag
+        ),
+    ]
+
+
+def _probe_matches_torch(kind: str, flavour: str, dt: torch.dtype) -> bool:
+    """Three steps of torch's optimizer and of a fused twin: parameters and state bitwise equal?"""
     g = torch.Generator().manual_seed(20261128)
     n = sum(_PROBE_SIZES)
     p0 = torch.randn(n, generator=g, dtype=torch.float64).to(dt)
-    grads = [torch.randn(n, generator=g, dtype=torch.float64).to(dt) for _ in range(2)]
-    ref = _probe_torch(kind, p0, grads)
-    found: Optional[int] = None
-    for split in candidates:
-        if torch.equal(_probe_kernel(kind, p0, grads, split), ref):
-            found = split
-            break
-    _FUSED_SPLIT[key] = found
-    if found is None:
-        logger.info(
-            "no compiled kernel reproduces torch's fused=True %s for %s here: such groups step per tensor "
-            "through torch",
-            kind,
-            dt,
-        )
-    else:
-        logger.debug("torch's fused=True %s for %s: vector body of numel - numel %% %d", kind, dt, found)
-    return found
+    grads = [torch.randn(n, generator=g, dtype=torch.float64).to(dt) for _ in range(3)]
+    for make in _probe_optimizers(kind, flavour):
+        ref = [t.clone().requires_grad_() for t in p0.split(_PROBE_SIZES)]
+        mine = [t.clone().requires_grad_() for t in p0.split(_PROBE_SIZES)]
+        opt_r = make(ref)
+        opt_f = fuse_optimizer(make(mine))
+        for gr in grads:
+            for a, b, gp in zip(ref, mine, gr.split(_PROBE_SIZES)):
+                a.grad = gp.clone()
+                b.grad = gp.clone()
+            opt_r.step()
+            opt_f.fuse_step()  # type: ignore[attr-defined]
+        for a, b in zip(ref, mine):
+            pairs = [(a.detach(), b.detach())]
+            pairs += [
+                (v, opt_f.state[b][k]) for k, v in opt_r.state[a].items() if isinstance(v, torch.Tensor)
+            ]
+            if not all(_same_bits(x, y) for x, y in pairs):
+                return False
+    return True
 
 
-def _probe_optimizer(kind: str, params: List[torch.Tensor]) -> torch.optim.Optimizer:
-    if kind == "sgd":
-        return torch.optim.SGD(params, lr=0.1, momentum=0.9, fused=True)
-    return torch.optim.Adam(params, lr=1e-2, weight_decay=0.1, fused=True)
-
-
-def _probe_torch(kind: str, p0: torch.Tensor, grads: List[torch.Tensor]) -> torch.Tensor:
-    """Two steps of torch's fused=True optimizer over the probe tensors; the flat result."""
-    params = [t.clone().requires_grad_() for t in p0.split(_PROBE_SIZES)]
-    opt = _probe_optimizer(kind, params)
-    for gr in grads:
-        for prm, gp in zip(params, gr.split(_PROBE_SIZES)):
-            prm.grad = gp.clone()
-        opt.step()
-    # the state too: a tail rounded apart in exp_avg_sq seldom shows in the parameter at once
-    names = ["momentum_buffer"] if kind == "sgd" else ["exp_avg", "exp_avg_sq"]
-    return torch.cat([prm.detach() for prm in params] + [opt.state[prm][k] for k in names for prm in params])
-
-
-def _probe_kernel(kind: str, p0: torch.Tensor, grads: List[torch.Tensor], split: int) -> torch.Tensor:
-    """torch's first step (it creates the state), then the compiled kernel's second at ``split``."""
-    params = [t.clone().requires_grad_() for t in p0.split(_PROBE_SIZES)]
-    opt = _probe_optimizer(kind, params)
-    for prm, gp in zip(params, grads[0].split(_PROBE_SIZES)):
-        prm.grad = gp.clone()
-    opt.step()
-    flat = torch.cat([prm.detach() for prm in params])
-    lens = np.asarray(_PROBE_SIZES, dtype=np.int64)
-    starts = np.concatenate(([0], np.cumsum(lens)[:-1])).astype(np.int64)
-    plan = _K.make_plan(starts, lens, lens - lens % split, _CHUNK)
-    code = _dtype_code(p0.dtype)
-    grad = grads[1].clone()
-    group = opt.param_groups[0]
-    if kind == "sgd":
-        buf = torch.cat([opt.state[prm]["momentum_buffer"] for prm in params])
-        _K.sgd_step(
-            code, flat.data_ptr(), grad.data_ptr(), buf.data_ptr(), *plan,
-            lr=0.1, wd=0.0, momentum=0.9, dampening=0.0, nesterov=False, maximize=False, first=False,
-            tail_alt=1, nthreads=1,
-        )  # fmt: skip
-        return torch.cat([flat, buf])
-    m = torch.cat([opt.state[prm]["exp_avg"] for prm in params])
-    v = torch.cat([opt.state[prm]["exp_avg_sq"] for prm in params])
-    beta1, beta2 = group["betas"]
-    step = 2.0
-    lr, wd = float(group["lr"]), float(group["weight_decay"])
-    _K.adam_step(
-        code, flat.data_ptr(), grad.data_ptr(), m.data_ptr(), v.data_ptr(), 0, *plan,
-        w=1 - beta1, b2=beta2, c2=1 - beta2, bc2s=math.sqrt(1 - beta2**step), eps=float(group["eps"]),
-        nss=-(lr / (1 - beta1**step)), wd=wd, decay=1.0, amsgrad=False, maximize=False, l2=True,
-        decoupled=False, body_v_alt=0, tail_v_alt=1, nthreads=1,
-    )  # fmt: skip
-    return torch.cat([flat, m, v])
+def _same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Bit-for-bit equality (torch.equal takes 0.0 for -0.0)."""
+    if x.dtype != y.dtype or x.shape != y.shape:
+        return False
+    ints = {8: torch.int64, 4: torch.int32, 2: torch.int16}[x.element_size()]
+    return torch.equal(x.contiguous().view(ints), y.contiguous().view(ints))
 
 
 def _kernel_for(opt: Any, group: Dict[str, Any], b: _Bucket) -> Optional[_Kernel]:
@@ -1764,7 +1806,7 @@ def _kernel_for(opt: Any, group: Dict[str, Any], b: _Bucket) -> Optional[_Kernel
     if isinstance(opt, torch.optim.SGD):
         if not all(_is_float(group[k]) for k in ("lr", "momentum", "dampening", "weight_decay")):
             return None
-        if group.get("fused") and _fused_split("sgd", b.dtype) is None:
+        if not _kernel_verified("sgd", _flavour(group), b.dtype):
             return None
         return _SgdKernel(bool(group.get("fused")))
     if isinstance(opt, torch.optim.Adam):
@@ -1773,7 +1815,7 @@ def _kernel_for(opt: Any, group: Dict[str, Any], b: _Bucket) -> Optional[_Kernel
             _is_float(x) for x in (group["lr"], betas[0], betas[1], group["weight_decay"], group["eps"])
         ):
             return None
-        if group.get("fused") and _fused_split("adam", b.dtype) is None:
+        if not _kernel_verified("adam", _flavour(group), b.dtype):
             return None
         decoupled = bool(group.get("decoupled_weight_decay", False)) or isinstance(opt, torch.optim.AdamW)
         return _AdamKernel(bool(group.get("fused")), decoupled, bool(group["amsgrad"]))
