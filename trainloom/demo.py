@@ -445,7 +445,7 @@ def report(results: Sequence[RunResult]) -> str:
         # per-step costs in the steady state, as the rate: the first epoch also holds one-off work
         # (lazy optimizer state, the fused kernels' check against torch, cache misses)
         steady = later if later else r.epochs
-        steps = max(1, sum(e.steps for e in steady))
+        steps = sum(e.steps for e in steady)
         tag = " (later)" if later else ""
         cols.append(
             {
