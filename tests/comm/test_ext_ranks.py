@@ -447,6 +447,56 @@ def classic_timeout(rank: int, ws: int) -> Dict[str, Any]:
     return out
 
 
+def classic_mixed_apis(rank: int, ws: int, engine: str) -> Dict[str, Any]:
+    """Announced (classic) and unannounced (Bagua-style) messages from one sender, received with
+    an explicit src by either API and with any-source receives (ws >= 3). Every receive has a short
+    timeout: a mismatch shows as a CommTimeoutError in the result instead of a hang."""
+    from trainloom.comm import classic as cd
+
+    _engine(engine)
+    cd.init_process_group("gloo", timeout=5)
+    cd.barrier()  # engines exist before any-source receives wait in store.get
+    last = ws - 1
+    out: Dict[str, Any] = {}
+
+    def take(fn: Callable[[], Any], buf: torch.Tensor) -> Any:
+        try:
+            got = fn()
+        except CommError as e:
+            return f"{type(e).__name__}: {e}"
+        return [got, buf.tolist()]
+
+    # 1. An unannounced message taken by classic's recv(src=) does not make the next any-source
+    #    receive pass over a real announcement (it did: that receive waited until the timeout).
+    if rank == 0:
+        b1, b2 = torch.empty(1), torch.empty(2)
+        out["classic_src_bagua_msg"] = take(lambda: cd.recv(b1, src=last), b1)
+        out["any_after_it"] = take(lambda: cd.recv(b2), b2)
+        out["bagua_src_bagua_msg"] = take(lambda: C.recv(b1, last), b1)
+        out["any_after_that"] = take(lambda: cd.recv(b2), b2)
+    elif rank == last:
+        C.send(torch.full((1,), 1.0), 0)
+        cd.send(torch.full((2,), 2.0), 0)
+        C.send(torch.full((1,), 3.0), 0)
+        cd.send(torch.full((2,), 4.0), 0)
+    cd.barrier()
+    # 2. An announced message taken by a Bagua-style recv(src): a later any-source receive passes
+    #    over its announcement and takes another sender's message (it waited on the first sender).
+    if rank == 0:
+        b1, b2 = torch.empty(1), torch.empty(2)
+        out["bagua_src_announced"] = take(lambda: C.recv(b1, last), b1)
+    elif rank == last:
+        cd.send(torch.full((1,), 5.0), 0)
+    cd.barrier()
+    if rank == 0:
+        out["any_other_sender"] = take(lambda: cd.recv(b2), b2)
+    elif rank == 1:
+        cd.send(torch.full((2,), 6.0), 0)
+    cd.barrier()
+    cd.destroy_process_group()
+    return out
+
+
 # ---------------------------------------------------------------------------- distributed optimizers
 def regression_data(ws: int):
     g = torch.Generator().manual_seed(5)

@@ -95,6 +95,21 @@ def test_recv_from_any_source_times_out():
     assert res[0]["seconds"] < 30
 
 
+@pytest.mark.parametrize("engine", ["gloo", ENGINES[-1]])
+def test_classic_any_source_with_bagua_style_messages_from_the_same_sender(engine):
+    """Bagua-style sends are not announced but hold their place in the sender's stream: receiving
+    them (or an announced message) with an explicit src keeps any-source receives paired."""
+    res = run_ranks(R.classic_mixed_apis, 3, engine, timeout=60)
+    assert res[0] == {
+        "classic_src_bagua_msg": [2, [1.0]],
+        "any_after_it": [2, [2.0, 2.0]],
+        "bagua_src_bagua_msg": [None, [3.0]],
+        "any_after_that": [2, [4.0, 4.0]],
+        "bagua_src_announced": [None, [5.0]],
+        "any_other_sender": [1, [6.0, 6.0]],
+    }
+
+
 def test_bluefog_script_moves_over_by_changing_the_import():
     res = run_ranks(R.bluefog_script, 3, timeout=60)
     w0 = None

@@ -14,10 +14,13 @@ Every collective also takes ``async_op=False`` (then returns the core
 :class:`~trainloom.comm.work.Work`).
 
 Receiving from any source: :func:`send` / :func:`isend` announce each message in the job's store
-(``store.add`` + ``store.set``, ~0.1-1 ms) before sending; ``recv(tensor)`` without ``src`` takes
-the next announcement addressed to it (blocking, with the group's timeout) and receives from that
-rank. Messages sent with the Bagua-style :func:`trainloom.comm.send` are not announced: receive them
-with an explicit ``src``.
+(``store.add`` + ``store.set``, ~0.1-1 ms) with the sender's rank and the message's place among
+everything that rank sent to the receiver; ``recv(tensor)`` without ``src`` takes the next
+announcement addressed to it (blocking, with the group's timeout), passes over one whose message a
+receive with an explicit ``src`` already took, and receives from that rank. Messages sent with the
+Bagua-style :func:`trainloom.comm.send` are not announced (an any-source receive does not wait for
+them), but they hold their place in the stream: receive them with an explicit ``src``, before or
+after any-source receives of announced messages from the same sender.
 
 ``isend``/``irecv`` calls run in issue order per direction and peer, each (direction, peer) on its
 own thread, so two ranks that ``isend`` to each other and then receive, ``irecv`` first and then
@@ -34,7 +37,7 @@ from __future__ import annotations
 import datetime
 import threading
 from collections import defaultdict
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as _tdist
@@ -197,11 +200,9 @@ class _AnySource:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.head: Dict[str, int] = defaultdict(int)  # next announcement index to read, per comm
-        self.skip: Dict[Tuple[str, int], int] = defaultdict(int)  # announced messages taken by recv(src)
 
     def clear(self) -> None:
         self.head.clear()
-        self.skip.clear()
 
 
 _ANY = _AnySource()
@@ -214,11 +215,13 @@ def _store() -> Any:
     return store
 
 
-def _announce(c: Communicator, dst_local: int) -> None:
+def _announce(c: Communicator, dst_local: int, place: int) -> None:
+    """Announce to ``dst_local`` a message from this rank, the ``place``-th (from 0) of every message
+    this rank issued to it on ``c``, through any API: ``"<sender>:<place>"``."""
     store = _store()
     key = f"anysrc/{c.name}/{dst_local}"
     idx = store.add(f"{key}/n", 1)
-    store.set(f"{key}/{idx}", str(c.rank()))
+    store.set(f"{key}/{idx}", f"{c.rank()}:{place}")
 
 
 def isend(tensor: torch.Tensor, dst: int, group: GroupArg = None) -> Work:  # noqa: A002
@@ -240,10 +243,11 @@ def _isend(tensor: torch.Tensor, dst: int, group: GroupArg, opname: str) -> Work
     d = _local(dst, "dst", c, opname)
     if d == c.rank():
         raise ValueError(f"{opname}: dst={dst} is this rank; send to another rank")
+    place = c.p2p_issued(f"send:{d}")  # this message's place among every send to d
     work = _core.send(t, d, comm=c, async_op=True)
     # Announced once the send was accepted: a refused send must announce nothing, or an any-source
     # recv would wait for a message that never comes and pair the next ones with the wrong sender.
-    _announce(c, d)
+    _announce(c, d, place)
     return work  # type: ignore[return-value]
 
 
@@ -255,10 +259,10 @@ def send(tensor: torch.Tensor, dst: int, group: GroupArg = None) -> None:  # noq
 def irecv(tensor: torch.Tensor, src: int, group: GroupArg = None) -> Work:  # noqa: A002
     """Receive into ``tensor`` from global rank ``src`` asynchronously (a Work).
 
-    Every message received with an explicit ``src`` is taken to be one sent with :func:`send` /
-    :func:`isend` (announced): a later ``recv(src=None)`` skips its announcement. A message from
-    the Bagua-style :func:`trainloom.comm.send` is not announced; receive those with an explicit
-    ``src`` too, and do not mix them with any-source receives of messages from the same sender.
+    Messages from one sender arrive in the order it sent them, whichever API sent them: a
+    receive with an explicit ``src`` takes that sender's next message, and a later
+    ``recv(src=None)`` passes over the announcement of a message taken this way. Messages from the
+    Bagua-style :func:`trainloom.comm.send` are not announced: receive them with an explicit ``src``.
 
     Example::
 
@@ -275,15 +279,7 @@ def _irecv(tensor: torch.Tensor, src: int, group: GroupArg, opname: str) -> Work
     s = _local(src, "src", c, opname)
     if s == c.rank():
         raise ValueError(f"{opname}: src={src} is this rank; receive from another rank")
-    key = (c.name, s)
-    with _ANY.lock:
-        _ANY.skip[key] += 1
-    try:
-        return _core.recv(t, s, comm=c, async_op=True)  # type: ignore[return-value]
-    except BaseException:
-        with _ANY.lock:  # refused: it takes no message, so none is to be skipped
-            _ANY.skip[key] -= 1
-        raise
+    return _core.recv(t, s, comm=c, async_op=True)  # type: ignore[return-value]
 
 
 def recv(tensor: torch.Tensor, src: Optional[int] = None, group: GroupArg = None) -> int:  # noqa: A002
@@ -315,7 +311,7 @@ def recv(tensor: torch.Tensor, src: Optional[int] = None, group: GroupArg = None
             _ANY.head[c.name] += 1
             idx = _ANY.head[c.name]
         try:
-            sender = int(bytes(store.get(f"{key}/{idx}")).decode())
+            sender, place = (int(x) for x in bytes(store.get(f"{key}/{idx}")).decode().split(":"))
         except _tdist.DistStoreError:
             with _ANY.lock:
                 _ANY.head[c.name] -= 1
@@ -325,10 +321,8 @@ def recv(tensor: torch.Tensor, src: Optional[int] = None, group: GroupArg = None
                 "trainloom.comm.classic.send/isend to be received from any source"
             ) from None
         store.delete_key(f"{key}/{idx}")
-        with _ANY.lock:
-            if _ANY.skip[(c.name, sender)] > 0:  # already taken by a recv with an explicit src
-                _ANY.skip[(c.name, sender)] -= 1
-                continue
+        if c.p2p_issued(f"recv:{sender}") > place:
+            continue  # a receive with an explicit src took this message (or is taking it)
         _core.recv(t, sender, comm=c)
         return c.global_ranks[sender]
 

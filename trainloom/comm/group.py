@@ -273,6 +273,10 @@ class Communicator:
         self._p2p_executors: Dict[str, concurrent.futures.ThreadPoolExecutor] = {}
         self._p2p_locks: Dict[str, threading.Lock] = {}
         self._p2p_last: Dict[str, concurrent.futures.Future] = {}
+        # How many sends to / receives from each peer were issued (same keys): a message's place in
+        # its pair's stream, which classic's any-source receive needs (see p2p_issued()).
+        self._p2p_issued: Dict[str, int] = {}
+        self._p2p_issued_lock = threading.Lock()
         self._engine_lock = threading.Lock()  # engine creation (send and recv may run at once)
         self._destroyed = False
         self._xseq = 0
@@ -437,6 +441,8 @@ class Communicator:
                     self.cross_check(opname, *check)
                 engine = self.engine(device)
                 event = fn(engine)
+                if p2p is not None:  # counted once the engine took it (a refused call sends nothing)
+                    self._count_p2p(p2p)
             if async_op:
                 return CudaWork(opname, event, result, keep_alive, engine._check_deadline, finish)
             if finish is not None:
@@ -471,6 +477,22 @@ class Communicator:
             )
         return self._execute_cpu(*args)
 
+    def p2p_issued(self, queue: str) -> int:
+        """How many point-to-point operations this process issued on ``queue`` (``"send:3"``: sends
+        to peer 3 of this communicator; ``"recv:1"``: receives from peer 1), every API's counted.
+
+        Messages between two ranks arrive in issue order, so a send's count before it is issued is
+        its place in the pair's stream, and a receive takes the message whose place is the count of
+        receives from that peer before it. ``trainloom.comm.classic`` announces that place with each
+        message so that a receive from any source can tell a message already taken by a receive
+        with an explicit ``src`` from one still to come."""
+        with self._p2p_issued_lock:
+            return self._p2p_issued.get(queue, 0)
+
+    def _count_p2p(self, queue: str) -> None:
+        with self._p2p_issued_lock:
+            self._p2p_issued[queue] = self._p2p_issued.get(queue, 0) + 1
+
     def _execute_cpu(
         self,
         opname: str,
@@ -485,6 +507,8 @@ class Communicator:
         inside: bool,
     ) -> Optional[Work]:
         """:meth:`execute` for a CPU operation (``inside``: called from a running operation)."""
+        if p2p is not None:
+            self._count_p2p(p2p)
         # Sends and receives take a queue per direction and peer (gloo itself runs them at once per
         # pair): a send does not complete before the peer takes the message (gloo: posts the
         # matching receive; shm: beyond two pair buffers), so on one queue an asynchronous send
