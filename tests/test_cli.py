@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
 from contextlib import redirect_stdout
 from pathlib import Path
 
 import pytest
+import torch
 
 import trainloom
 from trainloom import cli
@@ -26,6 +28,47 @@ def test_info_prints_build_and_optional_parts():
     text = buf.getvalue()
     for field in ("OpenMP", "debug directives", "Cython", "CPU count", "lmdb", "redis-server", "NCCL"):
         assert field in text, field
+    assert f"CPU kernels {torch.backends.cpu.get_cpu_capability()})" in text
+    # one line per (optimizer, dtype), each naming torch's three paths
+    lines = text.split("fused optimizer kernels (bit-exact with torch's own step here?):\n")[1].splitlines()
+    assert [ln.split(":")[0].strip() for ln in lines] == [
+        "SGD float32",
+        "SGD float64",
+        "Adam/AdamW float32",
+        "Adam/AdamW float64",
+    ]
+    assert all(ln.count("; ") == 2 and "fused=True" in ln for ln in lines)
+
+
+def test_info_says_which_fused_kernels_torch_rounds_otherwise():
+    """Under torch's DEFAULT CPU capability (no FMA: older x86 CPUs) no compiled kernel reproduces
+    torch's rounding, so fuse_step steps through torch; `trainloom info` says so per kernel."""
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="default")
+    out = subprocess.run(
+        [sys.executable, "-m", "trainloom", "info"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "CPU kernels DEFAULT)" in out.stdout
+    no = "no, steps through torch"
+    assert f"  SGD float32       : for-loop {no}; foreach {no}; fused=True {no}" in out.stdout
+    assert f"  Adam/AdamW float64: for-loop {no}; foreach {no}; fused=True {no}" in out.stdout
+
+
+def test_kernel_checks_match_torch_where_torch_runs_avx2_or_better():
+    """On AVX2 and AVX512 machines every compiled kernel must reproduce torch's step: a check that
+    failed there would silently take fuse_step's single pass away (its tests would only skip)."""
+    from trainloom.optim import kernel_checks
+
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap not in ("AVX2", "AVX512"):
+        pytest.skip(f"torch runs its {cap} kernels here; the compiled kernels copy its AVX2 rounding")
+    rows = kernel_checks()
+    assert len(rows) == 12
+    assert [r for r in rows if not r["matches_torch"]] == []
+    assert {(r["dtype"], r["vector_split"]) for r in rows if r["path"] == "fused=True"} == {
+        ("float32", 8),
+        ("float64", 4),
+    }
 
 
 def test_show_config_matches_config_dict():

@@ -7,7 +7,7 @@ import logging
 import os
 import platform
 import sys
-from typing import Any, Dict, Optional, TextIO
+from typing import Any, Dict, List, Optional, TextIO, Tuple
 
 logger = logging.getLogger("trainloom")
 
@@ -45,8 +45,22 @@ def nccl_version_string(code: int) -> str:
     return f"{code // 1000}.{code % 1000 // 100}.{code % 100}"
 
 
-def config() -> Dict[str, Any]:
-    """The facts :func:`show_config` prints, as a dict (for tests and bug reports)."""
+def _cpu_capability() -> str:
+    """torch's CPU kernel level ("AVX512", "AVX2", "DEFAULT", ...; ATEN_CPU_CAPABILITY sets it lower)."""
+    import torch
+
+    get = getattr(getattr(torch.backends, "cpu", None), "get_cpu_capability", None)
+    return str(get()) if get is not None else "unknown"
+
+
+def config(kernels: bool = False) -> Dict[str, Any]:
+    """The facts :func:`show_config` prints, as a dict (for tests and bug reports).
+
+    Args:
+        kernels: also check the fused optimizer's compiled kernels against torch's own step
+            (``trainloom.optim.kernel_checks()``, about 2 s in a fresh process) under
+            ``"fused_kernels"``.
+    """
     import torch
 
     from trainloom import __version__
@@ -75,6 +89,7 @@ def config() -> Dict[str, Any]:
         "platform": platform.platform(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
+        "torch_cpu_capability": _cpu_capability(),
         "cuda_available": torch.cuda.is_available(),
         "cpu_count": os.cpu_count(),
         "build": build,
@@ -83,14 +98,34 @@ def config() -> Dict[str, Any]:
         "redis_py": importlib.util.find_spec("redis") is not None,
         "redis_server": find_redis_server(),
         "nccl": _nccl_status(),
+        **({"fused_kernels": _kernel_checks()} if kernels else {}),
     }
 
 
-def show_config(file: Optional[TextIO] = None) -> None:
+def _kernel_checks() -> Any:
+    from trainloom.optim import kernel_checks
+
+    return kernel_checks()
+
+
+def _kernel_lines(rows: Any) -> List[str]:
+    """One line per (optimizer, dtype): each torch path and whether the kernel matches it."""
+    by: Dict[Tuple[str, str], List[str]] = {}
+    for r in rows:
+        verdict = "yes" if r["matches_torch"] else "no, steps through torch"
+        if r["vector_split"]:
+            verdict += f" (vector split {r['vector_split']})"
+        by.setdefault((r["optimizer"], r["dtype"]), []).append(f"{r['path']} {verdict}")
+    return [f"  {f'{opt} {dt}':<18}: " + "; ".join(parts) for (opt, dt), parts in by.items()]
+
+
+def show_config(file: Optional[TextIO] = None, kernels: bool = True) -> None:
     """Print how trainloom was built and which optional parts work here.
 
     Args:
         file: where to print; standard output by default.
+        kernels: also check the fused optimizer's compiled kernels against torch's own step on
+            this machine and print which ones ``fuse_step`` uses (about 2 s in a fresh process).
 
     Example::
 
@@ -98,7 +133,7 @@ def show_config(file: Optional[TextIO] = None) -> None:
         >>> trainloom.show_config()  # doctest: +SKIP
     """
     out = file if file is not None else sys.stdout
-    c = config()
+    c = config(kernels=kernels)
     b = c["build"]
     omp = c["openmp"]
     nccl = c["nccl"]
@@ -126,7 +161,8 @@ def show_config(file: Optional[TextIO] = None) -> None:
         f"  extensions        : {', '.join(b.get('extensions', [])) or 'none'}",
         "runtime:",
         f"  python            : {c['python']} on {c['platform']}",
-        f"  torch             : {c['torch']} ({c['torch_threads']} threads)",
+        f"  torch             : {c['torch']} ({c['torch_threads']} threads, CPU kernels "
+        f"{c['torch_cpu_capability']})",
         f"  CPU count         : {c['cpu_count']}",
         f"  CUDA available    : {yes(c['cuda_available'])}",
         "optional parts:",
@@ -136,4 +172,7 @@ def show_config(file: Optional[TextIO] = None) -> None:
         f"  redis-server      : {c['redis_server'] or 'not found (pip install trainloom[redis])'}",
         f"  NCCL              : {nccl_line}",
     ]
+    if kernels:
+        lines.append("fused optimizer kernels (bit-exact with torch's own step here?):")
+        lines += _kernel_lines(c["fused_kernels"])
     print("\n".join(lines), file=out)

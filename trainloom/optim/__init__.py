@@ -15,6 +15,7 @@ from trainloom.optim.fused import (
     fuse_optimizer,
     fuse_step,
     is_fused_optimizer,
+    kernel_checks,
 )
 
 __all__ = [
@@ -24,4 +25,5 @@ __all__ = [
     "fuse_optimizer",
     "fuse_step",
     "is_fused_optimizer",
+    "kernel_checks",
 ]

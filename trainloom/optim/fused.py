@@ -55,6 +55,7 @@ __all__ = [
     "is_fused_optimizer",
     "calculate_mutual_groups",
     "flat_buffers",
+    "kernel_checks",
 ]
 
 #: Every view starts at a multiple of this many bytes (one cache line; also full AVX-512 vectors).
@@ -1720,6 +1721,42 @@ def _kernel_verified(kind: str, flavour: str, dt: torch.dtype) -> bool:
     elif flavour == "fused":
         logger.debug("torch's fused=True %s for %s: vector body of numel - numel %% %d", kind, dt, found)
     return found is not None
+
+
+def kernel_checks() -> List[Dict[str, Any]]:
+    """Check every compiled kernel against torch's own step on this machine, as the first
+    ``fuse_step`` of each configuration does (once per process; checks already made are reused).
+
+    Returns:
+        One dict per (optimizer, torch path, dtype): ``optimizer`` ("SGD" or "Adam/AdamW"),
+        ``path`` ("for-loop", "foreach" or "fused=True"), ``dtype`` ("float32", "float64"),
+        ``matches_torch`` (False: such groups step through torch, exact but without the single
+        pass) and ``vector_split`` (fused=True: each tensor's first ``numel - numel % split``
+        elements take torch's vector formula; None otherwise).
+
+    Example::
+
+        >>> from trainloom.optim import kernel_checks
+        >>> [r for r in kernel_checks() if not r["matches_torch"]]  # doctest: +SKIP
+        []
+    """
+    names = {"loop": "for-loop", "foreach": "foreach", "fused": "fused=True"}
+    rows: List[Dict[str, Any]] = []
+    for kind in ("sgd", "adam"):
+        for dt in (torch.float32, torch.float64):
+            for flavour in ("loop", "foreach", "fused"):
+                ok = _kernel_verified(kind, flavour, dt)
+                split = _FUSED_SPLIT.get((kind, dt)) if ok and flavour == "fused" else None
+                rows.append(
+                    {
+                        "optimizer": "SGD" if kind == "sgd" else "Adam/AdamW",
+                        "path": names[flavour],
+                        "dtype": str(dt).replace("torch.", ""),
+                        "matches_torch": ok,
+                        "vector_split": split,
+                    }
+                )
+    return rows
 
 
 def _probe_optimizers(kind: str, flavour: str) -> List[Callable[[List[torch.Tensor]], torch.optim.Optimizer]]:
