@@ -312,3 +312,66 @@ def test_a_hogwild_worker_with_a_fused_optimizer_updates_the_shared_model():
     proc.join(60)
     assert proc.exitcode == 0
     assert_bitwise(list(m.parameters()), list(want.parameters()))
+
+
+# ------------------------------------------------------------------------ two optimizers, one parameter
+_HELD_WARNING = (
+    "fuse_optimizer: 2 parameters are already in the flat buffers of another fused optimizer (two "
+    "optimizers over the same parameters). Moving them here would take them out of that optimizer's "
+    "buffers, and each would re-fuse at every step, so they stay there and this optimizer updates them "
+    "per tensor through torch (not fused): param group 0 parameter 0 (shape (3, 5)), "
+    "param group 0 parameter 1 (shape (3,))."
+)
+
+
+def _two_optimizers(fuse: bool, steps: int = 5):
+    """SGD over the whole model and Adam over its last layer too (a second optimizer with its own
+    rule for a shared part): both step the shared parameters, in that order."""
+    m = _model()
+    a = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    b = torch.optim.Adam(m[2].parameters(), lr=0.01)
+    if fuse:
+        a, b = fuse_optimizer(a), fuse_optimizer(b)
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
+    infos = []
+    for _ in range(steps):
+        a.zero_grad()
+        b.zero_grad()
+        m(x).pow(2).sum().backward()
+        if fuse:
+            a.fuse_step()
+            b.fuse_step()
+            infos.append([list(F._info(o, "test").buckets) for o in (a, b)])
+        else:
+            a.step()
+            b.step()
+    return m, a, b, infos
+
+
+def test_two_fused_optimizers_over_one_parameter_do_not_refuse_each_step_and_match_torch():
+    """Before, the second fuse_optimizer moved the shared parameters into its own buffers, and from
+    then on each fuse_step found them moved ("p.data was replaced"), re-fused and moved them back."""
+    want, *_ = _two_optimizers(False)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        got, a, b, infos = _two_optimizers(True)
+    assert [str(x.message) for x in w] == [_HELD_WARNING]
+    assert all(step == infos[0] for step in infos)  # the same buckets every step: no re-fusing
+    # the shared parameters live in the first optimizer's flat buffer and are stepped by both
+    (flat,) = flat_buffers(a, "param")
+    base, end = flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size()
+    assert all(base <= p.data_ptr() < end for p in got[2].parameters())
+    assert flat_buffers(b, "param") == [] and set(map(id, F._info(b, "test").outside[0])) == set(
+        map(id, got[2].parameters())
+    )
+    assert_bitwise(list(got.parameters()), list(want.parameters()))
+
+
+def test_a_parameter_held_by_a_deleted_fused_optimizer_is_fused_by_the_next():
+    m = _model()
+    first = fuse_optimizer(torch.optim.SGD(m.parameters(), lr=0.1))
+    del first
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "already in the flat buffers" warning
+        second = fuse_optimizer(torch.optim.SGD(m.parameters(), lr=0.1))
+    assert sum(b.numel() for b in flat_buffers(second, "param")) >= sum(p.numel() for p in m.parameters())

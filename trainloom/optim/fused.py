@@ -354,6 +354,36 @@ class _FusedInfo:
         self.state_sizes = np.zeros(0, dtype=np.int64)
         # and the objects those dicts held (a state tensor replaced by hand must be seen)
         self.state_values: List[Any] = []
+        # id() of the parameters in this optimizer's flat buffers, and whether it warned about
+        # parameters it left where another fused optimizer's buffers hold them
+        self.bucketed: set = set()
+        self.warned_held = False
+
+
+# Which fused optimizer's flat buffers hold each parameter: id(p) -> (weakref to p, weakref to that
+# optimizer's _FusedInfo). Two fused optimizers over one parameter would otherwise take it out of
+# each other's buffers at every step (each fuse_step saw it moved and re-fused).
+_HOLDER: Dict[int, Tuple[weakref.ref[torch.Tensor], weakref.ref[_FusedInfo]]] = {}
+
+
+def _held_elsewhere(p: torch.Tensor, info: _FusedInfo) -> bool:
+    """Whether another live fused optimizer's flat buffers hold ``p``."""
+    entry = _HOLDER.get(id(p))
+    if entry is None or entry[0]() is not p:
+        return False
+    other = entry[1]()
+    return other is not None and other is not info and id(p) in other.bucketed
+
+
+def _hold(p: torch.Tensor, info: _FusedInfo) -> None:
+    key = id(p)
+
+    def forget(ref: weakref.ref[torch.Tensor]) -> None:
+        entry = _HOLDER.get(key)
+        if entry is not None and entry[0] is ref:
+            del _HOLDER[key]
+
+    _HOLDER[key] = (weakref.ref(p, forget), weakref.ref(info))
 
 
 def _dense_strides(p: torch.Tensor) -> Tuple[int, ...]:
@@ -596,6 +626,15 @@ def _build(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> None:
     if in_shm:
         _warn_shm(optimizer, info, in_shm)
     seen |= in_shm
+    held = {
+        id(p)
+        for g in optimizer.param_groups
+        for p in g["params"]
+        if id(p) not in seen and _held_elsewhere(p, info)
+    }
+    if held:
+        _warn_held(optimizer, info, held)
+    seen |= held
     for gi, group in enumerate(optimizer.param_groups):
         by_key: Dict[Tuple[Any, Any], List[torch.Tensor]] = {}
         for p in group["params"]:
@@ -624,7 +663,10 @@ def _build(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> None:
     info.groups = list(optimizer.param_groups)
     info.group_params = [list(g["params"]) for g in optimizer.param_groups]
     info.state_obj = optimizer.state
-    bucketed = {id(p) for b in info.buckets for p in b.params}
+    bucketed = info.bucketed = {id(p) for b in info.buckets for p in b.params}
+    for b in info.buckets:
+        for p in b.params:
+            _hold(p, info)
     info.outside = [[p for p in g["params"] if id(p) not in bucketed] for g in optimizer.param_groups]
 
 
@@ -698,6 +740,20 @@ def _warn_shm(optimizer: torch.optim.Optimizer, info: _FusedInfo, in_shm: set) -
         "Hogwild training); moving them into the flat buffers would take them out of it, so the other "
         "processes would stop seeing their updates. They stay where they are and torch updates them "
         f"per tensor (not fused): {names}.",
+    )
+
+
+def _warn_held(optimizer: torch.optim.Optimizer, info: _FusedInfo, held: set) -> None:
+    """Once per optimizer: which parameters stay in another fused optimizer's flat buffers."""
+    if info.warned_held:
+        return
+    info.warned_held = True
+    n, names = _param_names(optimizer, held, shapes=True)
+    _warn(
+        f"fuse_optimizer: {n} parameters are already in the flat buffers of another fused optimizer "
+        "(two optimizers over the same parameters). Moving them here would take them out of that "
+        "optimizer's buffers, and each would re-fuse at every step, so they stay there and this "
+        f"optimizer updates them per tensor through torch (not fused): {names}.",
     )
 
 
