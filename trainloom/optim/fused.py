@@ -615,7 +615,7 @@ def _build(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> None:
     info.buckets = []
     shared = info.shared = _overlapping([p for g in optimizer.param_groups for p in g["params"]])
     if shared:
-        _warn_shared(optimizer, info, shared)
+        _warn_left_out(optimizer, info, "shared", shared)
     seen: set = set(shared)
     in_shm = {
         id(p)
@@ -624,7 +624,7 @@ def _build(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> None:
         if id(p) not in seen and p.device.type == "cpu" and p.is_shared()
     }
     if in_shm:
-        _warn_shm(optimizer, info, in_shm)
+        _warn_left_out(optimizer, info, "shm", in_shm, shapes=False)
     seen |= in_shm
     held = {
         id(p)
@@ -633,7 +633,7 @@ def _build(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> None:
         if id(p) not in seen and _held_elsewhere(p, info)
     }
     if held:
-        _warn_held(optimizer, info, held)
+        _warn_left_out(optimizer, info, "held", held)
     seen |= held
     for gi, group in enumerate(optimizer.param_groups):
         by_key: Dict[Tuple[Any, Any], List[torch.Tensor]] = {}
@@ -703,17 +703,36 @@ def _overlapping(params: Sequence[torch.Tensor]) -> set:
     return out
 
 
-def _warn_shared(optimizer: torch.optim.Optimizer, info: _FusedInfo, shared: set) -> None:
-    """Once per optimizer: which parameters stay out of the flat buffers because they share memory."""
-    if info.warned_shared:
+def _warn_left_out(
+    optimizer: torch.optim.Optimizer, info: _FusedInfo, reason: str, ids: set, shapes: bool = True
+) -> None:
+    """Once per optimizer and ``reason``: which parameters stay out of the flat buffers, and why."""
+    flag = f"warned_{reason}"
+    if getattr(info, flag):
         return
-    info.warned_shared = True
-    _, names = _param_names(optimizer, shared, shapes=True)
-    _warn(
-        "fuse_optimizer: parameters whose memory overlaps (views of one tensor) would stop sharing it "
-        f"in the flat buffers, so they stay where they are and torch updates them per tensor: "
-        f"{names}. flat_buffers(optimizer, 'grad') does not hold their gradients.",
-    )
+    setattr(info, flag, True)
+    n, names = _param_names(optimizer, ids, shapes)
+    if reason == "shared":
+        text = (
+            "parameters whose memory overlaps (views of one tensor) would stop sharing it in the flat "
+            "buffers, so they stay where they are and torch updates them per tensor: "
+            f"{names}. flat_buffers(optimizer, 'grad') does not hold their gradients."
+        )
+    elif reason == "shm":
+        text = (
+            f"{n} parameters live in shared memory (model.share_memory(), e.g. Hogwild training); moving "
+            "them into the flat buffers would take them out of it, so the other processes would stop "
+            "seeing their updates. They stay where they are and torch updates them per tensor (not "
+            f"fused): {names}."
+        )
+    else:  # "held"
+        text = (
+            f"{n} parameters are already in the flat buffers of another fused optimizer (two optimizers "
+            "over the same parameters). Moving them here would take them out of that optimizer's "
+            "buffers, and each would re-fuse at every step, so they stay there and this optimizer "
+            f"updates them per tensor through torch (not fused): {names}."
+        )
+    _warn(f"fuse_optimizer: {text}")
 
 
 def _param_names(optimizer: torch.optim.Optimizer, ids: set, shapes: bool) -> Tuple[int, str]:
@@ -726,35 +745,6 @@ def _param_names(optimizer: torch.optim.Optimizer, ids: set, shapes: bool) -> Tu
     ]
     more = f" and {len(names) - 8} more" if len(names) > 8 else ""
     return len(names), ", ".join(names[:8]) + more
-
-
-def _warn_shm(optimizer: torch.optim.Optimizer, info: _FusedInfo, in_shm: set) -> None:
-    """Once per optimizer: which parameters stay out of the flat buffers because they live in
-    shared memory (``model.share_memory()``: Hogwild training, where other processes see them)."""
-    if info.warned_shm:
-        return
-    info.warned_shm = True
-    n, names = _param_names(optimizer, in_shm, shapes=False)
-    _warn(
-        f"fuse_optimizer: {n} parameters live in shared memory (model.share_memory(), e.g. "
-        "Hogwild training); moving them into the flat buffers would take them out of it, so the other "
-        "processes would stop seeing their updates. They stay where they are and torch updates them "
-        f"per tensor (not fused): {names}.",
-    )
-
-
-def _warn_held(optimizer: torch.optim.Optimizer, info: _FusedInfo, held: set) -> None:
-    """Once per optimizer: which parameters stay in another fused optimizer's flat buffers."""
-    if info.warned_held:
-        return
-    info.warned_held = True
-    n, names = _param_names(optimizer, held, shapes=True)
-    _warn(
-        f"fuse_optimizer: {n} parameters are already in the flat buffers of another fused optimizer "
-        "(two optimizers over the same parameters). Moving them here would take them out of that "
-        "optimizer's buffers, and each would re-fuse at every step, so they stay there and this "
-        f"optimizer updates them per tensor through torch (not fused): {names}.",
-    )
 
 
 def _outside_with_grad(info: _FusedInfo) -> Dict[int, List[torch.Tensor]]:
