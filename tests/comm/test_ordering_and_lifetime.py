@@ -4,8 +4,10 @@ global ranks in errors: real 2- to 4-process runs (4 ranks = 2 logical nodes via
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from commutil import (
@@ -272,16 +274,18 @@ except Exception as exc:
 """
 
 
-def test_ctrl_c_with_an_async_receive_in_flight_exits_now_and_peers_fail_fast(tmp_path):
+@pytest.mark.parametrize("engine", ["shm", "gloo"])
+def test_ctrl_c_with_an_async_receive_in_flight_exits_now_and_peers_fail_fast(tmp_path, engine):
     """The interpreter joins the worker threads before atexit: without the exit hook the process
-    stayed until the receive's 300 s timeout (the 120 s limit below would end the test). Shared
-    memory only: torch cannot interrupt a pending gloo wait (documented)."""
+    stayed until the receive's 300 s timeout (the 120 s limit below would end the test). On gloo
+    the worker thread's wait also had to end (it waits in slices and sees the abort), and the
+    process group, whose destructor would wait for the receive, is left to the process's exit."""
     script = tmp_path / "ctrl_c.py"
     script.write_text(_CTRL_C_SCRIPT)
     env = {
         k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
     }
-    env["TRAINLOOM_CPU_ENGINE"] = "shm"
+    env["TRAINLOOM_CPU_ENGINE"] = "shm" if engine == "shm" else "gloo"
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)],
         capture_output=True,
@@ -290,8 +294,81 @@ def test_ctrl_c_with_an_async_receive_in_flight_exits_now_and_peers_fail_fast(tm
         env=env,
     )
     assert "KeyboardInterrupt" in out.stderr, out.stderr[-2000:]
-    expected = "rank 1: CommError the communicator was aborted by rank 0 (abort() was called)"
+    if engine == "shm":
+        expected = "rank 1: CommError the communicator was aborted by rank 0 (abort() was called)"
+    else:  # gloo: rank 0's connections close with its process
+        expected = "rank 1: CommError a peer died or left the job ("
     assert expected in out.stdout, (out.stdout, out.stderr[-2000:])
+
+
+_CTRL_C_SYNC_SCRIPT = """
+import os, sys, time
+from pathlib import Path
+import torch
+import trainloom.comm as C
+
+flag = Path(sys.argv[1])
+C.init_process_group(timeout=300)
+C.barrier()
+if C.get_rank() == 0:
+    print("waiting", flush=True)
+    C.allreduce(torch.ones(4), torch.empty(4))  # rank 1 does not join: Ctrl-C arrives here
+    print("allreduce returned", flush=True)
+else:
+    while not flag.exists():  # the test creates it once rank 0 has exited
+        time.sleep(0.05)
+    try:
+        C.barrier()
+    except Exception as exc:
+        print("rank 1:", type(exc).__name__, flush=True)
+"""
+
+
+def test_ctrl_c_during_a_blocking_gloo_collective_raises_now(tmp_path):
+    """gloo's wait blocks in C++, where Python runs no signal handler: Ctrl-C on a rank waiting for a
+    peer took effect only when the operation timed out (300 s here; the 60 s limit below would end
+    the test), and the process group's destructor then waited for it again at exit."""
+    from multiproc import free_port
+
+    script = tmp_path / "ctrl_c_sync.py"
+    script.write_text(_CTRL_C_SYNC_SCRIPT)
+    flag = tmp_path / "rank0_exited"
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            TRAINLOOM_CPU_ENGINE="gloo",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), str(flag)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    try:
+        assert procs[0].stdout.readline() == "waiting\n"
+        time.sleep(0.5)  # inside the allreduce's wait
+        procs[0].send_signal(signal.SIGINT)
+        out0, err0 = procs[0].communicate(timeout=60)
+        flag.touch()
+        out1, err1 = procs[1].communicate(timeout=60)
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[0].returncode != 0 and "allreduce returned" not in out0
+    assert err0.rstrip().endswith("KeyboardInterrupt"), err0[-2000:]
+    assert "Operation timed out" not in err0  # the wait's slices stay out of the traceback
+    assert out1 == "rank 1: CommError\n", (out1, err1[-2000:])
 
 
 @pytest.mark.parametrize("engine", ["gloo", "shm"])

@@ -14,6 +14,7 @@ of a 4 KiB allreduce, ~0.1-0.4 ms here); ``TRAINLOOM_COMM_CHECK=0`` turns it off
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import logging
 import os
@@ -206,6 +207,10 @@ def check_counts(opname: str, seq: int, counts: List[List[List[int]]]) -> None:
                 )
 
 
+# The longest a wait on the main thread blocks in C++ before Python can run a signal handler.
+_SLICE_S = 0.2
+
+
 def _is_timeout(exc: BaseException) -> bool:
     """Whether a torch/gloo error reports a deadline (their messages say "timeout" or "timed out")."""
     low = str(exc).lower()
@@ -239,6 +244,8 @@ class GlooEngine:
         self._p2p_seq = 0
         self._p2p_lock = threading.Lock()
         self._broken: Optional[str] = None
+        self._aborted: Optional[str] = None  # why abort() was called; ends waits on other threads
+        self._unfinished: List[dist.Work] = []  # operations a wait gave up on (still running in gloo)
         self._closed = False
         self._check = _check_enabled()
         try:
@@ -302,11 +309,45 @@ class GlooEngine:
     def _wait(
         self, work: dist.Work, opname: str, seq: int, timeout: Optional[float], peer: Optional[int] = None
     ) -> None:
+        """Wait for ``work`` in slices of at most ``_SLICE_S``: gloo's wait blocks in C++, where
+        Python runs no signal handler, and nothing can cancel a gloo operation (its ``abort()`` and
+        ``shutdown()`` return while the operation keeps waiting for its peer). Between slices a
+        signal handler's exception (Ctrl-C) propagates and aborts this engine, and an engine
+        aborted from another thread (the exit hook after an uncaught exception) ends the wait with
+        a CommError. Before, both waited for the whole timeout (300 s by default). A slice that
+        expires leaves the operation running: gloo's "Operation timed out!" from ``wait(timeout)``
+        does not cancel it."""
         t = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + t
+        done = failing = False
         try:
-            work.wait(datetime.timedelta(seconds=t))
-        except RuntimeError as exc:
-            self._fail(exc, opname, seq, t, peer)
+            while True:
+                slice_s = max(min(deadline - time.monotonic(), _SLICE_S), 1e-3)
+                try:
+                    work.wait(datetime.timedelta(seconds=slice_s))
+                except RuntimeError as exc:
+                    error = exc
+                else:
+                    done = True
+                    return
+                if not (_is_timeout(error) and not work.is_completed() and time.monotonic() < deadline):
+                    failing = True
+                    self._fail(error, opname, seq, t, peer)
+                if self._aborted is not None:
+                    failing = True
+                    raise CommError(
+                        f"{opname} #{seq} (gloo, rank {self.rank} of {self.world_size}): the "
+                        f"communicator was aborted while this operation waited ({self._aborted})"
+                    )
+        except BaseException as exc:
+            if not failing:  # a signal handler raised (KeyboardInterrupt, ...)
+                if isinstance(exc.__context__, RuntimeError) and _is_timeout(exc.__context__):
+                    exc.__suppress_context__ = True  # not the slice's "Operation timed out!"
+                self.abort(f"{opname} #{seq} was interrupted by a signal handler (Ctrl-C)")
+            raise
+        finally:
+            if not done and not work.is_completed():
+                self._unfinished.append(work)  # close() must not wait for it (see close)
 
     def _fail(
         self, exc: BaseException, opname: str, seq: int, timeout: float, peer: Optional[int] = None
@@ -618,8 +659,9 @@ class GlooEngine:
         # The header allgather is itself a barrier; it also catches a rank that called another op.
         self._agree("barrier", seq, make_header("barrier", seq, None), timeout, force=True)
 
-    def abort(self) -> None:
-        self._broken = self._broken or "aborted"
+    def abort(self, reason: str = "abort() was called") -> None:
+        self._broken = self._broken or reason
+        self._aborted = self._aborted or reason
         try:
             self._pg.abort()
         except RuntimeError as exc:  # some torch builds do not implement abort for gloo
@@ -630,4 +672,11 @@ class GlooEngine:
             return
         self._closed = True
         pg, self._pg = self._pg, None
+        if any(not w.is_completed() for w in self._unfinished):
+            # ProcessGroupGloo's destructor joins its worker threads, and one of them still runs an
+            # operation that nothing can cancel: destroying it would wait for gloo's timeout (at
+            # exit too, after Ctrl-C). It is kept alive instead, to be reclaimed with the process.
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))
+            logger.debug("gloo engine %s: left a process group with an operation in flight", self._prefix)
+        self._unfinished = []
         del pg
