@@ -97,6 +97,7 @@ def test_a_client_that_catches_the_old_store_closing_connects_again(monkeypatch)
         return Closing() if len(made) == 1 else good
 
     monkeypatch.setattr(group.dist, "TCPStore", tcp_store)
+    monkeypatch.setattr(group, "_await_listener", lambda addr, port, deadline: None)  # nothing listens
     launch = group.LaunchEnv(
         rank=1,
         world_size=2,
@@ -406,3 +407,84 @@ def test_patterns_of_real_training_scripts(engine):
         assert r["after_fork"] == [float(ws)] * 2
         if engine == "shm":
             assert len(set(r["seqs"])) == 1, r["seqs"]
+
+
+_LATE_RANK_SCRIPT = """
+import sys, time
+import torch
+import trainloom.comm as C
+from trainloom.comm import classic
+
+mode = sys.argv[1]
+if mode.startswith("init"):
+    print("ready", flush=True)
+    C.init_process_group(timeout=300)  # the other rank never starts
+else:
+    C.init_process_group(timeout=300)
+    if mode == "any-source":
+        C.barrier()  # engines exist; rank 1 then sends nothing
+    if C.get_rank() == 1:
+        time.sleep(120)
+        sys.exit(0)
+    print("ready", flush=True)
+    if mode == "any-source":
+        classic.recv(torch.empty(1))
+    else:
+        C.barrier()  # rank 1 never comes: the first operation connects the engine
+print("returned", flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    "mode,engine,ranks",
+    [
+        ("init-host", "gloo", [0]),
+        ("init-client", "gloo", [1]),
+        ("first-operation", "shm", [0, 1]),
+        ("first-operation", "gloo", [0, 1]),
+        ("any-source", "shm", [0, 1]),
+    ],
+)
+def test_ctrl_c_while_waiting_for_a_late_rank_raises_now(tmp_path, mode, engine, ranks):
+    """Every wait for another rank is interruptible: the TCPStore's constructor (the host waited
+    for every client, a client retried its connect), torch's gloo rendezvous, an engine's first
+    connect and an any-source receive each blocked in C++ for the whole timeout (300 s here; the
+    30 s limit below would end the test): they now poll the store, or connect in short attempts."""
+    from multiproc import free_port
+
+    script = tmp_path / "late_rank.py"
+    script.write_text(_LATE_RANK_SCRIPT)
+    port = free_port()
+    procs = []
+    try:
+        for rank in ranks:
+            env = dict(
+                os.environ,
+                RANK=str(rank),
+                WORLD_SIZE="2",
+                LOCAL_RANK=str(rank),
+                LOCAL_WORLD_SIZE="2",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                TRAINLOOM_CPU_ENGINE="auto" if engine == "shm" else "gloo",
+            )
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(script), mode],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
+        waiting = procs[0]  # rank 0, or the lone client
+        assert waiting.stdout.readline() == "ready\n"
+        time.sleep(1.0)  # inside the wait
+        waiting.send_signal(signal.SIGINT)
+        out, err = waiting.communicate(timeout=30)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert waiting.returncode != 0 and "returned" not in out
+    assert err.rstrip().endswith("KeyboardInterrupt"), err[-2000:]

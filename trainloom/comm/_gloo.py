@@ -207,8 +207,28 @@ def check_counts(opname: str, seq: int, counts: List[List[List[int]]]) -> None:
                 )
 
 
-# The longest a wait on the main thread blocks in C++ before Python can run a signal handler.
+# The longest a wait blocks in C++ before Python can run a signal handler (or see an abort).
 _SLICE_S = 0.2
+
+
+def poll_keys(store: dist.Store, keys: Sequence[str], timeout: float) -> None:
+    """Wait until ``store`` holds every key, polling (1 ms, doubling to 50 ms between checks) so that
+    Ctrl-C and other signal handlers run at once: a blocking ``store.wait``/``get`` holds the main
+    thread in C++ for its whole timeout, and every timed-out TCPStore wait logs warnings.
+
+    Raises:
+        torch.distributed.DistStoreError: the keys are not all there after ``timeout`` seconds, as
+            a timed-out ``store.wait`` raises (the callers' handlers for the store's own errors
+            then name the ranks that never came).
+    """
+    deadline = time.monotonic() + timeout
+    pause = 0.001
+    while not store.check(list(keys)):
+        now = time.monotonic()
+        if now >= deadline:
+            raise dist.DistStoreError(f"timed out after {timeout:g}s waiting for store keys {list(keys)[:4]}")
+        time.sleep(min(pause, deadline - now))
+        pause = min(pause * 2, 0.05)
 
 
 def _is_timeout(exc: BaseException) -> bool:
@@ -254,6 +274,8 @@ class GlooEngine:
         except RuntimeError as exc:  # DistNetworkError: the store's host is gone
             raise self._store_gone(exc) from None
         try:
+            # Every member first (interruptible): gloo's connect waits in C++ for the whole timeout.
+            poll_keys(store, [f"{prefix}/joined/{r}" for r in range(world_size)], self.timeout)
             self._pg = dist.ProcessGroupGloo(
                 dist.PrefixStore(prefix + "/pg", store),
                 rank,

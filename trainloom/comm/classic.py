@@ -44,6 +44,7 @@ import torch.distributed as _tdist
 
 from trainloom.comm import collectives as _core
 from trainloom.comm import group as _group
+from trainloom.comm._gloo import poll_keys
 from trainloom.comm.collectives import ReduceOp
 from trainloom.comm.group import Communicator, ProcessGroup
 from trainloom.comm.neighbor import then_work
@@ -311,6 +312,8 @@ def recv(tensor: torch.Tensor, src: Optional[int] = None, group: GroupArg = None
             _ANY.head[c.name] += 1
             idx = _ANY.head[c.name]
         try:
+            # polled, not a blocking get: Ctrl-C must not wait for the group's timeout
+            poll_keys(store, [f"{key}/{idx}"], c.timeout)
             sender, place = (int(x) for x in bytes(store.get(f"{key}/{idx}")).decode().split(":"))
         except _tdist.DistStoreError:
             with _ANY.lock:

@@ -874,6 +874,22 @@ def _use_agent_store() -> bool:
 _DESTROYED_KEY = "trainloom/destroyed"
 
 
+def _await_listener(addr: str, port: int, deadline: float) -> None:
+    """Return once something accepts TCP connections on ``addr:port``, or at ``deadline`` (the
+    TCPStore constructor then reports the failure in its own words)."""
+    pause = 0.005
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        try:
+            with socket.create_connection((addr, port), timeout=min(left, 1.0)):
+                return
+        except OSError:
+            time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
+            pause = min(pause * 2, 0.1)
+
+
 def _connect_store(launch: LaunchEnv, host: bool, timeout: float) -> Any:
     """The job's TCPStore on MASTER_ADDR:MASTER_PORT (rank 0 hosts it; torchrun's agent under torchrun).
 
@@ -882,11 +898,17 @@ def _connect_store(launch: LaunchEnv, host: bool, timeout: float) -> Any:
     """
     deadline = time.monotonic() + timeout
     while True:
-        left = datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001))
         base = None
         addr, port = launch.master_addr, launch.master_port
+        if not host:
+            # Until the server listens, a client waits here, where Ctrl-C works (the constructor
+            # retries its connect in C++ for the whole timeout; short attempts of it each log a
+            # warning with a C++ stack). The host does not wait for the clients in its constructor
+            # either: init_process_group polls for every rank's key, interruptibly.
+            _await_listener(addr, port, deadline)
+        left = datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001))
         try:
-            base = dist.TCPStore(addr, port, launch.world_size, host, timeout=left)
+            base = dist.TCPStore(addr, port, launch.world_size, host, timeout=left, wait_for_workers=False)
             if host or _use_agent_store() or not base.check([_DESTROYED_KEY]):
                 base.set_timeout(datetime.timedelta(seconds=timeout))
                 return base
@@ -1006,6 +1028,11 @@ def init_process_group(
     tl_store.set(f"node/{launch.rank}", node_identity())
     started = time.monotonic()
     try:
+        # Every rank's key first, polled (Ctrl-C works while a rank is late): torch's gloo
+        # rendezvous below then completes at once instead of waiting in C++.
+        from trainloom.comm._gloo import poll_keys
+
+        poll_keys(tl_store, [f"node/{r}" for r in range(launch.world_size)], t)
         if not dist.is_initialized():
             dist.init_process_group(
                 "gloo",
