@@ -16,6 +16,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import subprocess
+import sys
 import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -45,6 +47,28 @@ class RankFailed(RuntimeError):
         self.errors = errors
         parts = [f"--- rank {r} raised {t}:\n{tb}" for r, (t, tb) in sorted(errors.items())]
         super().__init__("\n".join(parts))
+
+
+def popen_rank(
+    argv: Sequence[str], rank: int, world_size: int, port: int, **env: str
+) -> subprocess.Popen[str]:
+    """Start ``python argv...`` as ``rank`` of a plain launch (the launch variables torchrun would set,
+    MASTER_PORT=port on 127.0.0.1, none inherited), with pipes for its text output and ``env`` added."""
+    from trainloom.comm.env import LAUNCH_VARS
+
+    full = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    full.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        **env,
+    )
+    return subprocess.Popen(
+        [sys.executable, *argv], env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def _entry(fn: Callable, rank: int, world_size: int, env: Dict[str, str], args: Sequence, q: Any) -> None:

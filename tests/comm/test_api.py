@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from commutil import validation_two_ranks
-from multiproc import free_port, run_ranks
+from multiproc import free_port, popen_rank, run_ranks
 
 import trainloom.comm as C
 from trainloom.comm import ReduceOp
@@ -390,25 +390,7 @@ def test_bagua_example_script_runs_after_changing_its_import():
     port = free_port()
     procs = []
     for rank in range(2):
-        env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-        env.update(
-            RANK=str(rank),
-            WORLD_SIZE="2",
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS="1",
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(script)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
+        procs.append(popen_rank([str(script)], rank, 2, port, OMP_NUM_THREADS="1"))
     outs = []
     try:
         for p in procs:

@@ -220,6 +220,68 @@ def test_gloo_connect_failure_with_an_absent_member_is_a_timeout(monkeypatch, me
         _gloo.GlooEngine(dist.HashStore(), 0, 2, prefix="g", timeout=2)
 
 
+class _SlicedWork:
+    """A gloo Work whose waits give the outcomes listed, one per call; ``done_after``: the call from
+    which is_completed() says True."""
+
+    def __init__(self, outcomes, done_after):
+        self.outcomes, self.done_after, self.calls = list(outcomes), done_after, 0
+
+    def wait(self, timeout=None):
+        self.calls += 1
+        out = self.outcomes.pop(0)
+        if out is not None:
+            raise RuntimeError(out)
+
+    def is_completed(self):
+        return self.calls >= self.done_after
+
+
+def _engine_with_a_stub_group(monkeypatch):
+    import torch.distributed as dist
+
+    from trainloom.comm import _gloo
+
+    class StubGroup:
+        def abort(self):
+            pass
+
+    monkeypatch.setattr(_gloo.dist, "ProcessGroupGloo", lambda *a, **k: StubGroup())
+    store = dist.HashStore()
+    store.set("g/joined/1", "1")
+    return _gloo.GlooEngine(store, 0, 2, prefix="g", timeout=30)
+
+
+def test_gloo_waits_in_slices_and_reports_the_operations_own_failure(monkeypatch):
+    """The gloo engine waits in 0.2 s slices (so that Ctrl-C works). A slice that runs out while the
+    operation goes on is waited again; one that runs out just as the operation fails must report
+    that failure, not the slice's "Operation timed out!" (it was reported as a 300 s timeout)."""
+    from trainloom.errors import CommError, CommTimeoutError
+
+    eng = _engine_with_a_stub_group(monkeypatch)
+    pending = _SlicedWork(["Operation timed out!", "Operation timed out!", None], done_after=3)
+    eng._wait(pending, "barrier", 1, None)
+    assert pending.calls == 3 and eng._unfinished == []
+    closed = "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:61056"
+    ends_with_the_slice = _SlicedWork(["Operation timed out!", closed], done_after=1)
+    with pytest.raises(CommError) as info:
+        eng._wait(ends_with_the_slice, "barrier", 2, None)
+    assert not isinstance(info.value, CommTimeoutError)
+    assert str(info.value) == f"barrier #2 (gloo, rank 0): a peer died or left the job ({closed})"
+    assert ends_with_the_slice.calls == 2
+
+
+def test_an_aborted_gloo_engine_ends_a_wait_at_the_next_slice(monkeypatch):
+    from trainloom.errors import CommError
+
+    eng = _engine_with_a_stub_group(monkeypatch)
+    eng.abort("the exit hook aborted it")
+    never = _SlicedWork(["Operation timed out!"] * 3, done_after=10**9)
+    with pytest.raises(CommError, match=r"barrier #4 \(gloo, rank 0 of 2\): the communicator was aborted "):
+        eng._wait(never, "barrier", 4, None)
+    assert never.calls == 1 and eng._unfinished == [never]  # close() will not wait for it
+
+
 def test_torch_and_bagua_reduce_ops_keep_their_meaning_in_a_real_allreduce():
     # torch's MIN is 3 == Bagua's MAX (same hash): a cache keyed on the op alone made MAX mean MIN
     res = run_ranks(op_numbering, 2, timeout=60)

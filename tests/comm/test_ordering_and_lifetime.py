@@ -28,7 +28,7 @@ from commutil import (
     store_port_in_use,
     sub_comm_timeout,
 )
-from multiproc import run_ranks
+from multiproc import free_port, popen_rank, run_ranks
 
 
 @pytest.mark.parametrize("ws", [2, 4])
@@ -259,7 +259,7 @@ def test_a_getter_called_on_one_rank_only_times_out_saying_every_member_must_cal
 
 
 _CTRL_C_SCRIPT = """
-import os, sys
+import os, signal, sys
 import torch
 import trainloom.comm as C
 
@@ -268,6 +268,9 @@ C.barrier()
 if C.get_rank() == 0:
     w = C.recv(torch.zeros(4), 1, async_op=True)  # rank 1 never sends
     raise KeyboardInterrupt  # Ctrl-C while the receive is in flight
+# torchrun's agent terminates the other workers once rank 0 has failed: on gloo rank 1 learns of it
+# from the same exit (its connections close), so it would race the agent's SIGTERM to print
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
 try:
     C.barrier()
 except Exception as exc:
@@ -329,33 +332,13 @@ def test_ctrl_c_during_a_blocking_gloo_collective_raises_now(tmp_path):
     """gloo's wait blocks in C++, where Python runs no signal handler: Ctrl-C on a rank waiting for a
     peer took effect only when the operation timed out (300 s here; the 60 s limit below would end
     the test), and the process group's destructor then waited for it again at exit."""
-    from multiproc import free_port
-
     script = tmp_path / "ctrl_c_sync.py"
     script.write_text(_CTRL_C_SYNC_SCRIPT)
     flag = tmp_path / "rank0_exited"
     port = free_port()
     procs = []
     for rank in range(2):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            WORLD_SIZE="2",
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            TRAINLOOM_CPU_ENGINE="gloo",
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(script), str(flag)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
+        procs.append(popen_rank([str(script), str(flag)], rank, 2, port, TRAINLOOM_CPU_ENGINE="gloo"))
     try:
         assert procs[0].stdout.readline() == "waiting\n"
         time.sleep(0.5)  # inside the allreduce's wait
@@ -450,33 +433,14 @@ def test_ctrl_c_while_waiting_for_a_late_rank_raises_now(tmp_path, mode, engine,
     for every client, a client retried its connect), torch's gloo rendezvous, an engine's first
     connect and an any-source receive each blocked in C++ for the whole timeout (300 s here; the
     30 s limit below would end the test): they now poll the store, or connect in short attempts."""
-    from multiproc import free_port
-
     script = tmp_path / "late_rank.py"
     script.write_text(_LATE_RANK_SCRIPT)
     port = free_port()
     procs = []
     try:
         for rank in ranks:
-            env = dict(
-                os.environ,
-                RANK=str(rank),
-                WORLD_SIZE="2",
-                LOCAL_RANK=str(rank),
-                LOCAL_WORLD_SIZE="2",
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-                TRAINLOOM_CPU_ENGINE="auto" if engine == "shm" else "gloo",
-            )
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(script), mode],
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                )
-            )
+            cpu_engine = "auto" if engine == "shm" else "gloo"
+            procs.append(popen_rank([str(script), mode], rank, 2, port, TRAINLOOM_CPU_ENGINE=cpu_engine))
         waiting = procs[0]  # rank 0, or the lone client
         assert waiting.stdout.readline() == "ready\n"
         time.sleep(1.0)  # inside the wait

@@ -341,7 +341,7 @@ class GlooEngine:
         does not cancel it."""
         t = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + t
-        done = failing = False
+        done = failing = settled = False
         try:
             while True:
                 slice_s = max(min(deadline - time.monotonic(), _SLICE_S), 1e-3)
@@ -352,9 +352,14 @@ class GlooEngine:
                 else:
                     done = True
                     return
-                if not (_is_timeout(error) and not work.is_completed() and time.monotonic() < deadline):
+                if settled or not _is_timeout(error) or time.monotonic() >= deadline:
                     failing = True
                     self._fail(error, opname, seq, t, peer)
+                if work.is_completed():
+                    # It ended (a peer's failure, say) as the slice ran out: the next wait returns
+                    # its own outcome at once, not the slice's "Operation timed out!"
+                    settled = True
+                    continue
                 if self._aborted is not None:
                     failing = True
                     raise CommError(
