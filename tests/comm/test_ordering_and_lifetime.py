@@ -423,6 +423,7 @@ print("returned", flush=True)
     [
         ("init-host", "gloo", [0]),
         ("init-client", "gloo", [1]),
+        ("first-operation", "shm", [0, 1]),
         ("first-operation", "gloo", [0, 1]),
         ("any-source", "shm", [0, 1]),
     ],

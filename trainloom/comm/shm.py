@@ -18,7 +18,6 @@ See docs/shm.md for the design, the failure behaviour and the benchmark.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import secrets
@@ -217,16 +216,10 @@ def _pid_namespace() -> str:
         return ""
 
 
-#: longest single blocking store wait (seconds): a deadline of inf ("no deadline") waits in pieces
-_STORE_WAIT_PIECE = 3600.0
 #: longest pause between two polls of the store while watching the ranks that must set the keys
 _POLL_MAX = 0.02
 #: how often such a wait checks that those ranks are still alive (seconds)
 _LIVENESS_EVERY = 0.1
-
-
-def _timedelta(seconds: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=min(max(seconds, 0.001), _STORE_WAIT_PIECE))
 
 
 class _ViewBits(Exception):
@@ -416,6 +409,10 @@ class ShmCommunicator:
                 self._store_wait(store, [f"{pre}/node_seen/{p}" for p in range(W)], "reporting other nodes")
             except CommTimeoutError as exc:
                 log.warning("shm communicator %s: %s", pre, exc)
+            except CommError as exc:
+                # the store is gone: its host (rank 0) left after every rank had read the
+                # identities (it waits for that too), so the report below is complete
+                log.debug("shm communicator %s: %s", pre, exc)
             raise CommError(
                 f"ShmCommunicator(prefix={pre!r}): ranks {elsewhere} are not on the node of rank 0 "
                 f"({infos[0][0]}); they report {sorted({infos[p][0] for p in elsewhere})}. Shared-memory "
@@ -587,22 +584,13 @@ class ShmCommunicator:
     def _store_wait(self, store: Any, keys: List[str], what: str, owners: Optional[List[int]] = None) -> None:
         """Wait until every key of ``keys`` is in the store, for at most ``self.timeout`` seconds.
 
-        ``owners[i]`` is the rank that sets ``keys[i]``. With owners the store is polled (a blocking
-        wait cannot be cut short, and every timed-out TCPStore wait logs warnings) and the owners
-        of missing keys are checked every 0.1 s: one that died ends the wait with a CommError that
-        names it and its pid. Without owners (their pids are not known yet): one blocking wait.
+        The store is polled (0.5 ms doubling to 20 ms between checks): a blocking wait cannot be cut
+        short, holds the thread in C++ where Ctrl-C waited for the whole timeout, and every
+        timed-out TCPStore wait logs warnings. ``owners[i]`` is the rank that sets ``keys[i]``; with
+        owners, those of missing keys are checked every 0.1 s: one that died ends the wait with a
+        CommError that names it and its pid (without owners their pids are not known yet).
         """
         deadline = time.monotonic() + self._timeout
-        if owners is None:
-            while True:
-                left = deadline - time.monotonic()
-                try:
-                    store.wait(keys, _timedelta(left))
-                    return
-                except RuntimeError as exc:  # torch raises DistStoreError (a RuntimeError) on timeout
-                    if left > _STORE_WAIT_PIECE and time.monotonic() < deadline:
-                        continue  # one piece of a very long (or infinite) deadline ran out
-                    self._wait_failed(store, keys, what, exc, owners)
         pause = 0.0005
         next_check = time.monotonic() + _LIVENESS_EVERY
         while True:
@@ -610,13 +598,14 @@ class ShmCommunicator:
                 if store.check(keys):
                     return
             except RuntimeError as exc:  # the store went away (the rank hosting it exited?)
-                self._check_owners(store, keys, owners, what)
+                if owners is not None:
+                    self._check_owners(store, keys, owners, what)
                 raise CommError(
                     f"ShmCommunicator(prefix={self.prefix!r}) rank {self.rank}: the store failed while "
                     f"this rank was {what}: {exc}"
                 ) from exc
             now = time.monotonic()
-            if now >= next_check:
+            if owners is not None and now >= next_check:
                 self._check_owners(store, keys, owners, what)
                 next_check = now + _LIVENESS_EVERY
             if now >= deadline:
