@@ -195,29 +195,52 @@ def test_a_rendezvous_that_fails_at_once_is_not_called_a_timeout(monkeypatch):
     assert not C.is_initialized()
 
 
-@pytest.mark.parametrize(
-    "message",
-    [
-        "Socket Timeout",
-        "Timed out waiting 2000ms for recv operation to complete",
-        "Connection closed by peer",
-    ],
-)
-def test_gloo_connect_failure_with_an_absent_member_is_a_timeout(monkeypatch, message):
-    # Whatever words torch or gloo use for the failed connect, a member that never joined (per the
-    # store) makes it a CommTimeoutError naming that member. A real store; the connect itself is
-    # made to fail as it does when rank 1 never comes.
+def test_gloo_connect_with_an_absent_member_is_a_timeout_naming_it(monkeypatch):
+    # A member that never joined (per the store) stops the connect at the member poll, before
+    # gloo's own connect is tried (which would block in C++ for the whole timeout). A real store.
     import torch.distributed as dist
 
     from trainloom.comm import _gloo
     from trainloom.errors import CommTimeoutError
 
+    calls = []
+    monkeypatch.setattr(_gloo.dist, "ProcessGroupGloo", lambda *a, **k: calls.append(a))
+    expected = r"connecting failed after 1s; ranks \[1\] never joined"
+    with pytest.raises(CommTimeoutError, match=expected) as info:
+        _gloo.GlooEngine(dist.HashStore(), 0, 2, prefix="g", timeout=1)
+    assert info.value.missing_ranks == [1] and info.value.op == "connect"
+    assert calls == []
+
+
+@pytest.mark.parametrize(
+    "message, kind",
+    [
+        ("Socket Timeout", "CommTimeoutError"),
+        ("Timed out waiting 2000ms for recv operation to complete", "CommTimeoutError"),
+        ("Connection closed by peer", "CommError"),
+    ],
+)
+def test_gloo_connect_failure_after_every_member_joined_is_classified_by_words(monkeypatch, message, kind):
+    # Every member joined, then gloo's connect failed: torch and gloo say "Timeout" or "Timed out"
+    # for a deadline (a CommTimeoutError); anything else is a CommError. Both name no missing rank.
+    import torch.distributed as dist
+
+    from trainloom.comm import _gloo
+
     def refuse(*args, **kwargs):
         raise RuntimeError(message)
 
     monkeypatch.setattr(_gloo.dist, "ProcessGroupGloo", refuse)
-    with pytest.raises(CommTimeoutError, match=r"connecting failed after 2s; ranks \[1\] never joined"):
-        _gloo.GlooEngine(dist.HashStore(), 0, 2, prefix="g", timeout=2)
+    store = dist.HashStore()
+    store.set("g/joined/1", "1")
+    with pytest.raises(CommError) as info:
+        _gloo.GlooEngine(store, 0, 2, prefix="g", timeout=30)
+    assert type(info.value).__name__ == kind
+    assert str(info.value) == (
+        f"gloo communicator g (rank 0 of 2): connecting failed after 30s; every rank joined but could "
+        f"not connect ({message})"
+    )
+    assert info.value.missing_ranks == []
 
 
 class _SlicedWork:
