@@ -419,6 +419,37 @@ def late_rank(rank: int, ws: int, engine: str) -> Dict[str, Any]:
     return res
 
 
+def late_p2p_peer(rank: int, ws: int, engine: str) -> Dict[str, Any]:
+    """Sends and receives whose peer comes 0.7 s late (past the gloo engine's 0.2 s wait slices),
+    blocking and asynchronous, in both directions; then the pair is used again."""
+    os.environ["TRAINLOOM_CPU_ENGINE"] = "auto" if engine == "shm" else engine
+    C.init_process_group(timeout=10)
+    C.barrier()
+    peer = 1 - rank
+    res: Dict[str, Any] = {}
+    for mode in ("blocking", "async"):
+        for late in (0, 1):  # the late rank: it sends (first round) or receives (second) 0.7 s late
+            got = torch.zeros(3)
+            try:
+                if rank == late:
+                    time.sleep(0.7)
+                if rank == 0:
+                    w = C.send(torch.full((3,), 7.0 + late), peer, async_op=mode == "async")
+                else:
+                    w = C.recv(got, peer, async_op=mode == "async")
+                if w is not None:
+                    w.wait()
+                res[f"{mode}_{late}"] = got.tolist()
+            except CommError as exc:
+                res[f"{mode}_{late}"] = f"{type(exc).__name__}: {exc}"[:300]
+    back = torch.zeros(2)
+    C.recv(back, peer) if rank == 0 else C.send(torch.ones(2), peer)
+    res["after"] = back.tolist()
+    C.barrier()
+    C.destroy_process_group()
+    return res
+
+
 def dying_peer(rank: int, ws: int, engine: str) -> Dict[str, Any]:
     """Rank 1 exits in the middle of the job: the survivors raise instead of hanging."""
     os.environ["TRAINLOOM_CPU_ENGINE"] = "auto" if engine == "shm" else engine

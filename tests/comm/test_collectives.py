@@ -13,6 +13,7 @@ from commutil import (
     dying_peer,
     engines,
     features,
+    late_p2p_peer,
     late_rank,
     mismatches,
     nccl_cross_checks,
@@ -193,6 +194,19 @@ def test_a_rendezvous_that_fails_at_once_is_not_called_a_timeout(monkeypatch):
         str(info.value),
     ), str(info.value)
     assert not C.is_initialized()
+
+
+@pytest.mark.parametrize("engine", ["shm", "gloo"])
+def test_send_and_recv_wait_for_a_late_peer(engine):
+    """A send or receive whose peer comes 0.7 s late completes, and the pair works afterwards. On
+    gloo the engine's 0.2 s wait slices (for Ctrl-C) had made every such wait fail after one slice
+    as "timed out after 10s": a gloo send/recv wait that runs out closes the pair."""
+    res = run_ranks(late_p2p_peer, 2, engine, timeout=60)
+    for mode in ("blocking", "async"):
+        for late in (0, 1):
+            assert res[0][f"{mode}_{late}"] == [0.0] * 3, res[0]
+            assert res[1][f"{mode}_{late}"] == [7.0 + late] * 3, res[1]
+    assert res[0]["after"] == [1.0, 1.0]
 
 
 def test_gloo_connect_with_an_absent_member_is_a_timeout_naming_it(monkeypatch):

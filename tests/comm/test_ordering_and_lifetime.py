@@ -316,8 +316,11 @@ C.init_process_group(timeout=300)
 C.barrier()
 if C.get_rank() == 0:
     print("waiting", flush=True)
-    C.allreduce(torch.ones(4), torch.empty(4))  # rank 1 does not join: Ctrl-C arrives here
-    print("allreduce returned", flush=True)
+    if sys.argv[2] == "recv":
+        C.recv(torch.empty(4), 1)  # rank 1 never sends: Ctrl-C arrives here
+    else:
+        C.allreduce(torch.ones(4), torch.empty(4))  # rank 1 does not join: Ctrl-C arrives here
+    print("returned", flush=True)
 else:
     while not flag.exists():  # the test creates it once rank 0 has exited
         time.sleep(0.05)
@@ -328,17 +331,19 @@ else:
 """
 
 
-def test_ctrl_c_during_a_blocking_gloo_collective_raises_now(tmp_path):
+@pytest.mark.parametrize("op", ["allreduce", "recv"])
+def test_ctrl_c_during_a_blocking_gloo_collective_raises_now(tmp_path, op):
     """gloo's wait blocks in C++, where Python runs no signal handler: Ctrl-C on a rank waiting for a
     peer took effect only when the operation timed out (300 s here; the 60 s limit below would end
-    the test), and the process group's destructor then waited for it again at exit."""
+    the test), and the process group's destructor then waited for it again at exit. A receive is
+    waited for on a helper thread (a gloo send/recv cannot be waited in slices)."""
     script = tmp_path / "ctrl_c_sync.py"
     script.write_text(_CTRL_C_SYNC_SCRIPT)
     flag = tmp_path / "rank0_exited"
     port = free_port()
     procs = []
     for rank in range(2):
-        procs.append(popen_rank([str(script), str(flag)], rank, 2, port, TRAINLOOM_CPU_ENGINE="gloo"))
+        procs.append(popen_rank([str(script), str(flag), op], rank, 2, port, TRAINLOOM_CPU_ENGINE="gloo"))
     try:
         assert procs[0].stdout.readline() == "waiting\n"
         time.sleep(0.5)  # inside the allreduce's wait
@@ -349,7 +354,7 @@ def test_ctrl_c_during_a_blocking_gloo_collective_raises_now(tmp_path):
     finally:
         for p in procs:
             p.kill()
-    assert procs[0].returncode != 0 and "allreduce returned" not in out0
+    assert procs[0].returncode != 0 and "returned" not in out0
     assert err0.rstrip().endswith("KeyboardInterrupt"), err0[-2000:]
     assert "Operation timed out" not in err0  # the wait's slices stay out of the traceback
     assert out1 == "rank 1: CommError\n", (out1, err1[-2000:])

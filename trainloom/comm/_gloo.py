@@ -18,9 +18,10 @@ import ctypes
 import datetime
 import logging
 import os
+import queue
 import threading
 import time
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -211,6 +212,42 @@ def check_counts(opname: str, seq: int, counts: List[List[List[int]]]) -> None:
 _SLICE_S = 0.2
 
 
+class _P2PWaiter:
+    """A daemon thread that runs gloo's blocking send/recv waits for one calling thread (see
+    GlooEngine._wait_p2p). Kept per calling thread: handing a wait to a running thread costs less
+    than starting one per wait (a send with its argument check waits three times)."""
+
+    def __init__(self) -> None:
+        self.stuck = False  # a wait was given up on while gloo still runs it
+        self.pid = os.getpid()  # a forked child has no copy of the thread
+        self._jobs: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="trainloom-gloo-p2p-wait", daemon=True).start()
+
+    def submit(
+        self, works: Sequence[dist.Work], timeout: float
+    ) -> Tuple[List[Optional[Exception]], threading.Event]:
+        """Queue ``work.wait(timeout)`` for each of ``works`` in turn; the outcome (None: all done,
+        else the first error) is appended to the returned list before the event is set."""
+        outcome: List[Optional[Exception]] = []
+        finished = threading.Event()
+        self._jobs.put((works, timeout, outcome, finished))
+        return outcome, finished
+
+    def _serve(self) -> None:
+        while True:
+            works, timeout, outcome, finished = self._jobs.get()
+            try:
+                for work in works:
+                    work.wait(datetime.timedelta(seconds=timeout))
+                outcome.append(None)
+            except Exception as exc:  # noqa: BLE001 -- handed to the waiting thread, which raises it
+                outcome.append(exc)
+            finished.set()
+
+
+_WAITERS = threading.local()
+
+
 def poll_keys(store: dist.Store, keys: Sequence[str], timeout: float) -> None:
     """Wait until ``store`` holds every key, polling (1 ms, doubling to 50 ms between checks) so that
     Ctrl-C and other signal handlers run at once: a blocking ``store.wait``/``get`` holds the main
@@ -340,6 +377,9 @@ class GlooEngine:
         expires leaves the operation running: gloo's "Operation timed out!" from ``wait(timeout)``
         does not cancel it."""
         t = self.timeout if timeout is None else timeout
+        if peer is not None:
+            self._wait_p2p([work], opname, seq, t, peer)
+            return
         deadline = time.monotonic() + t
         done = failing = settled = False
         try:
@@ -362,10 +402,7 @@ class GlooEngine:
                     continue
                 if self._aborted is not None:
                     failing = True
-                    raise CommError(
-                        f"{opname} #{seq} (gloo, rank {self.rank} of {self.world_size}): the "
-                        f"communicator was aborted while this operation waited ({self._aborted})"
-                    )
+                    raise self._aborted_error(opname, seq)
         except BaseException as exc:
             if not failing:  # a signal handler raised (KeyboardInterrupt, ...)
                 if isinstance(exc.__context__, RuntimeError) and _is_timeout(exc.__context__):
@@ -375,6 +412,41 @@ class GlooEngine:
         finally:
             if not done and not work.is_completed():
                 self._unfinished.append(work)  # close() must not wait for it (see close)
+
+    def _wait_p2p(self, works: List[dist.Work], opname: str, seq: int, t: float, peer: int) -> None:
+        """Wait for send/recv ``works``: gloo's waits for the whole timeout, on a daemon thread
+        (:class:`_P2PWaiter`), while this thread waits for that one in slices (Ctrl-C, abort()
+        from another thread).
+
+        A send/recv cannot be waited in slices like a collective: a gloo ``wait(timeout)`` on it
+        that runs out closes the pair (every later operation between the two ranks then fails with
+        "Application timeout caused pair closure"), and its ``is_completed()`` stays False until a
+        wait returns (measured on torch 2.13). A daemon thread does not hold up the process's exit.
+        """
+        waiter = getattr(_WAITERS, "waiter", None)
+        if waiter is None or waiter.stuck or waiter.pid != os.getpid():
+            waiter = _WAITERS.waiter = _P2PWaiter()
+        outcome, finished = waiter.submit(works, t)
+        failing = False
+        try:
+            while not finished.wait(_SLICE_S):
+                if self._aborted is not None:
+                    failing = True
+                    raise self._aborted_error(opname, seq)
+        except BaseException:
+            waiter.stuck = True  # still waiting in gloo: the next wait takes a new thread
+            self._unfinished.extend(works)  # close() must not wait for them either
+            if not failing:  # a signal handler raised (KeyboardInterrupt, ...)
+                self.abort(f"{opname} #{seq} was interrupted by a signal handler (Ctrl-C)")
+            raise
+        if outcome[0] is not None:
+            self._fail(outcome[0], opname, seq, t, peer)
+
+    def _aborted_error(self, opname: str, seq: int) -> CommError:
+        return CommError(
+            f"{opname} #{seq} (gloo, rank {self.rank} of {self.world_size}): the communicator was "
+            f"aborted while this operation waited ({self._aborted})"
+        )
 
     def _fail(
         self, exc: BaseException, opname: str, seq: int, timeout: float, peer: Optional[int] = None
@@ -470,6 +542,18 @@ class GlooEngine:
             self._fail(exc, opname, seq, self.timeout if timeout is None else timeout, peer)
         if work is not None:
             self._wait(work, opname, seq, timeout, peer)
+
+    def _run_p2p(self, opname: str, seq: int, timeout: Optional[float], fns, peer: int) -> None:  # noqa: ANN001
+        """Post the send/recv operations ``fns`` make, then wait for all of them with one hand-off
+        to the waiter thread (each hand-off costs two thread wake-ups)."""
+        t = self.timeout if timeout is None else timeout
+        works = []
+        for fn in fns:
+            try:
+                works.append(fn())
+            except RuntimeError as exc:
+                self._fail(exc, opname, seq, t, peer)
+        self._wait_p2p(works, opname, seq, t, peer)
 
     # ------------------------------------------------------------- reductions
     def _reduce_buffer(
@@ -649,9 +733,12 @@ class GlooEngine:
         seq = self._begin("send", p2p=True)
         if self._check:
             hdr = make_header("send", 0, tensor)
-            self._run("send", seq, timeout, lambda: self._pg.send([hdr], dst, _TAG_TO_RECV), dst)
             peer = torch.empty(_HDR, dtype=torch.int64)
-            self._run("send", seq, timeout, lambda: self._pg.recv([peer], dst, _TAG_TO_SEND), dst)
+            posts = [
+                lambda: self._pg.send([hdr], dst, _TAG_TO_RECV),
+                lambda: self._pg.recv([peer], dst, _TAG_TO_SEND),
+            ]
+            self._run_p2p("send", seq, timeout, posts, dst)
             self._compare_p2p("send", hdr.tolist(), peer.tolist(), self.rank, dst)
         if tensor.numel():
             b = _bytes(tensor)
@@ -662,8 +749,11 @@ class GlooEngine:
         if self._check:
             hdr = make_header("recv", 0, tensor)
             peer = torch.empty(_HDR, dtype=torch.int64)
-            self._run("recv", seq, timeout, lambda: self._pg.recv([peer], src, _TAG_TO_RECV), src)
-            self._run("recv", seq, timeout, lambda: self._pg.send([hdr], src, _TAG_TO_SEND), src)
+            posts = [
+                lambda: self._pg.recv([peer], src, _TAG_TO_RECV),
+                lambda: self._pg.send([hdr], src, _TAG_TO_SEND),
+            ]
+            self._run_p2p("recv", seq, timeout, posts, src)
             self._compare_p2p("recv", peer.tolist(), hdr.tolist(), src, self.rank)
         if tensor.numel():
             b = _bytes(tensor)
