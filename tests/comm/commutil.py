@@ -450,6 +450,36 @@ def late_p2p_peer(rank: int, ws: int, engine: str) -> Dict[str, Any]:
     return res
 
 
+def staged_send_behind_a_pending_send(rank: int, ws: int, engine: str) -> Dict[str, Any]:
+    """Both ranks send twice, the second time a non-contiguous view, then receive twice, all
+    asynchronous. The second send's copy must wait for the first send in the send queue, not in
+    the issuing thread: a send completes only once the peer receives (gloo: posts the receive;
+    shm: beyond two pair buffers), and the peer's receives come after its own sends."""
+    os.environ["TRAINLOOM_CPU_ENGINE"] = "auto" if engine == "shm" else engine
+    C.init_process_group(timeout=8)
+    C.barrier()
+    peer = 1 - rank
+    n = 1 << 18  # 1 MiB messages, larger than the shm pair channel
+    m = torch.arange(2.0 * n).view(n, 2) + rank
+    first, got1, got2 = torch.full((n,), float(rank)), torch.zeros(n), torch.zeros(n)
+    t0 = time.monotonic()
+    res: Dict[str, Any] = {}
+    try:
+        works = [C.send(first, peer, async_op=True), C.send(m.t()[1], peer, async_op=True)]
+        works += [C.recv(got1, peer, async_op=True), C.recv(got2, peer, async_op=True)]
+        for w in works:
+            w.wait()
+        res["got1"] = got1.unique().tolist()
+        res["got2_ok"] = torch.equal(got2, torch.arange(1.0, 2.0 * n, 2.0) + peer)
+    except CommError as exc:
+        res["error"] = f"{type(exc).__name__}: {exc}"[:300]
+    res["seconds"] = time.monotonic() - t0
+    if "error" not in res:
+        C.barrier()
+        C.destroy_process_group()
+    return res
+
+
 def dying_peer(rank: int, ws: int, engine: str) -> Dict[str, Any]:
     """Rank 1 exits in the middle of the job: the survivors raise instead of hanging."""
     os.environ["TRAINLOOM_CPU_ENGINE"] = "auto" if engine == "shm" else engine

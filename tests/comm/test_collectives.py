@@ -21,6 +21,7 @@ from commutil import (
     op_numbering,
     shm_segments,
     special_views,
+    staged_send_behind_a_pending_send,
     sweep,
     two_issuing_threads,
 )
@@ -207,6 +208,19 @@ def test_send_and_recv_wait_for_a_late_peer(engine):
             assert res[0][f"{mode}_{late}"] == [0.0] * 3, res[0]
             assert res[1][f"{mode}_{late}"] == [7.0 + late] * 3, res[1]
     assert res[0]["after"] == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("engine", ["shm", "gloo"])
+def test_an_async_send_of_a_non_contiguous_view_does_not_block_the_caller(engine):
+    """The copy of a non-contiguous input used to wait, in the issuing thread, for the earlier
+    asynchronous operations it follows: two ranks that each sent twice (the second a view) before
+    posting their receives hung until the timeout, each waiting for its first send to be received."""
+    res = run_ranks(staged_send_behind_a_pending_send, 2, engine, timeout=60)
+    for rank in range(2):
+        r = res[rank]
+        assert "error" not in r, r
+        assert r["got1"] == [float(1 - rank)] and r["got2_ok"], r
+        assert r["seconds"] < 6, r  # the timeout is 8 s
 
 
 def test_gloo_connect_with_an_absent_member_is_a_timeout_naming_it(monkeypatch):

@@ -311,7 +311,9 @@ def _settle(c: Communicator, t: torch.Tensor, queue: Optional[str] = None) -> No
     operations issued earlier on ``c`` that the operation follows anyway (all of them for a
     collective; ``queue`` ``"send:<peer>"``: the collectives and the earlier sends to that peer).
     They may still write ``t``, and a copy made now would read the values from before them. Free when
-    none is pending."""
+    none is pending. Only for composite operations that must copy before issuing; a flat operation
+    defers its copies to the operation's own start instead (:class:`_Staged`): waiting here holds
+    up the issuing thread, and with it any later call that a pending operation needs (a send)."""
     if t.is_cpu:
         c.wait_pending(queue)
 
@@ -325,23 +327,37 @@ def _clone(c: Communicator, t: torch.Tensor) -> torch.Tensor:
 class _Staged:
     """Contiguous stand-ins for the caller's tensors; copies results back into non-contiguous outputs.
 
+    A CPU tensor's values are copied into its stand-in when the operation starts (on the thread
+    that runs it, after the earlier asynchronous operations it follows), not when it is issued:
+    those operations may still write it, and waiting for them in the issuing thread blocked it
+    (two ranks that each sent twice, the second time a view, before receiving hung).
     Conjugate and negative views (``z.conj()``, ``z.conj().imag``) are taken by their values on every
     engine: their memory holds the other sign, so they are staged like non-contiguous tensors (the
     gloo engine raised torch's internal error on them while the other ranks waited)."""
 
-    __slots__ = ("_back", "_opname", "_comm", "_queue")
+    __slots__ = ("_back", "_load", "_opname")
 
-    def __init__(self, opname: str, comm: Communicator, queue: Optional[str] = None) -> None:
+    def __init__(self, opname: str) -> None:
         self._back: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self._load: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (stand-in, source) at the start
         self._opname = opname
-        self._comm = comm
-        self._queue = queue  # a point-to-point operation's queue (see _settle)
+
+    def _deferred(self, t: torch.Tensor) -> torch.Tensor:
+        """A new contiguous tensor that takes ``t``'s values when the operation starts."""
+        s = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        self._load.append((s, t))
+        return s
 
     def input(self, t: torch.Tensor) -> torch.Tensor:
         if t.is_contiguous() and not (t.is_conj() or t.is_neg()):
             return t
-        _settle(self._comm, t, self._queue)
-        return t.resolve_conj().resolve_neg().contiguous()
+        if t.is_cpu:
+            return self._deferred(t)
+        return t.resolve_conj().resolve_neg().contiguous()  # CUDA: ordered by the stream
+
+    def copy_of(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of ``t`` (an input that overlaps the output), taken when the operation starts."""
+        return self._deferred(t) if t.is_cpu else t.clone()
 
     def output(self, t: torch.Tensor, load: bool = True, arg: str = "recv_tensor") -> torch.Tensor:
         if t.is_contiguous() and not (t.is_conj() or t.is_neg()):
@@ -352,8 +368,9 @@ class _Staged:
                 "share memory (e.g. made by expand()), so the results cannot be written to it; pass a "
                 "tensor whose elements have their own memory (t.clone())"
             )
-        if load:
-            _settle(self._comm, t, self._queue)
+        if load and t.is_cpu:
+            s = self._deferred(t)
+        elif load:
             s = t.resolve_conj().resolve_neg().contiguous()
             if s.data_ptr() == t.data_ptr():  # contiguous already: the staging copy must not alias t
                 s = s.clone()
@@ -361,6 +378,20 @@ class _Staged:
             s = torch.empty(t.shape, dtype=t.dtype, device=t.device)
         self._back.append((t, s))
         return s
+
+    def wrap(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """``fn`` preceded by the deferred copies into the stand-ins."""
+        if not self._load:
+            return fn
+        load = self._load
+
+        def staged(engine: Any) -> Any:
+            with torch.no_grad():
+                for dst, src in load:
+                    dst.copy_(src)  # copy_ takes a conjugate or negative view's values
+            return fn(engine)
+
+        return staged
 
     def finish(self) -> Optional[Callable[[], None]]:
         if not self._back:
@@ -387,7 +418,9 @@ def _go(
     check: Optional[Tuple[Any, ...]] = None,
     p2p: Optional[str] = None,
 ) -> Optional[Work]:
-    return comm.execute(opname, device, fn, async_op, result, staged.finish(), keep, check=check, p2p=p2p)
+    return comm.execute(
+        opname, device, staged.wrap(fn), async_op, result, staged.finish(), keep, check=check, p2p=p2p
+    )
 
 
 def _where(t: torch.Tensor) -> Union[str, torch.device]:
@@ -484,14 +517,14 @@ def allreduce(
         return _local(async_op, r, lambda: _copy(r, s))
     if hierarchical:
         return _hierarchical(c, s, r, o, async_op)
-    st = _Staged(name, c)
+    st = _Staged(name)
     if _same_view(s, r):
         rc = st.output(r, load=True, arg="tensor")
         sc = rc
     else:
         sc = st.input(s)
         if _overlaps(sc, r):
-            sc = _clone(c, sc)
+            sc = st.copy_of(sc)
         rc = st.output(r, load=False)
     return _go(
         c, name, _where(s), lambda e: e.allreduce(sc, rc, int(o)), async_op, r, st, (sc, rc), (s, int(o))
@@ -594,11 +627,11 @@ def _hierarchical_async(
 ) -> Work:
     """The CPU asynchronous hierarchical allreduce: three queued steps, each after the previous one."""
     name = "allreduce(hierarchical)"
-    st = _Staged(name, c)
+    st = _Staged(name)
     out = st.output(r, load=False)  # contiguous r, or a staging tensor copied back by Work.wait()
     src = st.input(s)
     if not _same_view(src, out) and _overlaps(src, out):
-        src = _clone(c, src)
+        src = st.copy_of(src)
     acc = torch.empty(out.shape, dtype=torch.float32) if wide else out
     one = intra.nranks() == 1
 
@@ -642,7 +675,7 @@ def _hierarchical_async(
         return step
 
     cpu = "cpu"
-    w = intra.execute(name, cpu, fan_in, True, None, after=c.pending_futures(), needs_engine=not one)
+    w = intra.execute(name, cpu, st.wrap(fan_in), True, None, after=c.pending_futures(), needs_engine=not one)
     dep = w._future  # type: ignore[union-attr]
     if leader and inter is not None:
         w = inter.execute(name, cpu, across(dep), True, None, after=[dep])
@@ -714,7 +747,7 @@ def reduce(
     o = _op(op, s.dtype, name)
     if c.nranks() == 1:
         return _local(async_op, r, lambda: _copy(r, s))
-    st = _Staged(name, c)
+    st = _Staged(name)
     sc = st.input(s)
     if c.rank() == d:
         same = _same_view(s, r)
@@ -722,7 +755,7 @@ def reduce(
         if same:
             sc = rc
         elif _overlaps(sc, r):
-            sc = _clone(c, sc)
+            sc = st.copy_of(sc)
     else:
         rc = r if r.is_contiguous() else torch.empty(r.shape, dtype=r.dtype, device=r.device)
     return _go(
@@ -801,10 +834,10 @@ def reduce_scatter(
     o = _op(op, s.dtype, name)
     if n == 1:
         return _local(async_op, r, lambda: _copy(r, s))
-    st = _Staged(name, c)
+    st = _Staged(name)
     sc = st.input(s)
     if _overlaps(sc, r):  # e.g. into a chunk of its own send buffer (other chunks are still read)
-        sc = _clone(c, sc)
+        sc = st.copy_of(sc)
     rc = st.output(r, load=False)
     return _go(
         c, name, _where(s), lambda e: e.reduce_scatter(sc, rc, int(o)), async_op, r, st, (sc, rc), (r, int(o))
@@ -847,12 +880,14 @@ def reduce_scatter_inplace(
     _op(op, t.dtype, name)
     k = t.numel() // n
     me = c.rank()
-    _settle(c, t)
-    owner = t if t.is_contiguous() else t.contiguous()
+    if t.is_contiguous():
+        # reduce_scatter copies an input inside its output when the operation starts
+        flat = t.view(-1)
+        return reduce_scatter(flat, flat[me * k : (me + 1) * k], op, c, async_op)
+    _settle(c, t)  # the copy below is made now: after the earlier asynchronous operations
+    owner = t.contiguous()
     flat = owner.view(-1)
     work = reduce_scatter(flat.clone(), flat[me * k : (me + 1) * k], op, c, async_op)
-    if owner is t:
-        return work
 
     def _write_back() -> None:
         with torch.no_grad():
@@ -943,7 +978,7 @@ def broadcast(
     s = _rank_arg(src, "src", c, name)
     if c.nranks() == 1:
         return _local(async_op, t, lambda: None)
-    st = _Staged(name, c)
+    st = _Staged(name)
     tc = st.output(t, load=c.rank() == s, arg="tensor")
     return _go(c, name, _where(t), lambda e: e.broadcast(tc, s), async_op, t, st, (tc,), (t, -1, s))
 
@@ -985,10 +1020,10 @@ def allgather(
     _numel(r, n * s.numel(), "recv_tensor", name, f"nranks={n} * send_tensor's {s.numel()}")
     if n == 1:
         return _local(async_op, r, lambda: _copy(r, s))
-    st = _Staged(name, c)
+    st = _Staged(name)
     sc = st.input(s)
     if _overlaps(sc, r):
-        sc = _clone(c, sc)
+        sc = st.copy_of(sc)
     rc = st.output(r, load=False)
     return _go(c, name, _where(s), lambda e: e.allgather(sc, rc), async_op, r, st, (sc, rc), (s,))
 
@@ -1031,7 +1066,14 @@ def allgather_inplace(tensor: torch.Tensor, comm: CommArg = None, async_op: bool
     if t.numel() % n:
         raise ValueError(f"{name}: tensor has {t.numel()} elements, not divisible by nranks={n}")
     k = t.numel() // n
-    chunk = _clone(c, t.reshape(-1)[c.rank() * k : (c.rank() + 1) * k])
+    me = c.rank()
+    # a contiguous tensor's own chunk is passed as it is: allgather copies an input inside its
+    # output when the operation starts (a reshape of a non-contiguous one copies it now)
+    chunk = (
+        t.view(-1)[me * k : (me + 1) * k]
+        if t.is_contiguous()
+        else _clone(c, t.reshape(-1)[me * k : (me + 1) * k])
+    )
     return allgather(chunk, t, c, async_op)
 
 
@@ -1070,7 +1112,7 @@ def gather(
     s = _tensor(send_tensor, "send_tensor", name)
     d = _rank_arg(dst, "dst", c, name)
     n = c.nranks()
-    st = _Staged(name, c)
+    st = _Staged(name)
     sc = st.input(s)
     if c.rank() == d:
         r = _tensor(recv_tensor, "recv_tensor", name)
@@ -1079,7 +1121,7 @@ def gather(
         if n == 1:
             return _local(async_op, r, lambda: _copy(r, s))
         if _overlaps(sc, r):
-            sc = _clone(c, sc)
+            sc = st.copy_of(sc)
         rc = st.output(r, load=False)
     else:
         r = recv_tensor if isinstance(recv_tensor, torch.Tensor) else None
@@ -1122,8 +1164,12 @@ def gather_inplace(
     n = c.nranks()
     if c.rank() == d:
         _numel(t, n * k, "tensor", name, f"on dst: nranks={n} * count={k}")
-        own = _clone(c, t.reshape(-1)[d * k : (d + 1) * k])
-        return gather(own, t, d, c, async_op)
+        own = (
+            t.view(-1)[d * k : (d + 1) * k]
+            if t.is_contiguous()
+            else _clone(c, t.reshape(-1)[d * k : (d + 1) * k])
+        )
+        return gather(own, t, d, c, async_op)  # (copied when the operation starts, as in allgather_inplace)
     _numel(t, k, "tensor", name, "count, on ranks other than dst")
     return gather(t, t, d, c, async_op)
 
@@ -1163,7 +1209,7 @@ def scatter(
     r = _tensor(recv_tensor, "recv_tensor", name)
     sr = _rank_arg(src, "src", c, name)
     n = c.nranks()
-    st = _Staged(name, c)
+    st = _Staged(name)
     if c.rank() == sr:
         s = _tensor(send_tensor, "send_tensor", name)
         _same(s, r, "send_tensor", "recv_tensor", name)
@@ -1172,7 +1218,7 @@ def scatter(
             return _local(async_op, r, lambda: _copy(r, s))
         sc = st.input(s)
         if _overlaps(sc, r):
-            sc = _clone(c, sc)
+            sc = st.copy_of(sc)
     else:
         sc = torch.empty(0, dtype=r.dtype, device=r.device)
     rc = st.output(r, load=False)
@@ -1259,10 +1305,10 @@ def alltoall(
     _numel(r, s.numel(), "recv_tensor", name, "same as send_tensor")
     if n == 1:
         return _local(async_op, r, lambda: _copy(r, s))
-    st = _Staged(name, c)
+    st = _Staged(name)
     sc = st.input(s)
     if _overlaps(sc, r):
-        sc = _clone(c, sc)
+        sc = st.copy_of(sc)
     rc = st.output(r, load=False)
     return _go(c, name, _where(s), lambda e: e.alltoall(sc, rc), async_op, r, st, (sc, rc), (s,))
 
@@ -1290,7 +1336,7 @@ def alltoall_inplace(tensor: torch.Tensor, comm: CommArg = None, async_op: bool 
     if comm is NON_COMM_MEMBER:
         return _not_member("alltoall_inplace", async_op, tensor)
     t = _tensor(tensor, "tensor", "alltoall_inplace")
-    return alltoall(_clone(_comm(comm, "alltoall_inplace"), t.detach()), tensor, comm, async_op)
+    return alltoall(t.detach(), tensor, comm, async_op)  # the input is copied when the operation starts
 
 
 def alltoall_v(
@@ -1355,10 +1401,10 @@ def alltoall_v(
                 r.copy_(full)
 
         return _local(async_op, r, body)
-    st = _Staged(name, c)
+    st = _Staged(name)
     sc = st.input(s)
     if _overlaps(sc, r):
-        sc = _clone(c, sc)
+        sc = st.copy_of(sc)
     rc = st.output(r, load=True)  # untouched regions keep their values
     return _go(
         c,
@@ -1403,8 +1449,8 @@ def alltoall_v_inplace(
     if comm is NON_COMM_MEMBER:
         return _not_member("alltoall_v_inplace", async_op, tensor)
     t = _tensor(tensor, "tensor", "alltoall_v_inplace")
-    send = _clone(_comm(comm, "alltoall_v_inplace"), t.detach())
-    return alltoall_v(send, counts, displs, tensor, counts, displs, comm, async_op)
+    # the input is copied when the operation starts
+    return alltoall_v(t.detach(), counts, displs, tensor, counts, displs, comm, async_op)
 
 
 # --------------------------------------------------------------------------- point to point, barrier
@@ -1438,7 +1484,7 @@ def send(tensor: torch.Tensor, dst: int, comm: CommArg = None, async_op: bool = 
     d = _rank_arg(dst, "dst", c, name)
     if d == c.rank():
         raise ValueError(f"{name}: dst={d} is this rank; send to another rank")
-    st = _Staged(name, c, f"send:{d}")
+    st = _Staged(name)
     tc = st.input(t)
     return _go(c, name, _where(t), lambda e: e.send(tc, d), async_op, None, st, (tc,), p2p=f"send:{d}")
 
@@ -1471,7 +1517,7 @@ def recv(tensor: torch.Tensor, src: int, comm: CommArg = None, async_op: bool = 
     s = _rank_arg(src, "src", c, name)
     if s == c.rank():
         raise ValueError(f"{name}: src={s} is this rank; receive from another rank")
-    st = _Staged(name, c)
+    st = _Staged(name)
     tc = st.output(t, load=False, arg="tensor")
     return _go(c, name, _where(t), lambda e: e.recv(tc, s), async_op, t, st, (tc,), p2p=f"recv:{s}")
 
@@ -1500,4 +1546,4 @@ def barrier(comm: CommArg = None, async_op: bool = False) -> Optional[Work]:
     c = _comm(comm, name)
     if c.nranks() == 1:
         return _local(async_op, None, lambda: None)
-    return _go(c, name, "cpu", lambda e: e.barrier(), async_op, None, _Staged(name, c))
+    return _go(c, name, "cpu", lambda e: e.barrier(), async_op, None, _Staged(name))
