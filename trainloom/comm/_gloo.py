@@ -215,7 +215,7 @@ _SLICE_S = 0.2
 class _P2PWaiter:
     """A daemon thread that runs gloo's blocking send/recv waits for one calling thread (see
     GlooEngine._wait_p2p). Kept per calling thread: handing a wait to a running thread costs less
-    than starting one per wait (a send with its argument check waits three times)."""
+    than starting one per wait (2.1-2.3 ms against 1.15-1.5 ms per 1 KiB round trip here)."""
 
     def __init__(self) -> None:
         self.stuck = False  # a wait was given up on while gloo still runs it
