@@ -1497,10 +1497,12 @@ def p2p_recv_timeout(rank: int, ws: int) -> Dict[str, Any]:
     C.barrier()
     out: Dict[str, Any] = {}
     if rank == 0:
+        t0 = time.monotonic()
         try:
             C.recv(torch.zeros(4), 1)
         except CommError as exc:
             out = {"error": f"{type(exc).__name__}: {exc}", "missing": getattr(exc, "missing_ranks", "unset")}
+        out["waited_the_timeout"] = time.monotonic() - t0 >= 2.9  # not one 0.2 s wait slice
     else:
         time.sleep(5)  # past rank 0's timeout, so that rank 0 never gets its send
     C.destroy_process_group()

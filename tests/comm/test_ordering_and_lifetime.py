@@ -218,6 +218,7 @@ def test_gloo_recv_timeout_names_the_missing_send_not_the_idle_ranks():
         "not post the matching send. Check that every recv has a matching send on the peer, or raise the "
         "timeout",
         "missing": None,
+        "waited_the_timeout": True,
     }
     assert res[1] == res[2] == {}
 
