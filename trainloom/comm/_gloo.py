@@ -365,10 +365,9 @@ class GlooEngine:
         self._seq += 1
         return self._seq
 
-    def _wait(
-        self, work: dist.Work, opname: str, seq: int, timeout: Optional[float], peer: Optional[int] = None
-    ) -> None:
-        """Wait for ``work`` in slices of at most ``_SLICE_S``: gloo's wait blocks in C++, where
+    def _wait(self, work: dist.Work, opname: str, seq: int, timeout: Optional[float]) -> None:
+        """Wait for a collective's ``work`` (sends and receives: :meth:`_wait_p2p`) in slices of at
+        most ``_SLICE_S``: gloo's wait blocks in C++, where
         Python runs no signal handler, and nothing can cancel a gloo operation (its ``abort()`` and
         ``shutdown()`` return while the operation keeps waiting for its peer). Between slices a
         signal handler's exception (Ctrl-C) propagates and aborts this engine, and an engine
@@ -377,9 +376,6 @@ class GlooEngine:
         expires leaves the operation running: gloo's "Operation timed out!" from ``wait(timeout)``
         does not cancel it."""
         t = self.timeout if timeout is None else timeout
-        if peer is not None:
-            self._wait_p2p([work], opname, seq, t, peer)
-            return
         deadline = time.monotonic() + t
         done = failing = settled = False
         try:
@@ -394,7 +390,7 @@ class GlooEngine:
                     return
                 if settled or not _is_timeout(error) or time.monotonic() >= deadline:
                     failing = True
-                    self._fail(error, opname, seq, t, peer)
+                    self._fail(error, opname, seq, t)
                 if work.is_completed():
                     # It ended (a peer's failure, say) as the slice ran out: the next wait returns
                     # its own outcome at once, not the slice's "Operation timed out!"
@@ -533,15 +529,13 @@ class GlooEngine:
         compare_headers(opname, seq, rows)
         return rows
 
-    def _run(  # noqa: ANN001
-        self, opname: str, seq: int, timeout: Optional[float], fn, peer: Optional[int] = None
-    ) -> None:
+    def _run(self, opname: str, seq: int, timeout: Optional[float], fn) -> None:  # noqa: ANN001
         try:
             work = fn()
         except RuntimeError as exc:
-            self._fail(exc, opname, seq, self.timeout if timeout is None else timeout, peer)
+            self._fail(exc, opname, seq, self.timeout if timeout is None else timeout)
         if work is not None:
-            self._wait(work, opname, seq, timeout, peer)
+            self._wait(work, opname, seq, timeout)
 
     def _run_p2p(self, opname: str, seq: int, timeout: Optional[float], fns, peer: int) -> None:  # noqa: ANN001
         """Post the send/recv operations ``fns`` make, then wait for all of them with one hand-off
@@ -742,7 +736,7 @@ class GlooEngine:
             self._compare_p2p("send", hdr.tolist(), peer.tolist(), self.rank, dst)
         if tensor.numel():
             b = _bytes(tensor)
-            self._run("send", seq, timeout, lambda: self._pg.send([b], dst, 0), dst)
+            self._run_p2p("send", seq, timeout, [lambda: self._pg.send([b], dst, 0)], dst)
 
     def recv(self, tensor: torch.Tensor, src: int, timeout: Optional[float] = None) -> None:
         seq = self._begin("recv", p2p=True)
@@ -757,7 +751,7 @@ class GlooEngine:
             self._compare_p2p("recv", peer.tolist(), hdr.tolist(), src, self.rank)
         if tensor.numel():
             b = _bytes(tensor)
-            self._run("recv", seq, timeout, lambda: self._pg.recv([b], src, 0), src)
+            self._run_p2p("recv", seq, timeout, [lambda: self._pg.recv([b], src, 0)], src)
 
     @staticmethod
     def _compare_p2p(opname: str, s: List[int], r: List[int], src: int, dst: int) -> None:
