@@ -480,6 +480,67 @@ def staged_send_behind_a_pending_send(rank: int, ws: int, engine: str) -> Dict[s
     return res
 
 
+def composites_behind_a_pending_collective(rank: int, ws: int, engine: str, tmp: str) -> Dict[str, Any]:
+    """Composite operations on non-contiguous views of a tensor that an asynchronous allreduce
+    is still writing: each copies its input when the operation starts, after the allreduce
+    (not earlier: stale values), and not in the issuing thread either (it would wait there).
+
+    Rank 1 joins the allreduce only once rank 0 has issued everything (a file in ``tmp``): if an
+    issue on rank 0 waits for the allreduce, rank 1 gives up waiting after 5 s and goes on, and
+    says so (``blocked``)."""
+    from trainloom.comm import colossal, neighbor
+
+    os.environ["TRAINLOOM_CPU_ENGINE"] = "auto" if engine == "shm" else engine
+    C.init_process_group(timeout=30)
+    C.barrier()
+    flag = os.path.join(tmp, "issued")
+    out: Dict[str, Any] = {"blocked": False}
+    shape = (6, 2, 2 * ws)
+    ref = torch.arange(1.0, 1.0 + 4 * 6 * ws).view(shape)
+    big = ref * (rank + 1)
+    ref = ref * (ws * (ws + 1) // 2)  # what the allreduce leaves in big
+    small = torch.full((4, 4), float(rank + 1)).t()[:2, :2]  # gather_inplace's input off dst
+    if rank == 1:
+        deadline = time.monotonic() + 5
+        while not os.path.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        out["blocked"] = not os.path.exists(flag)
+    works = [C.allreduce_inplace(big, async_op=True), C.allreduce_inplace(small, async_op=True)]
+    nag = neighbor.neighbor_allgather_async(big[4].t())
+    nar = neighbor.neighbor_allreduce_async(big[5].t())
+    works.append(C.allgather_inplace(big[0].t(), async_op=True))
+    works.append(C.reduce_scatter_inplace(big[1].t(), async_op=True))
+    works.append(C.gather_inplace(big[2].t() if rank == 0 else small, count=4, dst=0, async_op=True))
+    crs, w = colossal.reduce_scatter(big[3], dim=1, async_op=True)
+    works.append(w)
+    if rank == 0:
+        with open(flag, "w"):
+            pass
+    for w in works:
+        w.wait()
+    got_nag, got_nar = neighbor.synchronize(nag), neighbor.synchronize(nar)
+    n_in = got_nag.shape[0] // (2 * ws)
+    k = 4
+    scattered = ref[1].t().reshape(-1).clone()
+    scattered[rank * k : (rank + 1) * k] *= ws
+    checks = {
+        "neighbor_allgather": (got_nag, ref[4].t().repeat(n_in, 1)),
+        "neighbor_allreduce": (got_nar, ref[5].t()),
+        "allgather_inplace": (big[0], ref[0]),
+        "reduce_scatter_inplace": (big[1].t().reshape(-1), scattered),
+        "colossal_reduce_scatter": (crs, ws * ref[3][:, 2 * rank : 2 * rank + 2]),
+    }
+    if rank == 0:  # chunk 0 is its own; the others are the other ranks' allreduced ``small``
+        gathered = ref[2].t().reshape(-1).clone()
+        gathered[k:] = ws * (ws + 1) // 2
+        checks["gather_inplace"] = (big[2].t().reshape(-1), gathered)
+    for name, (got, want) in checks.items():
+        out[name] = True if torch.equal(got, want) else got.tolist()
+    C.barrier()
+    C.destroy_process_group()
+    return out
+
+
 def dying_peer(rank: int, ws: int, engine: str) -> Dict[str, Any]:
     """Rank 1 exits in the middle of the job: the survivors raise instead of hanging."""
     os.environ["TRAINLOOM_CPU_ENGINE"] = "auto" if engine == "shm" else engine
@@ -1444,6 +1505,19 @@ def special_views(rank: int, ws: int, engine: str) -> Dict[str, Any]:
         C.allreduce_inplace(torch.zeros(1).expand(4))
     except ValueError as exc:
         out["expanded"] = str(exc)
+    # the in-place forms refuse it before any data moves (reduce_scatter_inplace used to fail in its
+    # final copy, allgather_inplace named its internal recv_tensor); gather_inplace checks on dst:
+    # each rank is its own dst here, so that every rank refuses
+    refusing = {
+        "allgather_inplace": lambda t: C.allgather_inplace(t),
+        "reduce_scatter_inplace": lambda t: C.reduce_scatter_inplace(t),
+        "gather_inplace": lambda t: C.gather_inplace(t, count=2, dst=rank),
+    }
+    for name, call in refusing.items():
+        try:
+            call(torch.zeros(1).expand(2 * ws))
+        except ValueError as exc:
+            out[f"expanded_{name}"] = str(exc)
     t = torch.ones(3)
     C.allreduce_inplace(t)  # the communicator is fine: nothing was sent
     out["after"] = t.tolist()

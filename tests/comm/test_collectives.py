@@ -10,6 +10,7 @@ from commutil import (
     absent_at_init,
     absent_rank,
     agent_store,
+    composites_behind_a_pending_collective,
     dying_peer,
     engines,
     features,
@@ -223,6 +224,27 @@ def test_an_async_send_of_a_non_contiguous_view_does_not_block_the_caller(engine
         assert r["seconds"] < 6, r  # the timeout is 8 s
 
 
+@pytest.mark.parametrize("engine", ["shm", "gloo"])
+def test_composites_on_views_read_after_a_pending_collective_without_blocking_the_caller(engine, tmp_path):
+    """allgather_inplace, reduce_scatter_inplace, gather_inplace, neighbor_allreduce/allgather and
+    ColossalAI's reduce_scatter along dim 1, on non-contiguous views that an asynchronous allreduce
+    still writes, all issued asynchronously. They used to copy the view when issued: neighbor_allgather
+    without waiting (it sent the values from before the allreduce), the others after waiting in the
+    issuing thread (rank 0 then never got to tell rank 1 to join the allreduce)."""
+    res = run_ranks(composites_behind_a_pending_collective, 2, engine, str(tmp_path), timeout=90)
+    assert [r["blocked"] for r in res] == [False, False], res
+    for rank, r in enumerate(res):
+        for name in (
+            "neighbor_allgather",
+            "neighbor_allreduce",
+            "allgather_inplace",
+            "reduce_scatter_inplace",
+        ):
+            assert r[name] is True, (rank, name, r[name])
+        assert r["colossal_reduce_scatter"] is True, (rank, r["colossal_reduce_scatter"])
+    assert res[0]["gather_inplace"] is True, res[0]["gather_inplace"]
+
+
 def test_gloo_connect_with_an_absent_member_is_a_timeout_naming_it(monkeypatch):
     # A member that never joined (per the store) stops the connect at the member poll, before
     # gloo's own connect is tried (which would block in C++ for the whole timeout). A real store.
@@ -434,6 +456,12 @@ def test_conjugate_negative_and_self_overlapping_views(engine):
             "made by expand()), so the results cannot be written to it; pass a tensor whose elements have "
             "their own memory (t.clone())"
         )
+        for name in ("allgather_inplace", "reduce_scatter_inplace", "gather_inplace"):
+            assert r[f"expanded_{name}"] == (
+                f"{name}: tensor (shape (4,), stride (0,)) has elements that share memory (e.g. "
+                "made by expand()), so the results cannot be written to it; pass a tensor whose elements "
+                "have their own memory (t.clone())"
+            )
         assert r["after"] == [2.0, 2.0, 2.0]
     assert res[0]["conj_inplace"] == (True, [3 - 6j, 9 + 3j])  # the sum of the values the views show
     assert res[1]["conj_inplace"] == (False, [3 - 6j, 9 + 3j])

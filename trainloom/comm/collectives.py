@@ -306,24 +306,6 @@ def _check_v(
             )
 
 
-def _settle(c: Communicator, t: torch.Tensor, queue: Optional[str] = None) -> None:
-    """Before the calling thread copies ``t`` for a CPU operation: wait for the asynchronous
-    operations issued earlier on ``c`` that the operation follows anyway (all of them for a
-    collective; ``queue`` ``"send:<peer>"``: the collectives and the earlier sends to that peer).
-    They may still write ``t``, and a copy made now would read the values from before them. Free when
-    none is pending. Only for composite operations that must copy before issuing; a flat operation
-    defers its copies to the operation's own start instead (:class:`_Staged`): waiting here holds
-    up the issuing thread, and with it any later call that a pending operation needs (a send)."""
-    if t.is_cpu:
-        c.wait_pending(queue)
-
-
-def _clone(c: Communicator, t: torch.Tensor) -> torch.Tensor:
-    """``t.clone()`` taken after the earlier asynchronous operations on ``c`` (see :func:`_settle`)."""
-    _settle(c, t)
-    return t.clone()
-
-
 class _Staged:
     """Contiguous stand-ins for the caller's tensors; copies results back into non-contiguous outputs.
 
@@ -834,13 +816,35 @@ def reduce_scatter(
     o = _op(op, s.dtype, name)
     if n == 1:
         return _local(async_op, r, lambda: _copy(r, s))
-    st = _Staged(name)
+    return _reduce_scatter_staged(c, name, s, r, o, async_op, _Staged(name), r)
+
+
+def _reduce_scatter_staged(
+    c: Communicator,
+    name: str,
+    s: torch.Tensor,
+    r: torch.Tensor,
+    o: ReduceOp,
+    async_op: bool,
+    st: _Staged,
+    result: torch.Tensor,
+) -> Optional[Work]:
+    """:func:`reduce_scatter` of checked arguments, staged by ``st`` (which an in-place form may
+    have given a stand-in for its tensor already); the Work's result is ``result``."""
     sc = st.input(s)
     if _overlaps(sc, r):  # e.g. into a chunk of its own send buffer (other chunks are still read)
         sc = st.copy_of(sc)
     rc = st.output(r, load=False)
     return _go(
-        c, name, _where(s), lambda e: e.reduce_scatter(sc, rc, int(o)), async_op, r, st, (sc, rc), (r, int(o))
+        c,
+        name,
+        _where(s),
+        lambda e: e.reduce_scatter(sc, rc, int(o)),
+        async_op,
+        result,
+        st,
+        (sc, rc),
+        (r, int(o)),
     )
 
 
@@ -877,23 +881,18 @@ def reduce_scatter_inplace(
     n = c.nranks()
     if t.numel() % n:
         raise ValueError(f"{name}: tensor has {t.numel()} elements, not divisible by nranks={n}")
-    _op(op, t.dtype, name)
     k = t.numel() // n
     me = c.rank()
-    if t.is_contiguous():
-        # reduce_scatter copies an input inside its output when the operation starts
-        flat = t.view(-1)
-        return reduce_scatter(flat, flat[me * k : (me + 1) * k], op, c, async_op)
-    _settle(c, t)  # the copy below is made now: after the earlier asynchronous operations
-    owner = t.contiguous()
-    flat = owner.view(-1)
-    work = reduce_scatter(flat.clone(), flat[me * k : (me + 1) * k], op, c, async_op)
-
-    def _write_back() -> None:
-        with torch.no_grad():
-            _write(t, owner)
-
-    return _then(c, work, _write_back, async_op, t)
+    o = _op(op, t.dtype, name)
+    if n == 1:
+        return _local(async_op, t, lambda: None)
+    # A non-contiguous tensor gets a contiguous stand-in that takes its values when the operation
+    # starts and is written back at its end. Either way the send buffer holds the output chunk, so
+    # reduce_scatter copies it when the operation starts too: nothing is copied here, in the issuing
+    # thread, where the copy would first have to wait for the earlier asynchronous operations.
+    st = _Staged(name)
+    flat = st.output(t, arg="tensor").view(-1)
+    return _reduce_scatter_staged(c, name, flat, flat[me * k : (me + 1) * k], o, async_op, st, t)
 
 
 def _then(
@@ -1020,12 +1019,24 @@ def allgather(
     _numel(r, n * s.numel(), "recv_tensor", name, f"nranks={n} * send_tensor's {s.numel()}")
     if n == 1:
         return _local(async_op, r, lambda: _copy(r, s))
-    st = _Staged(name)
+    return _allgather_staged(c, name, s, r, async_op, _Staged(name), r)
+
+
+def _allgather_staged(
+    c: Communicator,
+    name: str,
+    s: torch.Tensor,
+    r: torch.Tensor,
+    async_op: bool,
+    st: _Staged,
+    result: torch.Tensor,
+) -> Optional[Work]:
+    """:func:`allgather` of checked arguments, staged by ``st`` (see :func:`_reduce_scatter_staged`)."""
     sc = st.input(s)
     if _overlaps(sc, r):
         sc = st.copy_of(sc)
     rc = st.output(r, load=False)
-    return _go(c, name, _where(s), lambda e: e.allgather(sc, rc), async_op, r, st, (sc, rc), (s,))
+    return _go(c, name, _where(s), lambda e: e.allgather(sc, rc), async_op, result, st, (sc, rc), (s,))
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -1067,14 +1078,13 @@ def allgather_inplace(tensor: torch.Tensor, comm: CommArg = None, async_op: bool
         raise ValueError(f"{name}: tensor has {t.numel()} elements, not divisible by nranks={n}")
     k = t.numel() // n
     me = c.rank()
-    # a contiguous tensor's own chunk is passed as it is: allgather copies an input inside its
-    # output when the operation starts (a reshape of a non-contiguous one copies it now)
-    chunk = (
-        t.view(-1)[me * k : (me + 1) * k]
-        if t.is_contiguous()
-        else _clone(c, t.reshape(-1)[me * k : (me + 1) * k])
-    )
-    return allgather(chunk, t, c, async_op)
+    if n == 1:
+        return _local(async_op, t, lambda: None)
+    # This rank's chunk of the tensor (or of its stand-in, see reduce_scatter_inplace) is sent from
+    # inside the output: allgather copies it when the operation starts, none is made here.
+    st = _Staged(name)
+    whole = st.output(t, arg="tensor")
+    return _allgather_staged(c, name, whole.view(-1)[me * k : (me + 1) * k], whole, async_op, st, t)
 
 
 def gather(
@@ -1112,21 +1122,37 @@ def gather(
     s = _tensor(send_tensor, "send_tensor", name)
     d = _rank_arg(dst, "dst", c, name)
     n = c.nranks()
-    st = _Staged(name)
-    sc = st.input(s)
     if c.rank() == d:
         r = _tensor(recv_tensor, "recv_tensor", name)
         _same(s, r, "send_tensor", "recv_tensor", name)
         _numel(r, n * s.numel(), "recv_tensor", name, f"nranks={n} * send_tensor's {s.numel()}")
         if n == 1:
             return _local(async_op, r, lambda: _copy(r, s))
+    else:
+        r = recv_tensor if isinstance(recv_tensor, torch.Tensor) else None
+    return _gather_staged(c, name, s, r, d, async_op, _Staged(name), r)
+
+
+def _gather_staged(
+    c: Communicator,
+    name: str,
+    s: torch.Tensor,
+    r: Optional[torch.Tensor],
+    d: int,
+    async_op: bool,
+    st: _Staged,
+    result: Optional[torch.Tensor],
+) -> Optional[Work]:
+    """:func:`gather` of checked arguments (``r`` is used on ``d`` only), staged by ``st`` (see
+    :func:`_reduce_scatter_staged`)."""
+    sc = st.input(s)
+    if c.rank() == d and r is not None:
         if _overlaps(sc, r):
             sc = st.copy_of(sc)
         rc = st.output(r, load=False)
     else:
-        r = recv_tensor if isinstance(recv_tensor, torch.Tensor) else None
         rc = torch.empty(0, dtype=s.dtype, device=s.device)
-    return _go(c, name, _where(s), lambda e: e.gather(sc, rc, d), async_op, r, st, (sc, rc), (s, -1, d))
+    return _go(c, name, _where(s), lambda e: e.gather(sc, rc, d), async_op, result, st, (sc, rc), (s, -1, d))
 
 
 def gather_inplace(
@@ -1164,12 +1190,12 @@ def gather_inplace(
     n = c.nranks()
     if c.rank() == d:
         _numel(t, n * k, "tensor", name, f"on dst: nranks={n} * count={k}")
-        own = (
-            t.view(-1)[d * k : (d + 1) * k]
-            if t.is_contiguous()
-            else _clone(c, t.reshape(-1)[d * k : (d + 1) * k])
-        )
-        return gather(own, t, d, c, async_op)  # (copied when the operation starts, as in allgather_inplace)
+        if n == 1:
+            return _local(async_op, t, lambda: None)
+        # (copied when the operation starts, as in allgather_inplace)
+        st = _Staged(name)
+        whole = st.output(t, arg="tensor")
+        return _gather_staged(c, name, whole.view(-1)[d * k : (d + 1) * k], whole, d, async_op, st, t)
     _numel(t, k, "tensor", name, "count, on ranks other than dst")
     return gather(t, t, d, c, async_op)
 

@@ -194,13 +194,12 @@ def reduce_scatter(
             f"{n} ranks"
         )
     k = shape[d] // n
-    # Chunk i along dim becomes row i of a contiguous (n, ...) buffer (a copy only when dim != 0,
-    # taken after the earlier asynchronous operations, which may still write t).
-    if d != 0 or not t.is_contiguous():
-        _core._settle(c, t)
-    send = t.reshape(shape[:d] + (n, k) + shape[d + 1 :]).movedim(d, 0).contiguous()
+    # Chunk i along dim is row i of this view (unflatten splits one dimension: always a view). When it
+    # is not contiguous (dim != 0, or t itself), reduce_scatter copies it into a contiguous buffer
+    # when the operation starts, after the earlier asynchronous operations that may still write t.
+    send = t.unflatten(d, (n, k)).movedim(d, 0)
     out = torch.empty(shape[:d] + (k,) + shape[d + 1 :], dtype=t.dtype, device=t.device)
-    return _ret(out, _core.reduce_scatter(send.view(-1), out, op, comm=c, async_op=True), async_op)
+    return _ret(out, _core.reduce_scatter(send, out, op, comm=c, async_op=True), async_op)
 
 
 def all_reduce(

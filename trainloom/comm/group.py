@@ -607,11 +607,10 @@ class Communicator:
             cands = [self._last, self._fence, self._p2p_last.get(queue) if same_queue else None]
         return [f for f in cands if f is not None and not f.done()]
 
-    def wait_pending(self, queue: Optional[str] = None) -> None:
-        """Block until the asynchronous operations issued on this communicator have finished: every
-        one (``queue`` None), or those a point-to-point operation on ``queue`` (``"send:3"``) follows."""
+    def wait_pending(self) -> None:
+        """Block until every asynchronous operation issued on this communicator has finished."""
         if not getattr(self._tls, "inside", False):
-            deps = self._pending(queue)
+            deps = self._pending(None)
             if deps:
                 concurrent.futures.wait(deps)
 

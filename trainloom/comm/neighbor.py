@@ -233,17 +233,17 @@ def neighbor_allreduce_async(
     if n == 1:
         torch.mul(src, sw, out=out)
         return CompletedWork(opname, out)
-    if not src.is_contiguous():
-        _core._settle(c, src)  # the flat copy below reads src after earlier asynchronous operations
-    flat = src.reshape(-1)
+    # src goes to the exchange as it is: the collectives take their elements in row-major order, and
+    # copy a non-contiguous tensor when the operation starts, after the earlier asynchronous
+    # operations that may still write it (a copy made here would read the values from before them).
     strategy = exchange_strategy(topo, numel * src.element_size())
     if strategy == "allgather":
         buf = torch.empty(n * numel, dtype=src.dtype, device=src.device)
-        inner = _core.allgather(flat, buf, comm=c, async_op=True)
+        inner = _core.allgather(src, buf, comm=c, async_op=True)
         rows = buf.view(n, numel)
         pick: List[tuple] = [(rows[r], w) for r, w in nw.items() if w != 0.0]
     else:
-        buf, inner = _exchange(c, topo, me, flat)
+        buf, inner = _exchange(c, topo, me, src)
         rows = buf.view(len(ins), numel)
         pick = [(rows[ins.index(r)], w) for r, w in nw.items() if w != 0.0]
 
@@ -265,11 +265,11 @@ def neighbor_allreduce_async(
     return then_work(c, opname, inner, combine, out)
 
 
-def _exchange(c: Communicator, topo: Any, me: int, flat: torch.Tensor) -> tuple:
-    """Send ``flat`` to every out-neighbour and receive from every in-neighbour in one alltoall_v."""
-    n, numel = c.nranks(), flat.numel()
+def _exchange(c: Communicator, topo: Any, me: int, src: torch.Tensor) -> tuple:
+    """Send ``src`` to every out-neighbour and receive from every in-neighbour in one alltoall_v."""
+    n, numel = c.nranks(), src.numel()
     ins, outs = topo.in_neighbors(me), set(topo.out_neighbors(me))
-    buf = torch.empty(len(ins) * numel, dtype=flat.dtype, device=flat.device)
+    buf = torch.empty(len(ins) * numel, dtype=src.dtype, device=src.device)
     send_counts = [numel if j in outs else 0 for j in range(n)]
     recv_counts = [0] * n
     recv_displs = [0] * n
@@ -277,7 +277,7 @@ def _exchange(c: Communicator, topo: Any, me: int, flat: torch.Tensor) -> tuple:
         recv_counts[r] = numel
         recv_displs[r] = k * numel
     # Every destination reads the same region of the send buffer: no copy per neighbour.
-    inner = _core.alltoall_v(flat, send_counts, [0] * n, buf, recv_counts, recv_displs, comm=c, async_op=True)
+    inner = _core.alltoall_v(src, send_counts, [0] * n, buf, recv_counts, recv_displs, comm=c, async_op=True)
     return buf, inner
 
 
@@ -347,10 +347,10 @@ def neighbor_allgather_async(tensor: torch.Tensor, name: Optional[str] = None, c
     shape = (k * src.shape[0], *src.shape[1:]) if src.dim() else (k,)
     if n == 1:
         return CompletedWork(opname, torch.empty(shape, dtype=src.dtype, device=src.device))
-    flat = src.reshape(-1)
+    # src as it is, not reshaped: see neighbor_allreduce_async
     if exchange_strategy(topo, numel * src.element_size()) == "allgather":
         buf = torch.empty(n * numel, dtype=src.dtype, device=src.device)
-        inner = _core.allgather(flat, buf, comm=c, async_op=True)
+        inner = _core.allgather(src, buf, comm=c, async_op=True)
         out = torch.empty(shape, dtype=src.dtype, device=src.device)
         index = torch.tensor(ins, dtype=torch.long, device=src.device)
 
@@ -358,7 +358,7 @@ def neighbor_allgather_async(tensor: torch.Tensor, name: Optional[str] = None, c
             torch.index_select(buf.view(n, numel), 0, index, out=out.view(k, numel))
 
         return then_work(c, opname, inner, pick, out)
-    buf, inner = _exchange(c, topo, me, flat)
+    buf, inner = _exchange(c, topo, me, src)
     return then_work(c, opname, inner, None, buf.view(shape))
 
 
