@@ -488,15 +488,15 @@ def composites_behind_a_pending_collective(rank: int, ws: int, engine: str, tmp:
     Rank 1 joins the allreduce only once rank 0 has issued everything (a file in ``tmp``): if an
     issue on rank 0 waits for the allreduce, rank 1 gives up waiting after 5 s and goes on, and
     says so (``blocked``)."""
-    from trainloom.comm import colossal, neighbor
+    from trainloom.comm import classic, colossal, neighbor
 
     os.environ["TRAINLOOM_CPU_ENGINE"] = "auto" if engine == "shm" else engine
     C.init_process_group(timeout=30)
     C.barrier()
     flag = os.path.join(tmp, "issued")
     out: Dict[str, Any] = {"blocked": False}
-    shape = (6, 2, 2 * ws)
-    ref = torch.arange(1.0, 1.0 + 4 * 6 * ws).view(shape)
+    shape = (7, 2, 2 * ws)
+    ref = torch.arange(1.0, 1.0 + 4 * 7 * ws).view(shape)
     big = ref * (rank + 1)
     ref = ref * (ws * (ws + 1) // 2)  # what the allreduce leaves in big
     small = torch.full((4, 4), float(rank + 1)).t()[:2, :2]  # gather_inplace's input off dst
@@ -513,6 +513,10 @@ def composites_behind_a_pending_collective(rank: int, ws: int, engine: str, tmp:
     works.append(C.gather_inplace(big[2].t() if rank == 0 else small, count=4, dst=0, async_op=True))
     crs, w = colossal.reduce_scatter(big[3], dim=1, async_op=True)
     works.append(w)
+    scattered_in = torch.zeros(4)
+    works.append(
+        classic.scatter(scattered_in, 0, list(big[6].view(ws, 4)) if rank == 0 else None, async_op=True)
+    )
     if rank == 0:
         with open(flag, "w"):
             pass
@@ -529,6 +533,7 @@ def composites_behind_a_pending_collective(rank: int, ws: int, engine: str, tmp:
         "allgather_inplace": (big[0], ref[0]),
         "reduce_scatter_inplace": (big[1].t().reshape(-1), scattered),
         "colossal_reduce_scatter": (crs, ws * ref[3][:, 2 * rank : 2 * rank + 2]),
+        "classic_scatter": (scattered_in, ref[6].view(ws, 4)[rank]),
     }
     if rank == 0:  # chunk 0 is its own; the others are the other ranks' allreduced ``small``
         gathered = ref[2].t().reshape(-1).clone()

@@ -228,9 +228,10 @@ def test_an_async_send_of_a_non_contiguous_view_does_not_block_the_caller(engine
 def test_composites_on_views_read_after_a_pending_collective_without_blocking_the_caller(engine, tmp_path):
     """allgather_inplace, reduce_scatter_inplace, gather_inplace, neighbor_allreduce/allgather and
     ColossalAI's reduce_scatter along dim 1, on non-contiguous views that an asynchronous allreduce
-    still writes, all issued asynchronously. They used to copy the view when issued: neighbor_allgather
-    without waiting (it sent the values from before the allreduce), the others after waiting in the
-    issuing thread (rank 0 then never got to tell rank 1 to join the allreduce)."""
+    still writes, and the classic scatter of a list of its rows, all issued asynchronously. They used
+    to copy their input when issued: neighbor_allgather and the classic scatter without waiting (they
+    sent the values from before the allreduce), the others after waiting in the issuing thread (rank 0
+    then never got to tell rank 1 to join the allreduce)."""
     res = run_ranks(composites_behind_a_pending_collective, 2, engine, str(tmp_path), timeout=90)
     assert [r["blocked"] for r in res] == [False, False], res
     for rank, r in enumerate(res):
@@ -242,6 +243,7 @@ def test_composites_on_views_read_after_a_pending_collective_without_blocking_th
         ):
             assert r[name] is True, (rank, name, r[name])
         assert r["colossal_reduce_scatter"] is True, (rank, r["colossal_reduce_scatter"])
+        assert r["classic_scatter"] is True, (rank, r["classic_scatter"])
     assert res[0]["gather_inplace"] is True, res[0]["gather_inplace"]
 
 

@@ -460,8 +460,15 @@ def scatter(
         if scatter_list is None:
             raise ValueError(f"{opname}: scatter_list is required on the source rank {me_global}")
         ins = _check_list(scatter_list, c.nranks(), t, "scatter_list", opname)
-        send_buf = torch.cat([x.detach().reshape(-1) for x in ins])
-        return _sync(_core.scatter(send_buf, t, s, comm=c, async_op=True), async_op)
+        if c.nranks() == 1:
+            return _sync(_core.scatter(ins[0].detach(), t, s, comm=c, async_op=True), async_op)
+        # The list is copied into one send buffer when the operation starts, after the earlier
+        # asynchronous operations on the group, which may still write its tensors.
+        send_buf = torch.empty(c.nranks() * t.numel(), dtype=t.dtype, device=t.device)
+        st = _core._Staged(opname)
+        for x, part in zip(ins, send_buf.view(c.nranks(), -1)):
+            st.fill(part.view(x.shape), x.detach())
+        return _sync(_core._scatter_staged(c, opname, send_buf, t, s, True, st), async_op)
     if scatter_list:
         raise ValueError(f"{opname}: scatter_list must be empty on rank {me_global}, which is not src={src}")
     return _sync(_core.scatter(None, t, s, comm=c, async_op=True), async_op)  # type: ignore[arg-type]

@@ -337,6 +337,13 @@ class _Staged:
             return self._deferred(t)
         return t.resolve_conj().resolve_neg().contiguous()  # CUDA: ordered by the stream
 
+    def fill(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy ``src`` into ``dst`` (a buffer the operation reads) when the operation starts."""
+        if src.is_cpu:
+            self._load.append((dst, src))
+        else:
+            dst.copy_(src)  # CUDA: ordered by the stream
+
     def copy_of(self, t: torch.Tensor) -> torch.Tensor:
         """A copy of ``t`` (an input that overlaps the output), taken when the operation starts."""
         return self._deferred(t) if t.is_cpu else t.clone()
@@ -1235,13 +1242,29 @@ def scatter(
     r = _tensor(recv_tensor, "recv_tensor", name)
     sr = _rank_arg(src, "src", c, name)
     n = c.nranks()
-    st = _Staged(name)
     if c.rank() == sr:
         s = _tensor(send_tensor, "send_tensor", name)
         _same(s, r, "send_tensor", "recv_tensor", name)
         _numel(s, n * r.numel(), "send_tensor", name, f"nranks={n} * recv_tensor's {r.numel()}")
         if n == 1:
             return _local(async_op, r, lambda: _copy(r, s))
+    else:
+        s = None
+    return _scatter_staged(c, name, s, r, sr, async_op, _Staged(name))
+
+
+def _scatter_staged(
+    c: Communicator,
+    name: str,
+    s: Optional[torch.Tensor],
+    r: torch.Tensor,
+    sr: int,
+    async_op: bool,
+    st: _Staged,
+) -> Optional[Work]:
+    """:func:`scatter` of checked arguments (``s`` is used on ``sr`` only), staged by ``st`` (see
+    :func:`_reduce_scatter_staged`)."""
+    if c.rank() == sr and s is not None:
         sc = st.input(s)
         if _overlaps(sc, r):
             sc = st.copy_of(sc)
