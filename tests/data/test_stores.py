@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
+import queue
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -98,6 +101,59 @@ def test_lmdb_reclaims_reader_slots_of_killed_processes(tmp_path):
     s.set("x", b"y")
     assert s.get("x") == b"y"  # would be ReadersFullError without reader_check()
     assert s.reader_checks >= 1
+
+
+def _lmdb_value(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest() * 3125  # 100,000 bytes, different for every key
+
+
+def _grow_concurrently(path, who, barrier, q):
+    """One of several processes writing 24 MB into a map that starts at 1 MiB, reading back as it goes."""
+    s = LmdbStore(path, namespace="grow", map_size=1 << 20, max_map_size=1 << 30)
+    barrier.wait(30)
+    for b in range(12):
+        batch = {f"{who}-{b}-{i}": _lmdb_value(f"{who}-{b}-{i}") for i in range(20)}
+        s.mset(batch)
+        if s.mget(list(batch)) != list(batch.values()):
+            q.put((who, "read back differs", s.grow_count))
+            return
+    q.put((who, "ok", s.grow_count))
+
+
+def test_lmdb_map_grown_by_several_processes_at_once_keeps_every_value(tmp_path):
+    # Three processes fill a 1 MiB map with 72 MB at the same time: each hits MapFullError, grows under
+    # the per-node lock (or adopts another's larger size) and retries; readers in the others see
+    # MapResizedError. Every value must then be intact, read by a fresh process.
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    barrier, q = ctx.Barrier(3), ctx.Queue()
+    procs = [ctx.Process(target=_grow_concurrently, args=(tmp_path, w, barrier, q)) for w in range(3)]
+    for p in procs:
+        p.start()
+    results, deadline = [], time.monotonic() + 120
+    while len(results) < len(procs) and time.monotonic() < deadline:
+        try:
+            results.append(q.get(timeout=0.5))
+        except queue.Empty:
+            if not any(p.is_alive() for p in procs) and q.empty():
+                break  # one died without a result (its traceback is on stderr)
+    results.sort()
+    for p in procs:
+        p.join(30)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    assert [r[:2] for r in results] == [(0, "ok"), (1, "ok"), (2, "ok")], results
+    assert sum(r[2] for r in results) >= 2  # 1 MiB -> 65 MiB -> 129 MiB at least
+    code = textwrap.dedent(f"""
+        import hashlib
+        from trainloom.data.stores import LmdbStore
+        s = LmdbStore({str(tmp_path)!r}, namespace="grow", readonly=True)
+        keys = [f"{{w}}-{{b}}-{{i}}" for w in range(3) for b in range(12) for i in range(20)]
+        want = [hashlib.sha256(k.encode()).digest() * 3125 for k in keys]
+        print(s.num_keys(), s.mget(keys) == want)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["720", "True"], out.stderr[-2000:]
 
 
 def _child_reads(store, q):
