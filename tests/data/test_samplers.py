@@ -752,6 +752,30 @@ def test_set_epoch_changes_order_and_reuse_warns_once():
         assert list(s) != first
 
 
+@pytest.mark.parametrize("mode", ["padded", "packed", "batch_fn"])
+def test_batch_sampler_iterated_twice_in_an_epoch_warns_once(mode):
+    kw: dict = {"max_complexity": 900, "mode": mode}
+    if mode == "batch_fn":
+        kw = {"batch_fn": lambda idx: [idx[i : i + 7] for i in range(0, len(idx), 7)]}
+    b = _batch_ranks(_lens(200, 3), 2, **kw)[0]
+    first = list(b)
+    with pytest.warns(
+        UserWarning,
+        match=r"^LoadBalancingDistributedBatchSampler is iterated a second time in epoch 0: the order "
+        r"repeats\. Call set_epoch\(epoch\) at the start of every epoch\.$",
+    ):
+        again = list(b)
+    assert again == first
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        list(b)  # warned once only
+        b.set_epoch(1)
+        assert list(b) != first
+        b.sampler.set_epoch(2)  # the wrapped sampler's epoch counts too (Bagua's loops set either)
+        second = list(b)
+        assert b.epoch == 2 and second != first
+
+
 _REUSE_SCRIPT = """
 import logging, sys
 if sys.argv[1] == "logging":
