@@ -9,7 +9,14 @@ import pytest
 import torch
 from optimutil import assert_bitwise, make_grads, make_params, require_kernel, set_grads, twin
 
-from trainloom.optim import FuseError, flat_buffers, fuse_optimizer, fuse_step, is_fused_optimizer
+from trainloom.optim import (
+    FuseError,
+    calculate_mutual_groups,
+    flat_buffers,
+    fuse_optimizer,
+    fuse_step,
+    is_fused_optimizer,
+)
 
 
 def _in(t: torch.Tensor, flat: torch.Tensor) -> bool:
@@ -365,3 +372,83 @@ def test_do_flatten_false_steps_params_sharing_memory_in_torchs_order():
         opt.fuse_step()
         opt_r.step()
         assert_bitwise(params, ref)
+
+
+# ------------------------------------------------------------------ parameters at a storage offset
+_OFFSET = 5  # elements before the first parameter in its storage (not a multiple of any vector width)
+_OFFSET_SHAPES = [(7,), (3, 5), (33,), (2, 9)]
+_OFFSET_OPTS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-2),
+    "sgd-fused": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, fused=True),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1),
+    "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+    "asgd": lambda ps: torch.optim.ASGD(ps, lr=1e-2, t0=1),
+    "nadam": lambda ps: torch.optim.NAdam(ps, lr=1e-2, decoupled_weight_decay=True, weight_decay=0.1),
+    "rprop": lambda ps: torch.optim.Rprop(ps, lr=1e-2),
+}
+
+
+def _packed(tensors, dtype):
+    """Views of one storage, back to back, the first at element _OFFSET."""
+    store = torch.full((_OFFSET + sum(t.numel() for t in tensors) + 3,), float("nan"), dtype=dtype)
+    out, off = [], _OFFSET
+    for t in tensors:
+        v = store[off : off + t.numel()].view(t.shape)
+        v.copy_(t)
+        out.append(v)
+        off += t.numel()
+    return out
+
+
+@pytest.mark.parametrize(
+    "name,dtype",
+    [(n, torch.float32) for n in sorted(_OFFSET_OPTS)] + [("sgd", torch.bfloat16), ("asgd", torch.bfloat16)],
+    ids=lambda x: x if isinstance(x, str) else str(x).replace("torch.", ""),
+)
+@pytest.mark.parametrize("do_flatten", [True, False], ids=["flatten", "adjacent"])
+def test_params_at_a_nonzero_storage_offset_match_torch(name, dtype, do_flatten):
+    """Parameters, gradients and per-element state that are views of larger tensors, the first at
+    storage_offset() == 5 and the rest adjacent to it (do_flatten=False fuses them into spans)."""
+    make = _OFFSET_OPTS[name]
+    g = torch.Generator().manual_seed(0)
+    vals = _packed([torch.randn(s, generator=g).to(dtype) for s in _OFFSET_SHAPES], dtype)
+    params = [torch.nn.Parameter(v) for v in vals]
+    for p, v in zip(params, vals):
+        p.data = v  # Parameter(v) of a view: keep the view itself
+        p.grad = torch.zeros_like(v)
+    for p, gv in zip(params, _packed([p.grad for p in params], dtype)):
+        p.grad = gv
+    ref = twin(params)
+    opt, opt_r = make(params), make(ref)
+
+    def step(s, fused):
+        grads = make_grads(ref, s, none_every=0)
+        set_grads(ref, grads)
+        for p, gr in zip(params, grads):
+            p.grad.copy_(gr)  # in place: the gradients stay where they are
+        opt_r.step()
+        opt.fuse_step() if fused else opt.step()
+
+    step(0, False)  # torch creates the state; move it next to each other too, at the same offset
+    for k in [k for k, v in opt.state[params[0]].items() if v.dim() > 0]:
+        for p, v in zip(params, _packed([opt.state[p][k] for p in params], dtype)):
+            opt.state[p][k] = v
+    lists = [params, [p.grad for p in params]]
+    lists += [[opt.state[p][k] for p in params] for k, v in opt.state[params[0]].items() if v.dim() > 0]
+    assert calculate_mutual_groups(lists) == [[0, 1, 2, 3]]
+    assert params[0].storage_offset() == _OFFSET and len(lists) > 2
+
+    ptrs = [p.data_ptr() for p in params]
+    opt = fuse_optimizer(opt, do_flatten=do_flatten)
+    for s in range(1, 6):
+        step(s, True)
+    assert_bitwise(params, ref)
+    for p, q in zip(params, ref):
+        st, st_r = opt.state[p], opt_r.state[q]
+        assert st.keys() == st_r.keys()
+        assert_bitwise([st[k] for k in st_r], [st_r[k] for k in st_r], "state")
+    if do_flatten:  # moved into the flat buffers
+        (flat,) = flat_buffers(opt, "param")
+        assert all(_in(p, flat) for p in params)
+    else:  # nothing moved
+        assert [p.data_ptr() for p in params] == ptrs and params[0].storage_offset() == _OFFSET

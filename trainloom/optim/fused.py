@@ -1214,17 +1214,8 @@ def _step_flat(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> None:
                         p.grad = view
             _scan(b, state)
         stateless = isinstance(optimizer, torch.optim.SGD) and group["momentum"] == 0
-        # torch's fused=True CPU kernels round the last (numel % vector width) elements of each
-        # tensor differently from the rest, so their math on a flat view is not bitwise equal to
-        # their math per tensor. Without a compiled kernel that reproduces it, stay per tensor.
-        # (CUDA's fused kernels compute every element the same way: flat views are fine there.)
-        # ATen's CPU bf16/fp16 kernels round tails differently too (SGD, RMSprop, ASGD: measured),
-        # so reduced-precision CPU parameters are also updated per tensor.
-        per_tensor = (
-            kern is None
-            and b.device.type == "cpu"
-            and (bool(group.get("fused")) or b.dtype not in (torch.float32, torch.float64))
-        )
+        # Without a compiled kernel that reproduces torch's per-tensor rounding, stay per tensor.
+        per_tensor = kern is None and _cpu_tails_differ(group, b)
         flat_keys = b.state_flat.keys()
         run_idx: List[int] = []
         run_sig: Any = None
@@ -1371,6 +1362,8 @@ def _step_adjacent(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> None:
         with_grad = [p for p in g["params"] if p.grad is not None]
         # Parameters sharing memory keep their relative order in torch's step (the spans go first).
         ready = [p for p in with_grad if state.get(p) and _fusable_param(p) and id(p) not in info.shared]
+        # A span of those would not be bitwise equal to torch's steps per tensor: they stay per tensor.
+        ready = [p for p in ready if not _cpu_tails_differ(g, p)]
         keys = sorted({k for p in ready for k, v in state[p].items() if _per_element(v, p)}, key=repr)
         ready = [p for p in ready if all(_per_element(state[p].get(k), p) for k in keys)]
         lists = [ready, [p.grad for p in ready]] + [[state[p][k] for p in ready] for k in keys]
@@ -1411,6 +1404,17 @@ def _step_adjacent(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> None:
                     st[k].copy_(v)
                 elif not isinstance(v, torch.Tensor):
                     st[k] = v
+
+
+def _cpu_tails_differ(group: Dict[str, Any], t: Any) -> bool:
+    """Whether torch's CPU step rounds the tail of each tensor (a parameter, or a bucket's ``t``)
+    differently from the rest, so that the same step on a flat view or span is not bitwise equal.
+
+    torch's fused=True CPU kernels round the last (numel % vector width) elements of each tensor
+    differently; ATen's CPU bf16/fp16 kernels do too (SGD, RMSprop, ASGD: measured). CUDA's fused
+    kernels compute every element the same way."""
+    wide = t.dtype in (torch.float32, torch.float64)
+    return t.device.type == "cpu" and (bool(group.get("fused")) or not wide)
 
 
 def _span(ts: List[torch.Tensor]) -> torch.Tensor:
