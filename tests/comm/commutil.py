@@ -1789,3 +1789,84 @@ def script_patterns(rank: int, ws: int, engine: str) -> Dict[str, Any]:
     out["destroyed_col"] = last.tolist()
     out["total"] = total
     return out
+
+
+def gloo_p2p_mismatch(rank: int, ws: int) -> Dict[str, Any]:
+    """Sends and receives that disagree on the number of elements or the dtype, on gloo: both ranks
+    raise before any data moves, and the pair (and the collectives) go on afterwards."""
+    os.environ["TRAINLOOM_CPU_ENGINE"] = "gloo"
+    C.init_process_group(timeout=10)
+    out: Dict[str, Any] = {"engine": C.get_default_group().get_global_communicator().cpu_engine_kind()}
+    peer = 1 - rank
+    # rank 0 sends 3 float32, rank 1 expects 5
+    got = torch.full((5,), -1.0)
+    if rank == 0:
+        out["size"] = _expect(C.send, CommError, torch.ones(3), peer)
+    else:
+        out["size"] = _expect(C.recv, CommError, got, peer)
+        out["size_recv_untouched"] = got.tolist()
+    # rank 0 sends 4 float32, rank 1 expects 4 float64
+    got = torch.full((4,), -1.0, dtype=torch.float64)
+    if rank == 0:
+        out["dtype"] = _expect(C.send, CommError, torch.ones(4), peer)
+    else:
+        out["dtype"] = _expect(C.recv, CommError, got, peer)
+        out["dtype_recv_untouched"] = got.tolist()
+    # the other direction, asynchronous on both sides: the error comes from Work.wait()
+    got = torch.full((6,), -1, dtype=torch.int64)
+    if rank == 1:
+        w = C.send(torch.ones(2, dtype=torch.int64), peer, async_op=True)
+    else:
+        w = C.recv(got, peer, async_op=True)
+    out["async"] = _expect(w.wait, CommError)
+    # the pair still works both ways (another shape with the same count is accepted) ...
+    after = []
+    for sender in (0, 1):
+        got = torch.zeros(6)
+        if rank == sender:
+            C.send(torch.arange(6.0).view(2, 3) + 10 * rank, peer)
+        else:
+            C.recv(got, peer)
+            after.append(got.tolist())
+    out["after_p2p"] = after
+    # ... and so do the collectives (their numbers stayed in step)
+    t = torch.full((2,), float(rank + 1))
+    C.allreduce_inplace(t)
+    out["after_allreduce"] = t.tolist()
+    C.destroy_process_group()
+    return out
+
+
+def reduce_views(rank: int, ws: int, engine: str) -> Dict[str, Any]:
+    """reduce and reduce_inplace (SUM, to rank 1) on non-contiguous tensors: a transposed view and a
+    matrix column, as input and output, synchronous and asynchronous. Every rank returns the whole
+    matrices behind the views: the root's view holds the sum and its neighbours are untouched; on the
+    other ranks nothing is written."""
+    os.environ["TRAINLOOM_CPU_ENGINE"] = "auto" if engine == "shm" else engine
+    C.init_process_group(timeout=20)
+    out: Dict[str, Any] = {"engine": C.get_default_group().get_global_communicator().cpu_engine_kind()}
+    root = 1
+    base = reduce_views_input(rank)
+    # in place on a transposed view
+    m = base.clone()
+    C.reduce_inplace(m.t(), root)
+    out["inplace_t"] = m.tolist()
+    # in place on a column (asynchronous: the copy back is part of the operation)
+    m = base.clone()
+    C.reduce_inplace(m[:, 1], root, async_op=True).wait()
+    out["inplace_col"] = m.tolist()
+    # out of place: a transposed view into a transposed view, a column into a column
+    m = base.clone()
+    dst = torch.full((4, 3), -1.0)
+    C.reduce(m.t(), dst.t(), root)
+    out["t_to_t"] = (m.tolist(), dst.tolist())
+    dst = torch.full((4, 3), -1.0)
+    C.reduce(m[:, 0], dst[:, 2], root)
+    out["col_to_col"] = (m.tolist(), dst.tolist())
+    C.destroy_process_group()
+    return out
+
+
+def reduce_views_input(rank: int) -> torch.Tensor:
+    """A 4 x 3 matrix with different values on every rank and in every element."""
+    return torch.arange(12.0).view(4, 3) * (rank + 1) + 100 * rank

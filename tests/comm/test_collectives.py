@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 from commutil import (
     EVERY_COLLECTIVE,
     absent_at_init,
@@ -14,12 +15,15 @@ from commutil import (
     dying_peer,
     engines,
     features,
+    gloo_p2p_mismatch,
     late_p2p_peer,
     late_rank,
     mismatches,
     nccl_cross_checks,
     non_members,
     op_numbering,
+    reduce_views,
+    reduce_views_input,
     shm_segments,
     special_views,
     staged_send_behind_a_pending_send,
@@ -485,3 +489,64 @@ def test_two_threads_issuing_collectives_at_once_abort_instead_of_mispairing(eng
     # that see the abort; before, it completed there, correctly paired: the second call sent nothing).
     assert r0["first"] == r1["first"] == "CommError"
     assert r0["after"] == r1["after"] == "CommError"  # no rank goes on
+
+
+def test_gloo_send_recv_that_disagree_raise_on_both_ranks_and_the_pair_goes_on():
+    """GlooEngine._compare_p2p: a send and a receive that disagree on the number of elements or the
+    dtype raise CommError on both ranks (from Work.wait() when asynchronous), naming both sides,
+    before any data moves: the receive buffer is left as it was, and since both headers were taken
+    the pair (and the collectives) still work afterwards."""
+    res = run_ranks(gloo_p2p_mismatch, 2, timeout=60)
+    tail = "dtype and number of elements must be equal"
+    for rank, r in enumerate(res):
+        assert r["engine"] == "gloo"
+        mine = "send" if rank == 0 else "recv"
+        assert r["size"] == (
+            f"CommError: {mine}: send on rank 0 (send #0 dtype=float32 numel=3 shape=(3,)) does not match "
+            f"recv on rank 1 (recv #0 dtype=float32 numel=5 shape=(5,)): {tail}"
+        ), r["size"]
+        assert r["dtype"] == (
+            f"CommError: {mine}: send on rank 0 (send #0 dtype=float32 numel=4 shape=(4,)) does not match "
+            f"recv on rank 1 (recv #0 dtype=float64 numel=4 shape=(4,)): {tail}"
+        ), r["dtype"]
+        mine = "recv" if rank == 0 else "send"
+        assert r["async"] == (
+            f"CommError: {mine}: send on rank 1 (send #0 dtype=int64 numel=2 shape=(2,)) does not match "
+            f"recv on rank 0 (recv #0 dtype=int64 numel=6 shape=(6,)): {tail}"
+        ), r["async"]
+        assert r["after_allreduce"] == [3.0, 3.0]
+    assert res[1]["size_recv_untouched"] == [-1.0] * 5
+    assert res[1]["dtype_recv_untouched"] == [-1.0] * 4
+    assert res[0]["after_p2p"] == [[10.0, 11.0, 12.0, 13.0, 14.0, 15.0]]  # from rank 1
+    assert res[1]["after_p2p"] == [[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]]  # from rank 0
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_reduce_and_reduce_inplace_on_non_contiguous_views(engine):
+    """reduce/reduce_inplace to rank 1 of 3 on transposed views and columns: the root's view gets
+    the sum and the memory around it is untouched; the other ranks' tensors (input and output) are
+    left exactly as they were ("not written on other ranks", "left unchanged")."""
+    res = run_ranks(reduce_views, 3, engine, timeout=60)
+    inputs = [reduce_views_input(r) for r in range(3)]
+    total = sum(inputs)
+    blank = torch.full((4, 3), -1.0)
+    for rank, r in enumerate(res):
+        assert r["engine"] == engine
+        mine = inputs[rank]
+        if rank == 1:
+            col = mine.clone()
+            col[:, 1] = total[:, 1]
+            into_col = blank.clone()
+            into_col[:, 2] = total[:, 0]
+            want = {
+                "inplace_t": total,
+                "inplace_col": col,
+                "t_to_t": (mine, total),
+                "col_to_col": (mine, into_col),
+            }
+        else:
+            untouched = (mine, blank)
+            want = {"inplace_t": mine, "inplace_col": mine, "t_to_t": untouched, "col_to_col": untouched}
+        for name, w in want.items():
+            w = tuple(x.tolist() for x in w) if isinstance(w, tuple) else w.tolist()
+            assert r[name] == w, (rank, name, r[name])

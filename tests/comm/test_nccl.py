@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import types
+
 import pytest
 import torch
 from commutil import (
@@ -17,6 +20,7 @@ from commutil import (
 from multiproc import run_ranks
 
 from trainloom.comm import ReduceOp
+from trainloom.errors import CommError
 
 
 @pytest.fixture(scope="module")
@@ -147,3 +151,98 @@ def test_conjugate_and_negative_views_are_refused_before_nccl_sees_them():
         NcclEngine._dtype(z.conj().imag, "broadcast")  # the imaginary part of a conj view has the neg bit
     t, _ = NcclEngine._dtype(z.conj().resolve_conj(), "allreduce")
     assert t.shape == (2, 2)
+
+
+# ------------------------------------------------------------------------------------------------
+# device checks before an NCCL engine is made (group.Communicator._cuda_engine): no GPU here, so
+# torch.cuda's answers and NcclEngine are replaced; the communicators, their store and the checks
+# are real. Each rank is a Communicator in its own thread, over one HashStore.
+# ------------------------------------------------------------------------------------------------
+class _StubNcclEngine:
+    def __init__(self, store, rank, world_size, *, prefix, device, stream=None, timeout=300.0):
+        self.rank, self.device = rank, device
+
+
+def _gpu_comms(monkeypatch, n, uuids):
+    """``n`` ranks of communicator "g"; ``uuids``: device index -> the uuid torch reports for it."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from trainloom.comm import group, nccl
+
+    monkeypatch.setattr(nccl, "NcclEngine", _StubNcclEngine)
+    monkeypatch.setattr(group, "node_identity", lambda: "node-a")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(uuid=uuids[i]))
+    store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=5))  # a rank that never writes its GPU: no hang
+    return [group.Communicator("g", list(range(n)), r, store, timeout=5, same_node=True) for r in range(n)]
+
+
+def _on_threads(fns):
+    """Run each rank's function in its own thread; each rank's result or exception, by rank."""
+    out = [None] * len(fns)
+
+    def run(i):
+        try:
+            out[i] = fns[i]()
+        except Exception as exc:  # noqa: BLE001 -- reported to the test
+            out[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def test_a_tensor_on_another_gpu_than_the_communicators_is_refused(monkeypatch):
+    comms = _gpu_comms(monkeypatch, 2, {0: "GPU-aaaa", 1: "GPU-bbbb", 2: "GPU-cccc"})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    # rank 0 takes cuda:0 through the current device (a device without an index), rank 1 cuda:1
+    engines = _on_threads([lambda: comms[0].engine(torch.device("cuda")), lambda: comms[1].engine("cuda:1")])
+    assert [(type(e), e.device) for e in engines] == [
+        (_StubNcclEngine, torch.device("cuda", 0)),
+        (_StubNcclEngine, torch.device("cuda", 1)),
+    ]
+    assert comms[1].engine(torch.device("cuda", 1)) is engines[1]  # made once
+    # rank 1 then gets a tensor on cuda:2: refused before the operation runs, through execute()
+    ran = []
+    with pytest.raises(ValueError) as info:
+        comms[1].execute("allreduce", torch.device("cuda", 2), ran.append, False, None)
+    assert str(info.value) == (
+        "tensor is on cuda:2 but communicator g uses cuda:1 on rank 1; call "
+        "torch.cuda.set_device(local_rank) before the first collective and keep each rank's tensors on "
+        "its own device"
+    )
+    assert ran == []
+    # a set_device() after the first operation: "cuda" now means cuda:2 on rank 0
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    with pytest.raises(ValueError) as info:
+        comms[0].engine(torch.device("cuda"))
+    assert str(info.value).startswith("tensor is on cuda:2 but communicator g uses cuda:0 on rank 0; ")
+    assert comms[0]._cuda == {0: engines[0]} and comms[1]._cuda == {1: engines[1]}
+
+
+def test_two_ranks_on_one_gpu_are_refused_on_every_rank(monkeypatch):
+    # ranks 1 and 2 both on cuda:1: every rank raises, rank 0 (on its own GPU) too, and no NCCL
+    # engine is made
+    comms = _gpu_comms(monkeypatch, 3, {0: "GPU-aaaa", 1: "GPU-bbbb"})
+    devices = [0, 1, 1]
+    out = _on_threads([lambda r=r: comms[r].engine(torch.device("cuda", devices[r])) for r in range(3)])
+    for rank, exc in enumerate(out):
+        assert isinstance(exc, CommError), (rank, exc)
+        assert str(exc) == (
+            "ranks 1 and 2 of g use the same GPU (node-a#GPU-bbbb); give each rank its own device with "
+            "torch.cuda.set_device(get_local_rank())"
+        ), (rank, str(exc))
+        assert comms[rank]._cuda == {}
+    # the same index on two ranks is fine when it is two GPUs (the uuid is what counts)
+    comms = _gpu_comms(monkeypatch, 2, {0: "GPU-aaaa", 1: "GPU-bbbb"})
+    uuids = iter(["GPU-aaaa", "GPU-cccc"])  # one per call: each rank's cuda:0 is another GPU
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(uuid=next(uuids))
+    )
+    out = _on_threads([lambda r=r: comms[r].engine(torch.device("cuda", 0)) for r in range(2)])
+    assert [type(e) for e in out] == [_StubNcclEngine, _StubNcclEngine], out
