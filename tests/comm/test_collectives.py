@@ -495,24 +495,25 @@ def test_gloo_send_recv_that_disagree_raise_on_both_ranks_and_the_pair_goes_on()
     """GlooEngine._compare_p2p: a send and a receive that disagree on the number of elements or the
     dtype raise CommError on both ranks (from Work.wait() when asynchronous), naming both sides,
     before any data moves: the receive buffer is left as it was, and since both headers were taken
-    the pair (and the collectives) still work afterwards."""
+    the pair (and the collectives) still work afterwards. "send #2" is the second message from that
+    rank to that peer (it said "#0" for every message)."""
     res = run_ranks(gloo_p2p_mismatch, 2, timeout=60)
     tail = "dtype and number of elements must be equal"
     for rank, r in enumerate(res):
         assert r["engine"] == "gloo"
         mine = "send" if rank == 0 else "recv"
         assert r["size"] == (
-            f"CommError: {mine}: send on rank 0 (send #0 dtype=float32 numel=3 shape=(3,)) does not match "
-            f"recv on rank 1 (recv #0 dtype=float32 numel=5 shape=(5,)): {tail}"
+            f"CommError: {mine}: send on rank 0 (send #1 dtype=float32 numel=3 shape=(3,)) does not match "
+            f"recv on rank 1 (recv #1 dtype=float32 numel=5 shape=(5,)): {tail}"
         ), r["size"]
         assert r["dtype"] == (
-            f"CommError: {mine}: send on rank 0 (send #0 dtype=float32 numel=4 shape=(4,)) does not match "
-            f"recv on rank 1 (recv #0 dtype=float64 numel=4 shape=(4,)): {tail}"
+            f"CommError: {mine}: send on rank 0 (send #2 dtype=float32 numel=4 shape=(4,)) does not match "
+            f"recv on rank 1 (recv #2 dtype=float64 numel=4 shape=(4,)): {tail}"
         ), r["dtype"]
         mine = "recv" if rank == 0 else "send"
         assert r["async"] == (
-            f"CommError: {mine}: send on rank 1 (send #0 dtype=int64 numel=2 shape=(2,)) does not match "
-            f"recv on rank 0 (recv #0 dtype=int64 numel=6 shape=(6,)): {tail}"
+            f"CommError: {mine}: send on rank 1 (send #1 dtype=int64 numel=2 shape=(2,)) does not match "
+            f"recv on rank 0 (recv #1 dtype=int64 numel=6 shape=(6,)): {tail}"
         ), r["async"]
         assert r["after_allreduce"] == [3.0, 3.0]
     assert res[1]["size_recv_untouched"] == [-1.0] * 5

@@ -21,7 +21,7 @@ import os
 import queue
 import threading
 import time
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -299,6 +299,9 @@ class GlooEngine:
         self._store = store
         self._seq = 0
         self._p2p_seq = 0
+        # Messages per direction and peer (("send", 1): sends to rank 1), numbered from 1 in the
+        # headers: a mismatch names the message of the pair's stream ("send #3"), the same on both sides
+        self._pair_seq: Dict[Tuple[str, int], int] = {}
         self._p2p_lock = threading.Lock()
         self._broken: Optional[str] = None
         self._aborted: Optional[str] = None  # why abort() was called; ends waits on other threads
@@ -726,7 +729,7 @@ class GlooEngine:
     def send(self, tensor: torch.Tensor, dst: int, timeout: Optional[float] = None) -> None:
         seq = self._begin("send", p2p=True)
         if self._check:
-            hdr = make_header("send", 0, tensor)
+            hdr = make_header("send", self._pair_message("send", dst), tensor)
             peer = torch.empty(_HDR, dtype=torch.int64)
             posts = [
                 lambda: self._pg.send([hdr], dst, _TAG_TO_RECV),
@@ -741,7 +744,7 @@ class GlooEngine:
     def recv(self, tensor: torch.Tensor, src: int, timeout: Optional[float] = None) -> None:
         seq = self._begin("recv", p2p=True)
         if self._check:
-            hdr = make_header("recv", 0, tensor)
+            hdr = make_header("recv", self._pair_message("recv", src), tensor)
             peer = torch.empty(_HDR, dtype=torch.int64)
             posts = [
                 lambda: self._pg.recv([peer], src, _TAG_TO_RECV),
@@ -752,6 +755,13 @@ class GlooEngine:
         if tensor.numel():
             b = _bytes(tensor)
             self._run_p2p("recv", seq, timeout, [lambda: self._pg.recv([b], src, 0)], src)
+
+    def _pair_message(self, direction: str, peer: int) -> int:
+        """The number of this message in its direction with ``peer`` (from 1)."""
+        with self._p2p_lock:
+            n = self._pair_seq.get((direction, peer), 0) + 1
+            self._pair_seq[(direction, peer)] = n
+            return n
 
     @staticmethod
     def _compare_p2p(opname: str, s: List[int], r: List[int], src: int, dst: int) -> None:
