@@ -89,6 +89,39 @@ def test_two_unnamed_datasets_of_different_lengths_raise_naming_both(tmp_path):
     assert [tr[3], va[3], tr[3], va[3]] == [("train", 3), ("val", 3)] * 2
 
 
+def test_two_unnamed_datasets_of_the_same_length_warn_that_they_share_samples(tmp_path):
+    # Nothing tells them apart (one namespace, one fingerprint): b is served a's samples. They cannot
+    # be refused (the same data may be wrapped twice), so the second one warns, once, on any store.
+    where = f"the LMDB cache at {str(tmp_path)!r}"
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        a = CachedDataset(Tagged("a", 6), path=tmp_path)
+        assert a[3] == ("a", 3)
+        a.cache_loader.flush()
+        b = CachedDataset(Tagged("b", 6), path=tmp_path)
+        assert b[3] == ("a", 3)  # what the warning is about
+        CachedDataset(Tagged("c", 6), path=tmp_path)  # warned once per process and store
+        CachedDataset(a.dataset, path=tmp_path)  # the same dataset object again: no warning
+        CachedDataset(Tagged("d", 6), path=tmp_path, dataset_name="d")  # named: no warning
+    shared = _messages(rec, "another unnamed CachedDataset")
+    assert shared == [
+        "CachedDataset(Tagged of length 6, dataset_name=''): another unnamed CachedDataset (Tagged of "
+        "length 6), created earlier in this process and still open, wraps another dataset object and uses "
+        f"the same namespace '' of {where}: they read and write the same keys, so if their samples differ "
+        "each is served the other's. Pass a distinct dataset_name= to each, or the same one if they hold "
+        "the same data."
+    ]
+
+
+def test_an_unnamed_dataset_after_the_other_was_closed_does_not_warn(tmp_path):
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        CachedDataset(Tagged("a", 6), path=tmp_path).cache_loader.close()
+        CachedDataset(Tagged("b", 6), path=tmp_path)
+        CachedDataset(Tagged("c", 6), path=tmp_path / "elsewhere")  # another store
+    assert _messages(rec, "another unnamed CachedDataset") == []
+
+
 def test_same_dataset_wrapped_twice_is_not_a_conflict(tmp_path):
     a = CachedDataset(Tagged("x", 6), path=tmp_path, dataset_name="x", fingerprint={"v": 1, "size": 224})
     b = CachedDataset(Tagged("x", 6), path=tmp_path, dataset_name="x", fingerprint={"size": 224, "v": 1})

@@ -361,6 +361,9 @@ _LIVE: Dict[Tuple[Any, ...], List[Tuple[Any, Optional[bytes], str, int]]] = {}
 _LIVE_LOCK = threading.Lock()
 #: Warnings given once per process ("unnamed", ("reuse", location)).
 _PROCESS_WARNED: set = set()
+#: Unnamed CachedDatasets of this process by store location: (weak reference, pid), for the warning
+#: about two different datasets sharing the namespace '' (see CachedDataset._note_unnamed).
+_UNNAMED: Dict[Tuple[Any, ...], List[Tuple[Any, int]]] = {}
 #: Store locations opened by a CacheLoader of this process (or of its parent, before a fork): entries
 #: found there later were not written by an earlier run.
 _OPENED: set = set()
@@ -1504,6 +1507,33 @@ class CachedDataset(Dataset):
             ),
             **kwargs,
         )
+        if dataset_name == "":
+            self._note_unnamed()
+
+    def _note_unnamed(self) -> None:
+        """Warn (once per process and store) when another unnamed CachedDataset of this process, still
+        open, wraps another dataset object of the same length on the same store. Both use the namespace
+        '' and one fingerprint, so nothing else tells them apart: if their samples differ, each is served
+        the other's. (Of different lengths they conflict, and the second one is refused.)"""
+        loader = self.cache_loader
+        location, pid = loader._location, os.getpid()
+        with _LIVE_LOCK:
+            entries = _UNNAMED.setdefault(location, [])
+            entries[:] = [
+                e for e in entries if e[1] == pid and e[0]() is not None and not e[0]().cache_loader._closed
+            ]
+            other = next((e[0]() for e in entries if e[0]().dataset is not self.dataset), None)
+            entries.append((weakref.ref(self), pid))
+        if other is not None:
+            _warn_process_once(
+                ("unnamed-shared", location),
+                f"CachedDataset({type(self.dataset).__name__} of length {self._len}, dataset_name=''): "
+                f"another unnamed CachedDataset ({type(other.dataset).__name__} of length {other._len}), "
+                f"created earlier in this process and still open, wraps another dataset object and uses "
+                f"the same namespace '' of {loader._where()}: they read and write the same keys, so if "
+                "their samples differ each is served the other's. Pass a distinct dataset_name= to each, or "
+                "the same one if they hold the same data.",
+            )
 
     def __len__(self) -> int:
         return self._len
