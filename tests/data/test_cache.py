@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import torch
 from redisutil import requires_redis
 from torch.utils.data import DataLoader, Dataset
 
+from trainloom.data import cache as cache_module
 from trainloom.data.cache import CacheClosedError, CachedDataset, CacheLoader
 from trainloom.data.codec import CodecError, encode
 from trainloom.data.stores import LmdbStore, StoreError
@@ -344,7 +346,11 @@ def test_redis_failure_bypass_mode(tmp_path, own_redis, failure):
                         os.kill(srv.proc.pid, signal.SIGSTOP)
         bypass_warnings = [x for x in w if "on_error='bypass'" in str(x.message)]
         assert len(bypass_warnings) == 1
+        asked = []
+        store = ds.cache_loader.store
+        store.evicted_keys = lambda: asked.append(1) or 0  # stats() reads it from the servers ...
         s = ds.stats()
+        assert asked == []  # ... but not from a store found down, before retry_interval (it stalled)
         assert s["errors"] == 1  # then the store is skipped until retry_interval, not retried per batch
         assert s["bypassed"] >= 40 and s["dropped"] > 0
         assert s["buffered_bytes"] <= 100_000
@@ -374,6 +380,37 @@ def test_redis_out_of_memory_stops_writes_with_one_warning(tmp_path, own_redis):
     for batch in DataLoader(ds, batch_size=4):  # reads keep working
         check_batch(batch)
     assert ds.stats()["hits"] > 0
+
+
+def test_redis_evicting_keys_is_counted_and_warned_once(tmp_path, own_redis, monkeypatch):
+    # allkeys-lru: a full server drops old keys instead of refusing writes. Nothing fails, but cached
+    # samples vanish and are computed again: counted from the server and warned about once. (The
+    # count is read after a write at most every 5 s per process: here after every write.)
+    monkeypatch.setattr(cache_module, "_EVICTION_CHECK_S", 0.0)
+    srv = own_redis(maxmemory=3 << 20, maxmemory_policy="allkeys-lru")
+    base = CountingDataset(80, tmp_path / "log", shape=(256, 256))  # 256 KiB per sample: 20 MiB
+    ds = CachedDataset(base, "redis", "lru", 4, hosts=[srv.address()])
+    assert ds.stats()["evicted"] == 0
+    with pytest.warns(RuntimeWarning, match="evicted") as rec:
+        for _ in range(2):
+            for batch in DataLoader(ds, batch_size=4):
+                check_batch(batch)
+    msgs = [str(r.message) for r in rec if "evicted" in str(r.message)]
+    assert len(msgs) == 1, msgs
+    assert re.fullmatch(
+        r"CacheLoader\('lru'\): RedisStore\(\[127\.0\.0\.1:\d+\], cluster_mode=True, namespace='lru'\) "
+        r"evicted \d+ keys since this cache was opened \(its maxmemory-policy drops old keys when it is "
+        r"full\): cached values are being dropped and computed again\. Raise the server's maxmemory or "
+        r"cache less \(stats\(\)\['evicted'\] counts them\)\.",
+        msgs[0],
+    ), msgs[0]
+    s = ds.stats()
+    assert s["evicted"] > 0 and s["oom"] == 0 and s["dropped"] == 0
+    assert s["misses"] > 80  # the second epoch computed evicted samples again
+    ds.cache_loader.close()
+    assert ds.stats()["evicted"] == s["evicted"]  # the last count, once closed
+    lmdb = CachedDataset(CountingDataset(2, tmp_path / "log2"), path=tmp_path / "l", dataset_name="l")
+    assert lmdb[0] is not None and lmdb.stats()["evicted"] == 0
 
 
 def test_unusual_indices_and_keys(tmp_path):

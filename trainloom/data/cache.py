@@ -361,6 +361,8 @@ _LIVE: Dict[Tuple[Any, ...], List[Tuple[Any, Optional[bytes], str, int]]] = {}
 _LIVE_LOCK = threading.Lock()
 #: Warnings given once per process ("unnamed", ("reuse", location)).
 _PROCESS_WARNED: set = set()
+#: Seconds between two looks (in one process, after a write) at how many keys the Redis servers evicted.
+_EVICTION_CHECK_S = 5.0
 #: Unnamed CachedDatasets of this process by store location: (weak reference, pid), for the warning
 #: about two different datasets sharing the namespace '' (see CachedDataset._note_unnamed).
 _UNNAMED: Dict[Tuple[Any, ...], List[Tuple[Any, int]]] = {}
@@ -625,6 +627,12 @@ class CacheLoader:
             if not isinstance(backend, Store):
                 self.store.close()
             raise
+        # An evicting Redis (maxmemory-policy allkeys-lru...) drops cached values instead of refusing
+        # writes: counted from the servers' own count, from here on (see _check_evictions).
+        # (Not while the store is known to be down, bypassed: the first later check takes the base.)
+        down = self._down_until > time.monotonic()
+        self._evicted_base: Optional[int] = None if down else self._server_evictions()
+        self._evicted = 0
 
     def _open_checks(self, digest: Optional[bytes], shown: Any, user_fp: Any, owner: str) -> None:
         """At construction: refuse a namespace another open loader of this process uses with another
@@ -747,6 +755,7 @@ class CacheLoader:
         # Every flush thread started here that may still run (close() joins them).
         self._timers: List[_FlushThread] = []
         self._timer_error: Optional[Exception] = None
+        self._evictions_checked = 0.0  # when this process last looked (time.monotonic())
         # Whether the next call must raise (closed, or a background flush failed): one test per call.
         self._blocked = self._closed
 
@@ -1261,6 +1270,49 @@ class CacheLoader:
             self._buffer = {}
             self._buffer_bytes = 0
             self._down_until = 0.0
+        self._check_evictions()
+
+    def _server_evictions(self) -> Optional[int]:
+        """How many keys the store's Redis servers evicted since they started; None for other stores,
+        or when they cannot tell now."""
+        count = getattr(self.store, "evicted_keys", None)
+        if count is None:
+            return None
+        try:
+            with self._store_lock():
+                return int(count())
+        except StoreError as exc:  # the next real use reports an unreachable server
+            log.debug("CacheLoader(%r): could not read the evicted-key count: %s", self.dataset_name, exc)
+            return None
+
+    def _check_evictions(self, now: bool = False) -> int:
+        """Update (at most every ``_EVICTION_CHECK_S`` per process unless ``now``) and return the keys
+        the Redis servers evicted since this loader was made; warn once per process when there are."""
+        if not hasattr(self.store, "evicted_keys"):
+            return 0
+        t = time.monotonic()
+        if (not now and t - self._evictions_checked < _EVICTION_CHECK_S) or self._down_until > t:
+            return self._evicted  # (a store found down in bypass mode is not asked before its retry)
+        self._evictions_checked = t
+        n = self._server_evictions()
+        if n is None:
+            return self._evicted
+        if self._evicted_base is None:  # the servers could not tell when the loader was made
+            self._evicted_base = n
+        self._evicted = max(self._evicted, n - self._evicted_base)
+        if self._evicted > 0:
+            self._warn_once(
+                "evicted",
+                f"CacheLoader({self.dataset_name!r}): {self.store!r} evicted {self._evicted} keys since this "
+                "cache was opened (its maxmemory-policy drops old keys when it is full): cached values are "
+                "being dropped and computed again. "
+                + (
+                    "Raise capacity_per_node= or cache less (stats()['evicted'] counts them)."
+                    if getattr(self.store, "managed", False)
+                    else "Raise the server's maxmemory or cache less (stats()['evicted'] counts them)."
+                ),
+            )
+        return self._evicted
 
     def _store_wide_failure(self, exc: Exception) -> bool:
         """Handle a write failure of the whole store (out of memory: this process stops writing;
@@ -1363,7 +1415,10 @@ class CacheLoader:
         """Counters of this loader in every process that used it: hits, misses, writes, bytes_read,
         bytes_written, errors, corrupt (damaged values recomputed), bypassed (reads skipped in bypass
         mode), dropped (values not written: buffer bound, OOM, refused by the store), oom, flushes;
-        buffered and buffered_bytes (values waiting to be written now); processes (how many counted).
+        buffered and buffered_bytes (values waiting to be written now); processes (how many counted);
+        evicted: keys the Redis servers evicted since the loader was made, read from the servers (their
+        own count, so every namespace's keys; 0 for LMDB). An evicting ``maxmemory-policy`` drops
+        cached values when a server is full; their samples are then computed again (misses).
 
         The processes are the one that made the loader and every process it reached by fork or
         while spawning: DataLoader workers, live or exited (with their final counts). Counts of a
@@ -1378,9 +1433,11 @@ class CacheLoader:
         if this_process:
             out = self._counters.local()
             out["processes"] = 1
-            return out
-        out, processes = self._counters.total()
-        out["processes"] = processes
+        else:
+            out, processes = self._counters.total()
+            out["processes"] = processes
+        # read from the servers now while open, else the last count seen (server-wide, see above)
+        out["evicted"] = self._evicted if self._closed else self._check_evictions(now=True)
         return out
 
     def clear(self) -> None:

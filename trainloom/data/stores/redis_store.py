@@ -407,6 +407,10 @@ class RedisNodeStore(Store):
 
         return self._run("info", run)
 
+    def evicted_keys(self) -> int:
+        """The server's ``evicted_keys`` (INFO stats): keys of any namespace it evicted since it started."""
+        return self._run("evicted_keys", lambda c: int(c.info("stats").get("evicted_keys", 0)))
+
     def close(self) -> None:
         client, self._client = self._client, None
         if client is not None and self._pid == os.getpid():
@@ -578,6 +582,11 @@ class RedisStore(ClusterStore):
     def info(self) -> List[Dict[str, Any]]:
         """``RedisNodeStore.info()`` of every server used."""
         return [s.info() for s in self.stores]  # type: ignore[attr-defined]
+
+    def evicted_keys(self) -> int:
+        """Keys (of any namespace) every server used evicted since it started (``maxmemory-policy``
+        ``allkeys-lru`` and the like: a full server drops old keys instead of refusing writes)."""
+        return sum(s.evicted_keys() for s in self.stores)  # type: ignore[attr-defined]
 
     def __repr__(self) -> str:
         where = ", ".join(f"{h['host']}:{h['port']}" for h in self.hosts)
