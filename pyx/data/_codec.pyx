@@ -1181,7 +1181,7 @@ cdef class _Decoder:
             nd = self._shape(c, dims, &numel)
             off = _gu64(c)
             if kind == K_RAW:
-                if off + numel > self.data_len:
+                if numel > self.data_len or off > self.data_len - numel:   # no uint64 wrap-around
                     raise CodecError("encoded value is malformed (a buffer runs past the data section)")
                 buffers.append(memoryview(self.arena)[self.arena_off + off:self.arena_off + off + numel])
             elif kind == K_TENSOR or kind == K_NDARRAY:

@@ -36,6 +36,7 @@ import hashlib
 import inspect
 import logging
 import multiprocessing.util
+import numbers
 import operator
 import os
 import shlex
@@ -246,7 +247,7 @@ def _dataset_fingerprint_digest(length: int, user: Any) -> bytes:
     h.update(b"(3:")
     _fp_feed(h, "len", "", 1)
     _fp_feed(h, length, "len(dataset)", 1)
-    _fp_feed(h, user, "fingerprint", 1)
+    _fp_feed(h, user, "fingerprint", 0)  # depth 0: the same nesting limit as CacheLoader(fingerprint=)
     return _FP_V3 + h.hexdigest().encode("ascii")
 
 
@@ -573,10 +574,14 @@ class CacheLoader:
         writer_buffer_size = max(1, writer_buffer_size)  # Bagua's BatchFetcher reads 0 as 1 too
         if on_error not in ("raise", "bypass"):
             raise ValueError(f"on_error must be 'raise' or 'bypass', got {on_error!r}")
-        if not isinstance(max_buffer_bytes, int) or max_buffer_bytes < 0:
+        if type(max_buffer_bytes) is bool or not isinstance(max_buffer_bytes, int) or max_buffer_bytes < 0:
             raise ValueError(f"max_buffer_bytes must be an int >= 0, got {max_buffer_bytes!r}")
-        if not retry_interval >= 0:
-            raise ValueError(f"retry_interval must be >= 0, got {retry_interval!r}")
+        if (
+            isinstance(retry_interval, bool)
+            or not isinstance(retry_interval, numbers.Real)
+            or not retry_interval >= 0
+        ):
+            raise ValueError(f"retry_interval must be a number of seconds >= 0, got {retry_interval!r}")
         if flush_interval is not None and (
             isinstance(flush_interval, bool)
             or not isinstance(flush_interval, (int, float))

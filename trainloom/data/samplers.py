@@ -1312,13 +1312,21 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
                     f"load_state_dict: the state was saved with {key}={state.get(key)!r}, this batch sampler "
                     f"has {value!r}; the resumed batches would differ"
                 )
-        s.seed = int(state["seed"])
-        s._cache = None
-        s.set_epoch(int(state["epoch"]))
-        self.epoch = s.epoch
-        total = self._plan().steps
+        seed, epoch = int(state["seed"]), int(state["epoch"])
+        # The saved epoch's step count, planned without changing the sampler: a state rejected here
+        # leaves its seed and epoch as they were (the plan stays cached for the accepted case).
+        kept = (s.seed, s.epoch, s._cache)
+        s.seed, s.epoch, s._cache = seed, epoch, None
+        try:
+            total = self._plan().steps
+        finally:
+            s.seed, s.epoch, s._cache = kept
         if not 0 <= int(state["consumed"]) <= total:
             raise ConfigError(f"load_state_dict: consumed={state['consumed']} is outside [0, {total}]")
+        s.seed = seed
+        s._cache = None
+        s.set_epoch(epoch)
+        self.epoch = s.epoch
         self._resume = (self.epoch, int(state["consumed"]))
         self._resume_changes = s._epoch_changes
         self._position = self._delivered = int(state["consumed"])

@@ -122,7 +122,7 @@ class RedisNodeStore(Store):
             raise ValueError(f"RedisStore: db must be an int >= 0, got {db!r}")
         if not timeout > 0:
             raise ValueError(f"RedisStore: timeout must be > 0 seconds, got {timeout!r}")
-        if not isinstance(retries, int) or retries < 0:
+        if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
             raise ValueError(f"RedisStore: retries must be an int >= 0, got {retries!r}")
         self.host = str(host)
         self.port = int(port)
