@@ -128,8 +128,8 @@ def init_process_group(
             raise ConfigError(f"init_process_group: init_method {init_method!r} must be tcp://host:port")
         if rank < 0 or world_size < 1:
             raise ConfigError("init_process_group: init_method tcp:// needs rank= and world_size=")
-        secs = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout or 300)
-        td = datetime.timedelta(seconds=secs)
+        # checked (and TRAINLOOM_COMM_TIMEOUT read) before the store starts, as init_process_group does
+        td = datetime.timedelta(seconds=_group._seconds(timeout))
         store = _tdist.TCPStore(host, int(port), world_size, rank == 0, timeout=td)
     elif init_method != "env://":
         raise ConfigError(f"init_process_group: init_method {init_method!r}: use env:// or tcp://host:port")

@@ -129,9 +129,10 @@ def cpu_engine_name(same_node: bool) -> str:
     Raises:
         ConfigError: TRAINLOOM_CPU_ENGINE is invalid, or asks for shm where it cannot run.
     """
-    choice = os.environ.get("TRAINLOOM_CPU_ENGINE", "auto").strip().lower() or "auto"
+    raw = os.environ.get("TRAINLOOM_CPU_ENGINE", "auto")
+    choice = raw.strip().lower() or "auto"
     if choice not in ("auto", "gloo", "shm"):
-        raise ConfigError(f"TRAINLOOM_CPU_ENGINE={choice!r}: use auto, gloo or shm")
+        raise ConfigError(f"TRAINLOOM_CPU_ENGINE={raw!r}: use auto, gloo or shm")
     if choice == "gloo":
         return "gloo"
     why = _shm_status()
@@ -824,7 +825,12 @@ def _connected(comm: Optional[Communicator]) -> Union[Communicator, NonCommMembe
     return comm
 
 
+#: The deadlines become datetime.timedelta objects (torch's stores and gloo take them so), which end here.
+_MAX_TIMEOUT = datetime.timedelta.max.total_seconds()
+
+
 def _seconds(timeout: Union[None, float, int, datetime.timedelta]) -> float:
+    source = ""  # where a bad value came from, when not from the argument
     if timeout is None:
         env = os.environ.get("TRAINLOOM_COMM_TIMEOUT")
         if env:
@@ -832,6 +838,7 @@ def _seconds(timeout: Union[None, float, int, datetime.timedelta]) -> float:
                 value = float(env)
             except ValueError:
                 raise ConfigError(f"TRAINLOOM_COMM_TIMEOUT={env!r} is not a number of seconds") from None
+            source = f"TRAINLOOM_COMM_TIMEOUT={env!r}: "
         else:
             value = DEFAULT_TIMEOUT
     elif isinstance(timeout, datetime.timedelta):
@@ -841,7 +848,12 @@ def _seconds(timeout: Union[None, float, int, datetime.timedelta]) -> float:
     else:
         raise ConfigError(f"timeout must be seconds or a datetime.timedelta, got {timeout!r}")
     if not value > 0:
-        raise ConfigError(f"timeout must be > 0 seconds, got {value}")
+        raise ConfigError(f"{source}timeout must be > 0 seconds, got {value}")
+    if not value < _MAX_TIMEOUT:  # inf: datetime.timedelta would raise OverflowError
+        raise ConfigError(
+            f"{source}timeout must be below {_MAX_TIMEOUT:g} seconds (datetime.timedelta's limit), "
+            f"got {value}"
+        )
     return value
 
 
@@ -1177,6 +1189,7 @@ def new_group(ranks: Optional[Sequence[int]] = None, stream: Optional[Any] = Non
 
     Raises:
         CommError: not initialized.
+        TypeError: a rank is not an int.
         ValueError: a rank is outside the world or repeated, or the list is empty.
 
     Example::
@@ -1197,7 +1210,7 @@ def new_group(ranks: Optional[Sequence[int]] = None, stream: Optional[Any] = Non
         for r in ranks:
             ri = as_int(r)
             if ri is None:
-                raise ValueError(f"new_group: ranks must be ints, got {r!r}")
+                raise TypeError(f"new_group: ranks must be ints, got {r!r}")
             r = ri
             if not 0 <= r < w:
                 raise ValueError(f"new_group: rank {r} is outside the world 0..{w - 1}")

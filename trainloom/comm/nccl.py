@@ -61,6 +61,7 @@ _OPS = {0: _NCCL_SUM, 1: _NCCL_PROD, 2: _NCCL_MIN, 3: _NCCL_MAX, 10: _NCCL_AVG}
 # For bool (0/1 bytes): SUM/MAX/BOR = any, PRODUCT/MIN/BAND = all (torch's own NCCL mapping).
 _BOOL_OPS = {0: _NCCL_MAX, 3: _NCCL_MAX, 7: _NCCL_MAX, 1: _NCCL_MIN, 2: _NCCL_MIN, 8: _NCCL_MIN}
 _BITWISE = {7: torch.bitwise_or, 8: torch.bitwise_and, 9: torch.bitwise_xor}
+_BITWISE_NAMES = {7: "BOR", 8: "BAND", 9: "BXOR"}
 
 
 def is_available() -> bool:
@@ -110,6 +111,11 @@ def _version_tuple() -> Tuple[int, int, int]:
     if v >= 10000:
         return v // 10000, (v % 10000) // 100, v % 100
     return v // 1000, (v % 1000) // 100, v % 100
+
+
+def _version_str() -> str:
+    """The loaded NCCL's version as the messages compare it, e.g. ``2.9.9``."""
+    return ".".join(map(str, _version_tuple()))
 
 
 class NcclEngine:
@@ -267,14 +273,14 @@ class NcclEngine:
                 f"{sorted(str(d).replace('torch.', '') for d in NCCL_DTYPES)} and complex64/128"
             )
         if t.dtype == torch.bfloat16 and _version_tuple() < (2, 10, 0):
-            raise NotImplementedError(f"{opname}: bfloat16 needs NCCL >= 2.10 (loaded {get_version()})")
+            raise NotImplementedError(f"{opname}: bfloat16 needs NCCL >= 2.10 (loaded {_version_str()})")
         return t, code
 
     def _op(self, t: torch.Tensor, op: int, opname: str) -> int:
         if t.dtype == torch.bool:
             return _BOOL_OPS[op]
         if op == 10 and _version_tuple() < (2, 10, 0):
-            raise NotImplementedError(f"{opname}: ReduceOp.AVG needs NCCL >= 2.10 (loaded {get_version()})")
+            raise NotImplementedError(f"{opname}: ReduceOp.AVG needs NCCL >= 2.10 (loaded {_version_str()})")
         return _OPS[op]
 
     # ------------------------------------------------------------ operations
@@ -386,7 +392,11 @@ class NcclEngine:
         self, send: torch.Tensor, recv: torch.Tensor, op: int, timeout: Optional[float] = None
     ) -> Any:
         if op in _BITWISE and not (send.dtype == torch.bool and op != 9):
-            raise TypeError(f"reduce_scatter: NCCL has no bitwise {op}; use allreduce for bitwise ops")
+            raise TypeError(
+                f"reduce_scatter: NCCL has no bitwise reductions, so op={_BITWISE_NAMES[op]} is not "
+                "supported for CUDA tensors; allreduce the tensor instead (it emulates them) and take this "
+                "rank's chunk"
+            )
         s, code = self._dtype(send, "reduce_scatter")
         r, _ = self._dtype(recv, "reduce_scatter")
         nop = self._op(send, op, "reduce_scatter")
