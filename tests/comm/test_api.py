@@ -139,6 +139,25 @@ def test_not_initialized_repeated_and_after_destroy(clean_env):
         C.allreduce_inplace(torch.ones(2), comm=comm)
 
 
+def test_torch_distributed_gets_nccl_for_cuda_tensors_where_there_is_a_gpu(world1, monkeypatch):
+    # Bagua initialised torch.distributed with NCCL; DDP and the user's own torch.distributed calls on
+    # CUDA tensors would crawl through gloo. Here (no GPU) the group init_process_group made is gloo.
+    assert dist.get_backend() == "gloo"
+    from trainloom.comm import group
+
+    cases = [(True, True, "cpu:gloo,cuda:nccl"), (True, False, "gloo"), (False, True, "gloo")]
+    for cuda, nccl, want in cases:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        monkeypatch.setattr(dist, "is_nccl_available", lambda nccl=nccl: nccl)
+        assert group.torch_backend() == want
+
+
+def test_classic_has_early_torch_distributeds_availability_guard():
+    from trainloom.comm import classic
+
+    assert classic.is_available() is True and "is_available" in classic.__all__
+
+
 def test_world_size_one_every_collective(world1):
     x = torch.arange(6, dtype=torch.float32)
     out = torch.zeros(6)
@@ -336,6 +355,7 @@ def test_validation_that_needs_two_ranks():
         e = r["early"]
         assert e["allreduce(t)"] == [3.0, 3.0]
         assert e["allreduce(t, MAX, comm)"] == [2.0, 2.0]
+        assert e["allreduce(t, ReduceOp(MAX))"] == [2.0, 2.0]
         assert e["allreduce(t, op=PRODUCT)"] == [2.0, 2.0]
         assert e["reduce(t, 1, MAX, comm)"] == ([2.0, 2.0] if rank == 1 else [1.0, 1.0])
         assert e["reduce(t, dst=0)"] == ([3.0, 3.0] if rank == 0 else [2.0, 2.0])

@@ -56,6 +56,7 @@ from trainloom.errors import CommTimeoutError, ConfigError
 __all__ = [
     "init_process_group",
     "destroy_process_group",
+    "is_available",
     "is_initialized",
     "get_rank",
     "get_world_size",
@@ -145,6 +146,12 @@ def destroy_process_group() -> None:
     """Destroy the default group and every group created from it."""
     _ANY.clear()
     _group.destroy_process_group()
+
+
+def is_available() -> bool:
+    """Always True: this API runs wherever trainloom imports (early torch.distributed's guard,
+    ``if dist.is_available():``)."""
+    return True
 
 
 def is_initialized() -> bool:

@@ -255,7 +255,7 @@ def _check_op(op: Any, dtype: torch.dtype, opname: str) -> ReduceOp:
 
 def _op_like(x: Any) -> bool:
     """Whether ``x`` can only be a reduce op (Bagua's early positional ``op``), not a tensor."""
-    return isinstance(x, (ReduceOp, _TORCH_OP_TYPE)) or as_int(x) is not None
+    return isinstance(x, (ReduceOp, _TORCH_OP_TYPE, dist.ReduceOp)) or as_int(x) is not None
 
 
 def _counts(v: Any, arg: str, n: int, opname: str) -> List[int]:

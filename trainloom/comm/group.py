@@ -942,6 +942,19 @@ def _connect_store(launch: LaunchEnv, host: bool, timeout: float) -> Any:
         time.sleep(0.05)
 
 
+def torch_backend() -> str:
+    """The backend :func:`init_process_group` gives torch.distributed's default group when it creates
+    it: ``"cpu:gloo,cuda:nccl"`` where a GPU is visible and this torch has NCCL, else ``"gloo"``.
+
+    trainloom's own collectives do not use that group (they have their engines); the user's
+    torch.distributed calls and DDP do, and on CUDA tensors they would crawl through gloo. Bagua
+    initialised torch.distributed with NCCL.
+    """
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        return "cpu:gloo,cuda:nccl"
+    return "gloo"
+
+
 def init_process_group(
     store: Optional[Any] = None,
     timeout: Union[None, float, datetime.timedelta] = None,
@@ -950,7 +963,8 @@ def init_process_group(
     world_size: Optional[int] = None,
     local_world_size: Optional[int] = None,
 ) -> ProcessGroup:
-    """Initialize the default process group (and torch.distributed's, with gloo, if not yet done).
+    """Initialize the default process group (and torch.distributed's, if not yet done: gloo, and
+    NCCL for CUDA tensors where there is a GPU, see :func:`torch_backend`).
 
     Reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT (set by
     torchrun); with none of them set the process is rank 0 of 1.
@@ -1046,7 +1060,7 @@ def init_process_group(
         poll_keys(tl_store, [f"node/{r}" for r in range(launch.world_size)], t)
         if not dist.is_initialized():
             dist.init_process_group(
-                "gloo",
+                torch_backend(),
                 # Per generation, like tl_store: torchrun's agent store outlives destroy_process_group,
                 # and a second init must not read the first one's gloo rendezvous keys.
                 store=dist.PrefixStore(f"{_STATE.namespace}/torch", base),
