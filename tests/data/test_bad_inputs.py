@@ -259,6 +259,29 @@ def test_redis_store_retries_must_be_an_int(retries):
     assert str(info.value) == f"RedisStore: retries must be an int >= 0, got {retries!r}"
 
 
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        ({"retries": -1}, ValueError("RedisStore: retries must be an int >= 0, got -1")),
+        ({"timeout": 0}, ValueError("RedisStore: timeout must be > 0 seconds, got 0")),
+        ({"timeout": "1"}, ValueError("RedisStore: timeout must be > 0 seconds, got '1'")),
+        ({"namespace": 3}, TypeError("namespace must be a str, got int")),
+    ],
+    ids=["retries", "timeout", "timeout-str", "namespace"],
+)
+def test_redis_store_checks_its_arguments_before_starting_a_server(kwargs, error, monkeypatch):
+    # hosts=None starts a redis-server for the node: a bad client argument used to be found only
+    # after it had started (and then left it running for nothing).
+    pytest.importorskip("redis")
+    from trainloom.data.stores import redis_store
+
+    started = []
+    monkeypatch.setattr(redis_store, "_spawn_hosts", lambda *a: started.append(a) or [])
+    with pytest.raises(type(error)) as info:
+        redis_store.RedisStore(**kwargs)
+    assert str(info.value) == str(error) and started == []
+
+
 @pytest.mark.skipif(find_redis_server() is None, reason="needs a redis-server binary")
 def test_redis_server_handle_cannot_be_pickled():
     from trainloom.data.stores.redis_server import RedisServer

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import numbers
 import os
 import threading
 import time
@@ -93,6 +94,14 @@ def _glob_escape(b: bytes) -> bytes:
     return bytes(out)
 
 
+def _check_client_args(timeout: Any, retries: Any) -> None:
+    """The client settings every server's store takes (checked before a server is started for them)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0:
+        raise ValueError(f"RedisStore: timeout must be > 0 seconds, got {timeout!r}")
+    if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
+        raise ValueError(f"RedisStore: retries must be an int >= 0, got {retries!r}")
+
+
 class RedisNodeStore(Store):
     """One Redis server, one namespace.
 
@@ -120,10 +129,7 @@ class RedisNodeStore(Store):
         _import_redis()
         if not isinstance(db, int) or isinstance(db, bool) or db < 0:
             raise ValueError(f"RedisStore: db must be an int >= 0, got {db!r}")
-        if not timeout > 0:
-            raise ValueError(f"RedisStore: timeout must be > 0 seconds, got {timeout!r}")
-        if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
-            raise ValueError(f"RedisStore: retries must be an int >= 0, got {retries!r}")
+        _check_client_args(timeout, retries)
         self.host = str(host)
         self.port = int(port)
         self.password = password
@@ -518,6 +524,8 @@ class RedisStore(ClusterStore):
             raise ValueError(
                 f"RedisStore: capacity_per_node must be a positive int, got {capacity_per_node!r}"
             )
+        _check_client_args(timeout, retries)
+        check_namespace(namespace)
         self.managed = hosts is None
         if hosts is None:
             hosts = _spawn_hosts(bind, capacity_per_node, maxmemory_policy, startup_timeout)
