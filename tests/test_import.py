@@ -41,7 +41,10 @@ def _run(env_extra: dict) -> dict:
     env.update(env_extra)
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    # Importing prints nothing and warns about nothing: the script's one line is all there is.
+    assert out.stderr == "", out.stderr
+    (line,) = out.stdout.strip().splitlines()
+    return json.loads(line)
 
 
 def test_every_module_imports_without_gpu_or_nccl(tmp_path):
