@@ -508,9 +508,13 @@ def composites_behind_a_pending_collective(rank: int, ws: int, engine: str, tmp:
     works = [C.allreduce_inplace(big, async_op=True), C.allreduce_inplace(small, async_op=True)]
     nag = neighbor.neighbor_allgather_async(big[4].t())
     nar = neighbor.neighbor_allreduce_async(big[5].t())
-    works.append(C.allgather_inplace(big[0].t(), async_op=True))
-    works.append(C.reduce_scatter_inplace(big[1].t(), async_op=True))
-    works.append(C.gather_inplace(big[2].t() if rank == 0 else small, count=4, dst=0, async_op=True))
+    inplace = [big[0].t(), big[1].t(), big[2].t() if rank == 0 else small]
+    inplace_works = [
+        C.allgather_inplace(inplace[0], async_op=True),
+        C.reduce_scatter_inplace(inplace[1], async_op=True),
+        C.gather_inplace(inplace[2], count=4, dst=0, async_op=True),
+    ]
+    works += inplace_works
     crs, w = colossal.reduce_scatter(big[3], dim=1, async_op=True)
     works.append(w)
     scattered_in = torch.zeros(4)
@@ -523,6 +527,9 @@ def composites_behind_a_pending_collective(rank: int, ws: int, engine: str, tmp:
     for w in works:
         w.wait()
     got_nag, got_nar = neighbor.synchronize(nag), neighbor.synchronize(nar)
+    # an in-place form's Work gives the tensor it was given (reduce_scatter_inplace gave this rank's
+    # chunk of a contiguous tensor)
+    out["inplace_results"] = [w.result() is t for w, t in zip(inplace_works, inplace)]
     n_in = got_nag.shape[0] // (2 * ws)
     k = 4
     scattered = ref[1].t().reshape(-1).clone()

@@ -187,6 +187,9 @@ def test_world_size_one_every_collective(world1):
     assert out.tolist() == [0, 0, 1, 2, 3, 0]
     w = C.allreduce_inplace(torch.ones(0), async_op=True)
     assert w.is_completed() and w.wait() and w.result().numel() == 0
+    for fn in (C.reduce_scatter_inplace, C.allgather_inplace):  # an in-place form's result: its tensor
+        t = x.clone().view(2, 3)
+        assert fn(t, async_op=True).result() is t, fn.__name__
     C.barrier()
     col = torch.zeros(3, 2)
     C.allgather(torch.ones(3), col[:, 1])

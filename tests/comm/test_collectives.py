@@ -238,6 +238,7 @@ def test_composites_on_views_read_after_a_pending_collective_without_blocking_th
     then never got to tell rank 1 to join the allreduce)."""
     res = run_ranks(composites_behind_a_pending_collective, 2, engine, str(tmp_path), timeout=90)
     assert [r["blocked"] for r in res] == [False, False], res
+    assert [r["inplace_results"] for r in res] == [[True, True, True]] * 2
     for rank, r in enumerate(res):
         for name in (
             "neighbor_allgather",
