@@ -1175,7 +1175,10 @@ cdef class Engine:
             pair_bytes = h.pair_bytes
             heap_bytes = h.heap_bytes
             offs = layout(world, slot_bytes, pair_bytes, heap_bytes)
-            if offs[5] != total:
+            # layout() sums in size_t: sizes so large that the sum wraps would match total too, so
+            # the parts are also checked in Python ints (they cannot exceed the mapping)
+            if offs[5] != total or world * (NSLOTS * <object>slot_bytes + world * 2 * <object>pair_bytes
+                                            + <object>heap_bytes) > total:
                 munmap(p, total)
                 raise ValueError(f"shared-memory segment {name.decode()} rejected: layout size mismatch")
         self.st.base = <char*>p
@@ -1322,8 +1325,9 @@ cdef class Engine:
         gone, so tensors made from it (torch.frombuffer) never point into unmapped memory, even
         after close()."""
         self._check_open()
-        if offset + nbytes > self.st.H:
-            raise ValueError(f"heap range [{offset}, {offset + nbytes}) exceeds heap_bytes={self.st.H}")
+        # two comparisons, not offset + nbytes > H: that sum wraps for an offset near 2**64
+        if offset > self.st.H or nbytes > self.st.H - offset:
+            raise ValueError(f"heap range [{offset}, {offset + <object>nbytes}) exceeds heap_bytes={self.st.H}")
         cdef HeapBuffer b = HeapBuffer.__new__(HeapBuffer)
         b.eng = self
         b.ptr = self.st.heap + <size_t>self.st.rank * self.st.H + offset
@@ -1333,9 +1337,12 @@ cdef class Engine:
 
     def peer_pid(self, int r):
         self._check_open()
+        self._check_peer(r, "peer_pid")
         return self.st.ranks[r].pid
 
     def set_check_pid(self, int r, bint on):
+        self._check_open()
+        self._check_peer(r, "set_check_pid")
         self.st.check_pid[r] = 1 if on else 0
 
     def peer_gone(self, int r):
@@ -1381,16 +1388,20 @@ cdef class Engine:
     def desc(self, int r, int parity):
         """Rank r's descriptor in parity slot `parity`, as a dict."""
         self._check_open()
+        self._check_peer(r, "desc")
         return _desc_dict(&self.st.ranks[r].desc[parity & 1])
 
     def last_desc(self, int r):
         """Rank r's descriptor of the op whose first step was this rank's last step."""
         self._check_open()
+        self._check_peer(r, "last_desc")
         return _desc_dict(&self.st.ranks[r].desc[self.st.err_parity & 1])
 
     def p2p_info(self, int src, int dst):
         """(sender's header of the pending chunk, receiver's poison descriptor) of a channel."""
         self._check_open()
+        self._check_peer(src, "p2p_info")
+        self._check_peer(dst, "p2p_info")
         cdef tl_pair_t* pr = _pair(&self.st, src, dst)
         # the refused chunk is the first one the receiver did not acknowledge
         cdef uint32_t cid = tl_load(&pr.ack.v)
@@ -1399,6 +1410,11 @@ cdef class Engine:
     cdef int _check_open(self) except -1:
         if self.st.base == NULL or self.closed:
             raise CommError("shared-memory engine used after close()")
+        return 0
+
+    cdef int _check_peer(self, int r, str what) except -1:
+        if r < 0 or r >= self.st.world:
+            raise ValueError(f"{what}: rank {r} is outside 0..{self.st.world - 1}")
         return 0
 
     cdef int _check_zc(self, uintptr_t ptr, size_t nbytes, int64_t zc_off) except -1:

@@ -813,11 +813,15 @@ def rank_stream(const int64_t[::1] items, const int64_t[::1] chunk_order, const 
     cdef int64_t i, c
     if world <= 0 or rank < 0 or rank >= world:
         raise ValueError(f"rank_stream: rank {rank} outside [0, {world})")
-    if items.shape[0] != nc * world or rot.shape[0] != nc:
+    # items.shape[0] // world, not nc * world: that product wraps for a huge world
+    if items.shape[0] % world != 0 or items.shape[0] // world != nc or rot.shape[0] != nc:
         raise ValueError(f"rank_stream: {items.shape[0]} items, {rot.shape[0]} rotations for {nc} chunks")
     for i in range(nc):
         if chunk_order[i] < 0 or chunk_order[i] >= nc:
             raise ValueError(f"rank_stream: chunk_order[{i}] = {chunk_order[i]} outside [0, {nc})")
+        # a negative rotation would index before the chunk (C's % keeps the sign under cdivision)
+        if rot[i] < 0 or rot[i] >= world:
+            raise ValueError(f"rank_stream: rot[{i}] = {rot[i]} outside [0, {world})")
     out = np.empty(nc, dtype=np.int64)
     cdef int64_t[::1] o = out
     with nogil:  # gathers from validated positions

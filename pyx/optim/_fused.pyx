@@ -514,6 +514,8 @@ def vml_sqrt(int dtype, intptr_t src, intptr_t dst, int n) -> None:
         raise ValueError("vml_sqrt: no square root installed; call set_vml_sqrt first")
     if src == 0 or dst == 0 or n < 0:
         raise ValueError("vml_sqrt: null pointer or negative count")
+    if dtype not in (DEF_F32, DEF_F64):  # any other code ran the float64 root over a float32 buffer
+        raise ValueError(f"vml_sqrt: unsupported dtype code {dtype}")
     with nogil:
         if dtype == DEF_F32:
             _vml_s(n, <const float*>src, <float*>dst, _vml_mode)
