@@ -153,14 +153,24 @@ def test_not_initialized(clean_env):
     )
 
 
-def test_torch_distributed_initialized_as_another_rank(clean_env):
+def test_torch_distributed_initialized_as_another_rank(clean_env, monkeypatch):
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         with _exact(
             ConfigError,
-            "torch.distributed is already initialized as rank 0 of 1, but the environment says rank 1 of 2",
+            "torch.distributed is already initialized as rank 0 of 1, but rank=/world_size= says rank 1 of 2",
         ):
             C.init_process_group(store=dist.HashStore(), rank=1, world_size=2, timeout=5)
+        assert C.is_initialized() is False
+        monkeypatch.setenv("RANK", "1")
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("LOCAL_RANK", "1")
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        with _exact(
+            ConfigError,
+            "torch.distributed is already initialized as rank 0 of 1, but the environment says rank 1 of 2",
+        ):
+            C.init_process_group(store=dist.HashStore(), timeout=5)
         assert C.is_initialized() is False
     finally:
         dist.destroy_process_group()

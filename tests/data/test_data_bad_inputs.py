@@ -110,7 +110,10 @@ def test_load_state_dict_rejects_another_state_version(batch, version):
     state["version"] = version
     with pytest.raises(ConfigError) as info:
         obj.load_state_dict(state)
-    assert str(info.value) == f"load_state_dict: state version {version} is not supported (1)"
+    assert str(info.value) == (
+        f"load_state_dict: the state has version {version}; this trainloom reads version 1 only (save it "
+        "again with this version's state_dict())"
+    )
 
 
 @pytest.mark.parametrize(

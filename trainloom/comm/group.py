@@ -1006,9 +1006,10 @@ def init_process_group(
     owns_store = False
     if dist.is_initialized():
         if dist.get_rank() != launch.rank or dist.get_world_size() != launch.world_size:
+            said = "rank=/world_size=" if rank is not None or world_size is not None else "the environment"
             raise ConfigError(
                 f"torch.distributed is already initialized as rank {dist.get_rank()} of "
-                f"{dist.get_world_size()}, but the environment says rank {launch.rank} of {launch.world_size}"
+                f"{dist.get_world_size()}, but {said} says rank {launch.rank} of {launch.world_size}"
             )
         base = store if store is not None else dist.distributed_c10d._get_default_store()
     else:

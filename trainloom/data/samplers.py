@@ -725,7 +725,8 @@ def _check_state(
         raise ConfigError(f"load_state_dict: the state lacks {missing}; pass what state_dict() returned")
     if state["version"] != _STATE_VERSION:
         raise ConfigError(
-            f"load_state_dict: state version {state['version']} is not supported ({_STATE_VERSION})"
+            f"load_state_dict: the state has version {state['version']}; this trainloom reads version "
+            f"{_STATE_VERSION} only (save it again with this version's state_dict())"
         )
     for key in ("epoch", "seed", "consumed"):
         _as_int(state[key], f"load_state_dict: the state's {key}")
