@@ -22,20 +22,6 @@ from trainloom.errors import CommError, ConfigError
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture
-def clean_env(monkeypatch):
-    for k in LAUNCH_VARS:
-        monkeypatch.delenv(k, raising=False)
-    return monkeypatch
-
-
-@pytest.fixture
-def world1(clean_env):
-    pg = C.init_process_group(timeout=10)
-    yield pg
-    C.destroy_process_group()
-
-
 def _torchrun(env, rank=1, world=2, lr=1, lws=2):
     values = dict(
         RANK=rank,

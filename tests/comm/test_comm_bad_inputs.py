@@ -20,25 +20,11 @@ from multiproc import free_port, run_ranks
 
 import trainloom.comm as C
 from trainloom.comm import ReduceOp, classic, colossal, group, nccl, state, windows
-from trainloom.comm.env import LAUNCH_VARS, read_launch_env
+from trainloom.comm.env import read_launch_env
 from trainloom.comm.optimizers import DistributedAllreduceOptimizer
 from trainloom.comm.shm import ShmCommunicator
 from trainloom.comm.topology import Topology
 from trainloom.errors import CommError, ConfigError
-
-
-@pytest.fixture
-def clean_env(monkeypatch):
-    for k in (*LAUNCH_VARS, "TRAINLOOM_COMM_TIMEOUT", "TRAINLOOM_CPU_ENGINE"):
-        monkeypatch.delenv(k, raising=False)
-    return monkeypatch
-
-
-@pytest.fixture
-def world1(clean_env):
-    pg = C.init_process_group(timeout=10)
-    yield pg
-    C.destroy_process_group()
 
 
 def _exact(exc: type, message: str) -> Any:
