@@ -494,7 +494,7 @@ cdef class Communicator:
         cdef int n = self.world_size, peer, st = 0, st2 = 0
         if (send_counts.shape[0] != n or send_displs.shape[0] != n or recv_counts.shape[0] != n
                 or recv_displs.shape[0] != n):
-            raise ValueError(f"alltoall_v: counts and displacements need {n} entries each")
+            raise ValueError(f"alltoall_v: counts and displacements need one entry per rank ({n}) each")
         with nogil:
             st = _api.GroupStart()
             if st == 0:

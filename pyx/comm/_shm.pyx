@@ -1368,6 +1368,7 @@ cdef class Engine:
     def heap_address(self, int r):
         """Address of rank r's zero-copy heap in this process's mapping."""
         self._check_open()
+        self._check_peer(r, "heap_address")
         return <uintptr_t>(self.st.heap + <size_t>r * self.st.H)
 
     def error_info(self):

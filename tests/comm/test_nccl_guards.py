@@ -36,5 +36,5 @@ def _alltoall_v_short_counts(rank: int, ws: int) -> Dict[str, Any]:
 def test_alltoall_v_counts_of_the_wrong_length(tmp_path):
     lib = build_fake_nccl(tmp_path)
     (res,) = run_ranks(_alltoall_v_short_counts, 1, env={"TRAINLOOM_NCCL_LIBRARY": lib})
-    msg = "ValueError: alltoall_v: counts and displacements need 1 entries each"
+    msg = "ValueError: alltoall_v: counts and displacements need one entry per rank (1) each"
     assert res == {"send_counts": msg, "recv_displs": msg}

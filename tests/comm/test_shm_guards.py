@@ -200,6 +200,7 @@ GUARDS = [
     ),
     # rank arguments that indexed the segment's tables unchecked (guards added)
     ("peer_pid", {}, lambda e, n: e.peer_pid(2), ValueError, "peer_pid: rank 2 is outside 0..1"),
+    ("heap_address", {}, lambda e, n: e.heap_address(2), ValueError, "heap_address: rank 2 is outside 0..1"),
     (
         "set_check_pid",
         {},
