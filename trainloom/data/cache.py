@@ -635,6 +635,7 @@ class CacheLoader:
         # An evicting Redis (maxmemory-policy allkeys-lru...) drops cached values instead of refusing
         # writes: counted from the servers' own count, from here on (see _check_evictions).
         # (Not while the store is known to be down, bypassed: the first later check takes the base.)
+        self._counts_evictions = hasattr(self.store, "evicted_keys")  # Redis stores
         down = self._down_until > time.monotonic()
         self._evicted_base: Optional[int] = None if down else self._server_evictions()
         self._evicted = 0
@@ -1280,12 +1281,11 @@ class CacheLoader:
     def _server_evictions(self) -> Optional[int]:
         """How many keys the store's Redis servers evicted since they started; None for other stores,
         or when they cannot tell now."""
-        count = getattr(self.store, "evicted_keys", None)
-        if count is None:
+        if not self._counts_evictions:
             return None
         try:
             with self._store_lock():
-                return int(count())
+                return int(self.store.evicted_keys())  # type: ignore[attr-defined]
         except StoreError as exc:  # the next real use reports an unreachable server
             log.debug("CacheLoader(%r): could not read the evicted-key count: %s", self.dataset_name, exc)
             return None
@@ -1293,7 +1293,7 @@ class CacheLoader:
     def _check_evictions(self, now: bool = False) -> int:
         """Update (at most every ``_EVICTION_CHECK_S`` per process unless ``now``) and return the keys
         the Redis servers evicted since this loader was made; warn once per process when there are."""
-        if not hasattr(self.store, "evicted_keys"):
+        if not self._counts_evictions:  # (after every write: one attribute test for LMDB)
             return 0
         t = time.monotonic()
         if (not now and t - self._evictions_checked < _EVICTION_CHECK_S) or self._down_until > t:
