@@ -265,6 +265,67 @@ def test_warmup_fills_the_cache(tmp_path, capsys):
     assert sorted(base.computed()) == list(range(40))
 
 
+def test_every_small_int_is_served_from_the_cache(tmp_path, caplog):
+    # The marker for "did not decode" once shared its name with the stats column of corrupt values
+    # (an int, 7): a cached sample equal to 7 was then taken for a damaged entry on every read,
+    # recomputed, rewritten and logged.
+    values = list(range(-6, 20)) + [None, True, False, 7.0]
+    base = {i: v for i, v in enumerate(values)}
+    calls: list = []
+    loader = CacheLoader(path=tmp_path, dataset_name="ints")
+    for i, v in base.items():
+        assert loader.get(str(i), lambda k, v=v: calls.append(k) or v) == v
+    loader.flush()
+    with caplog.at_level(logging.WARNING, logger="trainloom"):
+        for i, v in base.items():
+            got = loader.get(str(i), lambda k: calls.append(k) or "recomputed")
+            assert got == v and type(got) is type(v)
+        ds = CachedDataset(values, path=tmp_path, dataset_name="ints-ds")
+        ds.warmup(progress=False)
+        assert ds.__getitems__(list(range(len(values)))) == values
+    assert len(calls) == len(values)  # the first pass only
+    stats = loader.stats()
+    assert (stats["corrupt"], stats["hits"]) == (0, len(values))
+    assert ds.stats()["corrupt"] == 0
+    assert not [r for r in caplog.records if "did not decode" in r.getMessage()]
+    ds.close()
+    loader.close()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"batch_size": None}, "warmup: batch_size must be an int >= 1, got None"),
+        ({"batch_size": 0}, "warmup: batch_size must be an int >= 1, got 0"),
+        ({"batch_size": True}, "warmup: batch_size must be an int >= 1, got True"),
+        ({"batch_size": 8.0}, "warmup: batch_size must be an int >= 1, got 8.0"),
+        ({"num_workers": -1}, "warmup: num_workers must be an int >= 0, got -1"),
+        ({"num_workers": "2"}, "warmup: num_workers must be an int >= 0, got '2'"),
+    ],
+)
+def test_warmup_refuses_bad_arguments_before_reading_a_sample(tmp_path, kwargs, message):
+    base = CountingDataset(4, tmp_path / "log")
+    ds = CachedDataset(base, path=tmp_path, dataset_name="warm-bad")
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        ds.warmup(progress=False, **kwargs)
+    assert base.computed() == []
+    ds.close()
+
+
+def test_warmup_dataset_counts_samples_one_at_a_time_too(tmp_path):
+    # DataLoader(batch_size=None) reads a map-style dataset through __getitem__: it counts 1 per
+    # index, like __getitems__ counts its batch (it used to call len() on that count).
+    from trainloom.data.cache import _Warm
+
+    base = CountingDataset(4, tmp_path / "log")
+    ds = CachedDataset(base, path=tmp_path, dataset_name="warm-one")
+    warm = _Warm(ds, [2, 3])
+    assert (warm[1], warm.__getitems__([0, 1]), len(warm)) == (1, 2, 2)
+    ds.cache_loader.flush()
+    assert ds.cache_loader.contains_many([0, 1, 2, 3]) == [False, False, True, True]
+    ds.close()
+
+
 # -- Redis ----------------------------------------------------------------------------------------
 
 

@@ -46,7 +46,7 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar, cast
 
 import numpy as np
 import torch
@@ -57,6 +57,7 @@ from trainloom._warnings import log_if_configured, warn_at_caller
 from trainloom.data.codec import ChecksumError, CodecError
 from trainloom.data.shared_counters import SharedCounters
 from trainloom.data.stores.base import (
+    Key,
     Store,
     StoreError,
     StoreFullError,
@@ -87,9 +88,11 @@ META_KEY = b"\x00trainloom-meta"
 #: Markers in the list of values read: no entry in the store; an entry that does not decode. (A decoded
 #: ``None`` is a stored None, a hit.)
 _MISSING = object()
-_CORRUPT = object()
+_UNDECODABLE = object()
 #: What _decode_one returns for a stored None (mget_apply reports absent keys as None).
 _STORED_NONE = object()
+#: The type of a cached value (what load_fn returns).
+_V = TypeVar("_V")
 #: Serialises the store calls of the loaders of this process with their background flushes: LMDB must
 #: not resize its map (which a write may do) while another thread of the process is inside a
 #: transaction, and a Store subclass is not assumed to be thread-safe. Reads take it only while such a
@@ -576,11 +579,8 @@ class CacheLoader:
             raise ValueError(f"on_error must be 'raise' or 'bypass', got {on_error!r}")
         if type(max_buffer_bytes) is bool or not isinstance(max_buffer_bytes, int) or max_buffer_bytes < 0:
             raise ValueError(f"max_buffer_bytes must be an int >= 0, got {max_buffer_bytes!r}")
-        if (
-            isinstance(retry_interval, bool)
-            or not isinstance(retry_interval, numbers.Real)
-            or not retry_interval >= 0
-        ):
+        interval: object = retry_interval  # checked as an object: see samplers._is_real
+        if isinstance(interval, bool) or not isinstance(interval, numbers.Real) or not float(interval) >= 0:
             raise ValueError(f"retry_interval must be a number of seconds >= 0, got {retry_interval!r}")
         if flush_interval is not None and (
             isinstance(flush_interval, bool)
@@ -959,7 +959,7 @@ class CacheLoader:
         return self._down_until > 0.0 and time.monotonic() < self._down_until
 
     def _decode_one(self, buf: Any) -> Any:
-        """Decode one stored value; _CORRUPT for a value that does not decode, _STORED_NONE for None."""
+        """Decode one stored value; _UNDECODABLE for a value that does not decode, _STORED_NONE for None."""
         try:
             self._stats[_BYTES_READ] += len(buf)
             v = _codec.decode(buf, True)
@@ -969,11 +969,11 @@ class CacheLoader:
             # stored value. The caller counts it, logs it with this cause and recomputes the value.
             if self._decode_failure is None:
                 self._decode_failure = exc
-            return _CORRUPT
+            return _UNDECODABLE
         return _STORED_NONE if v is None else v
 
     def _read(self, keys: List[bytes]) -> List[Any]:
-        """Values (or _MISSING / _CORRUPT) for store keys; counts; honours bypass."""
+        """Values (or _MISSING / _UNDECODABLE) for store keys; counts; honours bypass."""
         # Taken before the store is read: a background flush replaces the buffer after writing it, so
         # a value is found either in the store or in this dict.
         buf = self._buffer
@@ -995,7 +995,7 @@ class CacheLoader:
             except Exception as exc:  # noqa: BLE001 - retried item by item below, which re-raises store bugs
                 # Some value does not decode (damaged, or its pickled class changed): redo the batch
                 # item by item, marking only the bad ones. A failure of the store itself raises again
-                # from mget_apply; only decoding errors are turned into _CORRUPT, by _decode_one.
+                # from mget_apply; only decoding errors are turned into _UNDECODABLE, by _decode_one.
                 log.debug(
                     "CacheLoader(%r): batched decode failed (%r); decoding one by one", self.dataset_name, exc
                 )
@@ -1147,7 +1147,7 @@ class CacheLoader:
         )
 
     # -- public API -------------------------------------------------------------------------------
-    def get(self, key: Any, load_fn: Callable[[Any], Any]) -> Any:
+    def get(self, key: Any, load_fn: Callable[[Any], _V]) -> _V:
         """The cached value of ``key``, or ``load_fn(key)`` computed, stored and returned.
 
         Args:
@@ -1161,10 +1161,10 @@ class CacheLoader:
         self._check_pid()
         k = self.key(key)
         v = self._read([k])[0]
-        if v is not _MISSING and v is not _CORRUPT:
+        if v is not _MISSING and v is not _UNDECODABLE:
             self._stats[_HITS] += 1
             return v
-        if v is _CORRUPT:
+        if v is _UNDECODABLE:
             self._report_corrupt(1, f"the stored value for key {_short_repr(key)}")
         self._stats[_MISSES] += 1
         value = load_fn(key)
@@ -1174,11 +1174,11 @@ class CacheLoader:
     def get_many(
         self,
         keys: Sequence[Any],
-        load_fn: Callable[[Any], Any],
-        load_many: Optional[Callable[[List[Any]], List[Any]]] = None,
+        load_fn: Callable[[Any], _V],
+        load_many: Optional[Callable[[List[Any]], List[_V]]] = None,
         what: str = "key",
         store_keys: Optional[List[bytes]] = None,
-    ) -> List[Any]:
+    ) -> List[_V]:
         """Values for several keys with one batched read; misses computed with ``load_many(keys)``
         when given, else ``load_fn(key)`` each. ``store_keys`` (internal) are the keys already
         formatted by :meth:`key`."""
@@ -1188,10 +1188,10 @@ class CacheLoader:
         if ks is None:
             ks = [self.key(k) for k in keys]
         vals = self._read(ks)
-        missing = _codec.missing_positions(vals, _MISSING, _CORRUPT)
+        missing = _codec.missing_positions(vals, _MISSING, _UNDECODABLE)
         self._stats[_HITS] += len(ks) - len(missing)
         if missing:
-            bad = [i for i in missing if vals[i] is _CORRUPT]
+            bad = [i for i in missing if vals[i] is _UNDECODABLE]
             if bad:
                 first = _short_repr(keys[bad[0]])
                 self._report_corrupt(len(bad), f"{len(bad)} stored value(s) ({what} {first} first)")
@@ -1265,7 +1265,7 @@ class CacheLoader:
                 return
             items = self._buffer
             try:
-                self.store.mset(items)
+                self.store.mset(cast(Mapping[Key, bytes], items))  # (Mapping's key type is invariant)
             except (StoreError, ConfigError) as exc:
                 if not self._store_wide_failure(exc):
                     self._flush_one_by_one(exc)
@@ -1506,7 +1506,7 @@ class _Warm(Dataset):
         return len(self.indices)
 
     def __getitem__(self, i: int) -> int:
-        return len(self.__getitems__([i]))
+        return self.__getitems__([i])
 
     def __getitems__(self, positions: List[int]) -> int:
         self.ds.__getitems__([self.indices[p] for p in positions])
@@ -1674,9 +1674,18 @@ class CachedDataset(Dataset):
 
         Returns:
             The number of samples computed.
+
+        Raises:
+            ValueError: ``batch_size`` is not an int >= 1 or ``num_workers`` not an int >= 0 (checked
+                before any sample is read).
         """
         from torch.utils.data import DataLoader
         from tqdm.auto import tqdm
+
+        if type(batch_size) is not int or batch_size < 1:
+            raise ValueError(f"warmup: batch_size must be an int >= 1, got {batch_size!r}")
+        if type(num_workers) is not int or num_workers < 0:
+            raise ValueError(f"warmup: num_workers must be an int >= 0, got {num_workers!r}")
 
         missing: List[int] = []
         for start in range(0, self._len, 4096):
