@@ -1092,6 +1092,9 @@ def test_bad_num_replicas_and_arguments():
         LoadBalancingDistributedSampler(None, complexities=[[1, 2], [3, 4]])
     with pytest.raises(ConfigError, match=r"random_level must be in \[0, 1\], got 2"):
         LoadBalancingDistributedSampler(None, complexities=[1], random_level=2)
+    for level in (True, "0.5", None):  # a bool is not a level (it used to be read as 1.0)
+        with pytest.raises(ConfigError, match=rf"random_level must be in \[0, 1\], got {level!r}$"):
+            LoadBalancingDistributedSampler(None, complexities=[1], random_level=level)
     with pytest.raises(ConfigError, match="complexities must be a 1-D array of real numbers, got dtype <U1"):
         LoadBalancingDistributedSampler(None, complexities=["a"])
 

@@ -118,6 +118,15 @@ def _as_int(value: Any, what: str, minimum: Optional[int] = None) -> int:
     return out
 
 
+def _is_real(value: object) -> bool:
+    """Whether ``value`` is a real number (int, float, numpy scalar; not bool).
+
+    (A function, not an inline ``isinstance``: narrowing a ``float`` parameter by ``numbers.Real``
+    makes type checkers invent an intersection type.)
+    """
+    return not isinstance(value, bool) and isinstance(value, numbers.Real)
+
+
 def _world(num_replicas: Optional[int], rank: Optional[int], who: str) -> Tuple[int, int]:
     """num_replicas and rank, defaulting to torch.distributed's, or 1 and 0 when not initialized."""
     initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -194,7 +203,7 @@ def _complexities_from_fn(dataset: Any, fn: Callable[[Any], Any], who: str) -> n
             ) from exc
         if isinstance(v, torch.Tensor) and v.numel() == 1 and not v.is_complex() and v.dtype != torch.bool:
             v = v.item()
-        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        if not _is_real(v):
             raise ConfigError(
                 f"{who}: complexity_fn returned {type(v).__name__} at index {i}; "
                 "it must return a real number (int or float)"
@@ -382,7 +391,7 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
             )
         if c.shape[0] == 0:
             raise ConfigError(f"{who}: the dataset is empty (0 samples); there is nothing to sample")
-        if not isinstance(random_level, numbers.Real) or not 0 <= float(random_level) <= 1:
+        if not _is_real(random_level) or not 0 <= float(random_level) <= 1:
             raise ConfigError(f"{who}: random_level must be in [0, 1], got {random_level!r}")
         n = int(c.shape[0])
         if drop_last and n < self.num_replicas:
@@ -820,7 +829,7 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         if max_complexity is not None:
             if isinstance(max_complexity, torch.Tensor) and max_complexity.dim() == 0:
                 max_complexity = max_complexity.item()  # a 0-d tensor, as seed=/epoch= accept
-            if isinstance(max_complexity, bool) or not isinstance(max_complexity, numbers.Real):
+            if not _is_real(max_complexity):
                 raise ConfigError(
                     f"{who}: max_complexity must be a number, got {type(max_complexity).__name__}"
                 )
@@ -1183,7 +1192,7 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         slots = plan.slots(self.rank)
         if plan.ids is None:
             # The plan holds the dataset indices: slice it where this rank's batches are.
-            values = memoryview(plan.items)
+            values = plan.items.data  # a memoryview
             lo, hi = plan.bounds[slots].tolist(), plan.bounds[slots + 1].tolist()
         else:
             # The plan holds positions in the sorted order: map this rank's share (one compiled
