@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import tempfile
 
@@ -11,6 +12,13 @@ import torch
 
 # hypothesis would otherwise write ./.hypothesis into the checkout.
 os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", tempfile.mkdtemp(prefix="trainloom-hypothesis-"))
+
+# A suite started in the background by a non-interactive shell (`pytest ... &`, nohup) inherits
+# SIGINT ignored, and an ignored signal stays ignored across exec: every process the tests start
+# would ignore it too, and the Ctrl-C tests (tests/comm/test_ordering_and_lifetime.py) would fail.
+# A handler, unlike SIG_IGN, is reset to the default at exec, where Python installs its own.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # tests/multiproc.py is imported by the forkserver that starts ranks; make it importable by name.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
