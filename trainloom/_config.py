@@ -64,11 +64,12 @@ def config(kernels: bool = False) -> Dict[str, Any]:
     import torch
 
     from trainloom import __version__
+    from trainloom._build_check import import_compiled
     from trainloom._locate import find_redis_server
 
     build = _build_info()
     try:
-        from trainloom import _openmp_helpers as omp
+        omp = import_compiled("trainloom._openmp_helpers")  # the ImportError says how to rebuild
 
         openmp = {
             "compiled": omp.openmp_enabled(),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 import warnings
+from types import FrameType
 from typing import Optional, Type
 
 
@@ -17,7 +18,8 @@ def warn_at_caller(
     With ``logger``, the message is also logged as a warning when logging is set up (a handler on
     the logger or an ancestor), so it reaches the user's log files too; without a handler logging's
     last-resort handler would print it to stderr a second time, next to the warning."""
-    level, frame = 1, sys._getframe(0)
+    level = 1
+    frame: Optional[FrameType] = sys._getframe(0)
     while frame is not None and frame.f_code.co_filename in (__file__, module_file):
         level += 1
         frame = frame.f_back

@@ -228,7 +228,9 @@ def _train_torch(cfg: DemoConfig, rank: int, world: int) -> RunResult:
     base = SyntheticSequences(cfg.samples, cfg.seed, cfg.cost_us_per_token)
     # The same number of steps per epoch as trainloom's budgeted plan: a fixed batch size a user would pick.
     batch_size = max(1, math.ceil(cfg.samples / (world * _trainloom_steps(cfg, base, world))))
-    sampler = torch.utils.data.DistributedSampler(base, num_replicas=world, rank=rank, seed=cfg.seed)
+    sampler: torch.utils.data.DistributedSampler = torch.utils.data.DistributedSampler(
+        base, num_replicas=world, rank=rank, seed=cfg.seed
+    )
     loader = torch.utils.data.DataLoader(
         base, batch_size=batch_size, sampler=sampler, collate_fn=collate_padded
     )

@@ -21,7 +21,7 @@ import os
 import queue
 import threading
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -316,7 +316,8 @@ class GlooEngine:
         try:
             # Every member first (interruptible): gloo's connect waits in C++ for the whole timeout.
             poll_keys(store, [f"{prefix}/joined/{r}" for r in range(world_size)], self.timeout)
-            self._pg = dist.ProcessGroupGloo(
+            # Any: torch's stubs do not declare the collectives ProcessGroupGloo binds at run time.
+            self._pg: Any = dist.ProcessGroupGloo(
                 dist.PrefixStore(prefix + "/pg", store),
                 rank,
                 world_size,
@@ -532,7 +533,7 @@ class GlooEngine:
         compare_headers(opname, seq, rows)
         return rows
 
-    def _run(self, opname: str, seq: int, timeout: Optional[float], fn) -> None:  # noqa: ANN001
+    def _run(self, opname: str, seq: int, timeout: Optional[float], fn: Callable[[], Any]) -> None:
         try:
             work = fn()
         except RuntimeError as exc:
@@ -540,7 +541,9 @@ class GlooEngine:
         if work is not None:
             self._wait(work, opname, seq, timeout)
 
-    def _run_p2p(self, opname: str, seq: int, timeout: Optional[float], fns, peer: int) -> None:  # noqa: ANN001
+    def _run_p2p(
+        self, opname: str, seq: int, timeout: Optional[float], fns: Sequence[Callable[[], Any]], peer: int
+    ) -> None:
         """Post the send/recv operations ``fns`` make, then wait for all of them with one hand-off
         to the waiter thread (each hand-off costs two thread wake-ups)."""
         t = self.timeout if timeout is None else timeout
@@ -572,6 +575,7 @@ class GlooEngine:
             work_t = buf.float()
         elif buf.dtype.is_complex:
             work_t = torch.view_as_real(buf)
+        opts: Any  # AllreduceOptions or ReduceOptions (their stubs type reduceOp as ReduceOp)
         if root is None:
             opts = dist.AllreduceOptions()
             opts.reduceOp = _TORCH_OPS[op]

@@ -37,7 +37,7 @@ from __future__ import annotations
 import datetime
 import threading
 from collections import defaultdict
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Union, cast
 
 import torch
 import torch.distributed as _tdist
@@ -413,7 +413,7 @@ def all_gather(
     c = _comm(group, opname)
     outs = _check_list(tensor_list, c.nranks(), t, "tensor_list", opname)
     flat = torch.empty(c.nranks() * t.numel(), dtype=t.dtype, device=t.device)
-    inner = _core.allgather(t, flat, comm=c, async_op=True)
+    inner = cast(Work, _core.allgather(t, flat, comm=c, async_op=True))  # async_op=True: a Work
     return _sync(then_work(c, opname, inner, lambda: _unpack(flat, outs), None), async_op)
 
 
@@ -439,7 +439,7 @@ def gather(
             raise ValueError(f"{opname}: gather_list is required on the destination rank {me_global}")
         outs = _check_list(gather_list, c.nranks(), t, "gather_list", opname)
         flat = torch.empty(c.nranks() * t.numel(), dtype=t.dtype, device=t.device)
-        inner = _core.gather(t, flat, d, comm=c, async_op=True)
+        inner = cast(Work, _core.gather(t, flat, d, comm=c, async_op=True))  # async_op=True: a Work
         return _sync(then_work(c, opname, inner, lambda: _unpack(flat, outs), None), async_op)
     if gather_list:
         raise ValueError(f"{opname}: gather_list must be empty on rank {me_global}, which is not dst={dst}")

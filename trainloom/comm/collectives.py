@@ -17,7 +17,7 @@ in Bagua), every collective returns at once: no argument check, no tensor touche
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -86,7 +86,8 @@ SUPPORTED_DTYPES = (
 _SUPPORTED_SET = frozenset(SUPPORTED_DTYPES)
 _BITWISE = (ReduceOp.BOR, ReduceOp.BAND, ReduceOp.BXOR)
 _TORCH_OP_TYPE = type(dist.ReduceOp.SUM)  # torch's ReduceOp.RedOpType: not an int subclass
-_TORCH_BY_INT = {int(k): v for k, v in _TORCH_TO_OURS.items()}
+# (torch's stubs omit RedOpType.__int__ and ReduceOp instances' .op / .factor: hence the ignores.)
+_TORCH_BY_INT = {int(k): v for k, v in _TORCH_TO_OURS.items()}  # type: ignore[call-overload]
 
 #: The type of the ``comm`` argument of every collective.
 CommArg = Union[None, Communicator, NonCommMember]
@@ -126,7 +127,7 @@ def _is_comm(x: Any) -> bool:
     return isinstance(x, Communicator) or x is NON_COMM_MEMBER or x is WORLD
 
 
-def _comm(comm: Optional[Communicator], opname: str) -> Communicator:
+def _comm(comm: object, opname: str) -> Communicator:
     if comm is None or comm is WORLD:
         pg = _STATE.default
         if pg is None:
@@ -216,7 +217,7 @@ def _check_op(op: Any, dtype: torch.dtype, opname: str) -> ReduceOp:
     if isinstance(op, ReduceOp):
         value = op
     elif isinstance(op, _TORCH_OP_TYPE):  # by type first: its int is torch's numbering, not Bagua's
-        mapped = _TORCH_BY_INT.get(int(op))
+        mapped = _TORCH_BY_INT.get(int(op))  # type: ignore[call-overload]
         if mapped is None:
             raise TypeError(
                 f"{opname}: op=torch.distributed.ReduceOp.{op.name} has no trainloom equivalent "
@@ -224,12 +225,12 @@ def _check_op(op: Any, dtype: torch.dtype, opname: str) -> ReduceOp:
             )
         value = mapped
     elif isinstance(op, dist.ReduceOp):  # an instance: ReduceOp(ReduceOp.MAX), _make_nccl_premul_sum(f)
-        if op.op == dist.ReduceOp.PREMUL_SUM:
+        if op.op == dist.ReduceOp.PREMUL_SUM:  # type: ignore[attr-defined]
             raise TypeError(
                 f"{opname}: op=torch.distributed premul-sum (factor {op.factor!r}) has no trainloom "
                 "equivalent: multiply the tensor by the factor and use ReduceOp.SUM"
             )
-        return _check_op(op.op, dtype, opname)
+        return _check_op(op.op, dtype, opname)  # type: ignore[attr-defined]
     elif as_int(op) is not None:
         try:
             value = ReduceOp(int(op))
@@ -716,11 +717,12 @@ def reduce(
     if not isinstance(recv_tensor, torch.Tensor):
         if as_int(recv_tensor) is not None:
             # Bagua's early API, positionally: reduce(tensor, dst, op=SUM, comm=None), in place.
+            # (The arguments shift by one place: each is checked below for what it now holds.)
             if dst is not None:
                 if _is_comm(op) and comm is None:
-                    comm = op
-                op = dst
-            dst, recv_tensor = recv_tensor, send_tensor
+                    comm = cast(CommArg, op)
+                op = cast(ReduceOp, dst)
+            dst, recv_tensor = cast(int, recv_tensor), send_tensor
         elif recv_tensor is None:  # reduce(tensor, dst=...): the early form by keyword
             recv_tensor = send_tensor
     if dst is None:

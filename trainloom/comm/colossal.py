@@ -22,7 +22,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Dict, Hashable, Optional, Tuple, Union
+from typing import Any, Dict, Hashable, Optional, Tuple, Union, cast
 
 import torch
 
@@ -141,7 +141,7 @@ def all_gather(tensor: torch.Tensor, dim: int, parallel_mode: Any = None, async_
         return _ret(out, _core.allgather(t, out, comm=c, async_op=True), async_op)
     buf = torch.empty((n, *shape), dtype=t.dtype, device=t.device)
     out = torch.empty(new_shape, dtype=t.dtype, device=t.device)
-    inner = _core.allgather(t, buf, comm=c, async_op=True)
+    inner = cast(Work, _core.allgather(t, buf, comm=c, async_op=True))  # async_op=True: a Work
 
     def place() -> None:
         out.copy_(buf.movedim(0, d).reshape(new_shape))

@@ -12,7 +12,7 @@ import dataclasses
 import numbers
 import os
 import socket
-from typing import Optional
+from typing import Any, Optional
 
 from trainloom.errors import ConfigError
 
@@ -32,7 +32,7 @@ def as_int(value: object) -> Optional[int]:
     """``value`` as an int when it is an integer argument (a rank, size or count): an ``int``, a numpy
     integer or another ``numbers.Integral``, but not a bool; else None."""
     if type(value) is int:  # the common case, without the ABC check
-        return value  # type: ignore[return-value]
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         return None
     return int(value)
@@ -165,7 +165,7 @@ def read_launch_env(
     return LaunchEnv(r, w, lr, lws, addr, port, False, local_known)
 
 
-def _default_group():  # late import: group.py imports this module
+def _default_group() -> Any:  # late import: group.py imports this module
     from trainloom.comm import group
 
     return group._STATE.default

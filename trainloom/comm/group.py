@@ -29,7 +29,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -517,6 +517,7 @@ class Communicator:
         # receives posted from two neighbours before sending to them would deadlock. Both engines
         # run operations of different (direction, peer) at once.
         queue = p2p
+        lock: ContextManager[Any]
         if queue is None:
             lock = self._lock
         else:

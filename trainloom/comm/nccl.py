@@ -22,7 +22,7 @@ import functools
 import logging
 import threading
 import time
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -227,11 +227,11 @@ class NcclEngine:
     def _enqueue(
         self,
         opname: str,
-        fn,
+        fn: Callable[[int], None],
         tensors: Sequence[torch.Tensor],
-        timeout: Optional[float],  # noqa: ANN001
-        after=None,
-    ) -> Any:  # noqa: ANN001
+        timeout: Optional[float],
+        after: Optional[Callable[[], Any]] = None,
+    ) -> Any:
         """Run ``fn(stream_handle)`` on the comm stream ordered after the current stream."""
         self._raise_if_failed(opname)
         current = torch.cuda.current_stream(self.device)

@@ -35,7 +35,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Union, cast
 
 import torch
 
@@ -239,7 +239,7 @@ def neighbor_allreduce_async(
     strategy = exchange_strategy(topo, numel * src.element_size())
     if strategy == "allgather":
         buf = torch.empty(n * numel, dtype=src.dtype, device=src.device)
-        inner = _core.allgather(src, buf, comm=c, async_op=True)
+        inner = cast(Work, _core.allgather(src, buf, comm=c, async_op=True))  # async_op=True: a Work
         rows = buf.view(n, numel)
         pick: List[tuple] = [(rows[r], w) for r, w in nw.items() if w != 0.0]
     else:
@@ -350,7 +350,7 @@ def neighbor_allgather_async(tensor: torch.Tensor, name: Optional[str] = None, c
     # src as it is, not reshaped: see neighbor_allreduce_async
     if exchange_strategy(topo, numel * src.element_size()) == "allgather":
         buf = torch.empty(n * numel, dtype=src.dtype, device=src.device)
-        inner = _core.allgather(src, buf, comm=c, async_op=True)
+        inner = cast(Work, _core.allgather(src, buf, comm=c, async_op=True))  # async_op=True: a Work
         out = torch.empty(shape, dtype=src.dtype, device=src.device)
         index = torch.tensor(ins, dtype=torch.long, device=src.device)
 
@@ -418,7 +418,7 @@ def allreduce(
         y = allreduce(torch.full((2,), float(rank)))          # mean of the ranks
     """
     if isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled():
-        return _AllreduceFn.apply(tensor, average, name, comm)  # type: ignore[no-any-return]
+        return _AllreduceFn.apply(tensor, average, name, comm)
     return synchronize(allreduce_async(tensor, average, name, comm))  # type: ignore[return-value]
 
 
@@ -497,7 +497,7 @@ def broadcast(
         w = broadcast(torch.full((2,), float(rank)), root_rank=0)   # [0., 0.] everywhere
     """
     if isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled():
-        return _BroadcastFn.apply(tensor, root_rank, name, comm)  # type: ignore[no-any-return]
+        return _BroadcastFn.apply(tensor, root_rank, name, comm)
     return synchronize(broadcast_async(tensor, root_rank, name, comm))  # type: ignore[return-value]
 
 
@@ -512,7 +512,7 @@ class _BroadcastFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         label = f"{ctx.name} backward" if ctx.name else "broadcast backward"
-        total = synchronize(allreduce_async(grad, False, label, ctx.comm))
+        total = cast(torch.Tensor, synchronize(allreduce_async(grad, False, label, ctx.comm)))
         if resolve_comm(ctx.comm, "broadcast backward").rank() != ctx.root:
             total.zero_()
         return total, None, None, None

@@ -260,6 +260,7 @@ class _DistributedMixin:
     """Methods that the generated subclass puts in front of the wrapped optimizer's class."""
 
     _tl_reducer: _Reducer
+    _tl_original: Callable[[], Optional[torch.optim.Optimizer]]  # a weakref to the wrapped optimizer
 
     def synchronize(self) -> None:
         """Finish this step's communication now (``step()`` calls it)."""
@@ -442,7 +443,7 @@ def _wrap(
     base = type(optimizer)
     # _tl_base: the wrapped class, compared by broadcast_optimizer_state across ranks.
     cls = type(f"{who}[{base.__name__}]", (_DistributedMixin, base), {"_tl_base": base})
-    wrapped = cls.__new__(cls)
+    wrapped: Any = cls.__new__(cls)  # type: ignore[call-overload]  # the optimizer's __new__, not type's
     # Share (not copy) the original's param_groups, state, defaults and hooks.
     wrapped.__dict__.update(optimizer.__dict__)
     # A fused optimizer's fuse_step bound to the original would step without communicating: the

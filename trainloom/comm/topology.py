@@ -29,7 +29,7 @@ import math
 import numbers
 import os
 import weakref
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 from trainloom.comm.env import as_int, get_rank
 from trainloom.comm.group import NON_COMM_MEMBER, WORLD, Communicator, ProcessGroup, get_default_group
@@ -348,7 +348,7 @@ def ExponentialTwoGraph(size: int) -> Topology:  # noqa: N802 - Bluefog's name
         ExponentialTwoGraph(4).in_neighbors(0)      # [2, 3]
     """
     size = _check_size(size, "ExponentialTwoGraph")
-    edges = set()
+    edges: Set[Tuple[int, int]] = set()
     k = 1
     while k < size:
         edges.update((i, (i + k) % size) for i in range(size))
@@ -409,28 +409,29 @@ def resolve_comm(comm: Union[None, Communicator, ProcessGroup], opname: str) -> 
             (``comm`` is :data:`~trainloom.comm.group.NON_COMM_MEMBER` or a group without this rank).
         TypeError: ``comm`` is something else.
     """
-    if comm is None or comm is WORLD:
-        comm = get_default_group().global_communicator_unconnected()
-    elif isinstance(comm, ProcessGroup):
-        group = comm
-        comm = group.global_communicator_unconnected()
-        if comm is NON_COMM_MEMBER:
+    c: object = comm
+    if c is None or c is WORLD:
+        c = get_default_group().global_communicator_unconnected()
+    elif isinstance(c, ProcessGroup):
+        group = c
+        c = group.global_communicator_unconnected()
+        if c is NON_COMM_MEMBER:
             raise CommError(
                 f"{opname}: rank {get_rank()} is not a member of process group {group.group_name} "
                 f"(ranks {group.ranks})"
             )
-    if comm is NON_COMM_MEMBER:
+    if c is NON_COMM_MEMBER:
         raise CommError(
             f"{opname}: comm is NON_COMM_MEMBER (rank {get_rank()} is not a member of that communicator); "
             "unlike Bagua's collectives, this operation needs a member"
         )
-    if not isinstance(comm, Communicator):
+    if not isinstance(c, Communicator):
         raise TypeError(
             f"{opname}: comm must be a trainloom Communicator or ProcessGroup (None: the default group), "
-            f"got {type(comm).__name__}"
+            f"got {type(c).__name__}"
         )
-    comm.check_alive(opname)
-    return comm
+    c.check_alive(opname)
+    return c
 
 
 def group_rank_of(rank: Any, arg: str, c: Communicator, opname: str) -> int:

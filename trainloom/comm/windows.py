@@ -326,7 +326,7 @@ def _agree_on_window(
                 "rank must create the window with the same name, shape and dtype under the same topology "
                 "(set_topology); no window was created on any rank"
             )
-    return rows[0]["token"]
+    return str(rows[0]["token"])
 
 
 def _by_rank(values: List[Any], field: str) -> str:

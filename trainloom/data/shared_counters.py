@@ -161,7 +161,7 @@ class SharedCounters:
         return out, processes
 
     def __getstate__(self) -> Dict[str, Any]:
-        state = {"names": self.names, "gauges": self.gauges}
+        state: Dict[str, Any] = {"names": self.names, "gauges": self.gauges}
         if multiprocessing.context.get_spawning_popen() is not None:
             state["fd"] = multiprocessing.reduction.DupFd(self._fd)  # shared with the process being spawned
         else:

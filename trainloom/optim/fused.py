@@ -28,7 +28,7 @@ import math
 import os
 import threading
 import weakref
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type, cast
 
 import numpy as np
 import torch
@@ -68,6 +68,14 @@ _PARALLEL_MIN = 1 << 15
 
 _ATTR = "_trainloom_fused"
 
+if TYPE_CHECKING:
+
+    class FusedOptimizer(torch.optim.Optimizer):
+        """For type checkers only: what :func:`fuse_optimizer` returns, the same optimizer object
+        with a ``fuse_step()`` method (no such class exists at run time)."""
+
+        def fuse_step(self, closure: Optional[Callable[[], Any]] = None) -> Any: ...
+
 
 class FuseError(ConfigError):
     """An optimizer cannot be fused, or was used in a way fusing does not support."""
@@ -81,7 +89,7 @@ class _AlreadyFusedError(FuseError, RuntimeError):
 # Elementwise torch optimizers: each element's update depends only on that element's parameter,
 # gradient and state plus per-tensor scalars that are equal for all tensors of a run (step
 # counts, learning rates). Their math on a flat view equals their math per tensor.
-_ELEMENTWISE = tuple(
+_ELEMENTWISE: Tuple[Type[torch.optim.Optimizer], ...] = tuple(
     getattr(torch.optim, name)
     for name in (
         "SGD",
@@ -200,9 +208,9 @@ def calculate_mutual_groups(tensor_lists: Sequence[Sequence[torch.Tensor]]) -> L
             if t.numel() == 0 or not t.is_contiguous() or t.is_sparse:
                 continue
             key = (t.untyped_storage().data_ptr(), t.device, t.dtype)
-            i = by_end.get((key, t.data_ptr()))
-            if i is not None and i != j:
-                nxt[i] = j
+            prev = by_end.get((key, t.data_ptr()))
+            if prev is not None and prev != j:
+                nxt[prev] = j
         edges = nxt if edges is None else {i: j for i, j in edges.items() if nxt.get(i) == j}
     if edges is None:
         return []
@@ -439,7 +447,7 @@ def _unwrap(fn: Any) -> Any:
 
 def fuse_optimizer(
     optimizer: torch.optim.Optimizer, do_flatten: bool = True, check_flatten: bool = True
-) -> torch.optim.Optimizer:
+) -> FusedOptimizer:
     """Convert an optimizer into a fused optimizer (in place) and return it.
 
     Unlike Bagua's (which accepts any optimizer), only torch's elementwise optimizers and their
@@ -518,14 +526,18 @@ def fuse_optimizer(
         info.shared = _overlapping([p for g in optimizer.param_groups for p in g["params"]])
     # A step() between two fuse_steps changes step counts and may create state: recheck then.
     info.step_hook = optimizer.register_step_post_hook(lambda *_: _invalidate(info))
+
     # A checkpoint loaded through the optimizer's own load_state_dict() is moved into the flat
     # buffers at once and quietly (a resume is routine; only changes behind its back warn).
-    info.load_hook = optimizer.register_load_state_dict_post_hook(lambda opt: _sync(opt, info, quiet=True))
+    def _after_load(opt: torch.optim.Optimizer) -> None:
+        _sync(opt, info, quiet=True)
+
+    info.load_hook = optimizer.register_load_state_dict_post_hook(_after_load)
     # Bound on this instance only: no class-wide patching.
     optimizer.fuse_step = _BoundFuseStep(optimizer)  # type: ignore[attr-defined]
     # copy.deepcopy looks __deepcopy__ up on the instance: a deep copy is fused too.
     optimizer.__deepcopy__ = _FusedDeepcopy(optimizer)  # type: ignore[attr-defined]
-    return optimizer
+    return cast("FusedOptimizer", optimizer)
 
 
 class _BoundFuseStep:
@@ -1006,7 +1018,7 @@ def _with_step_hooks(
 
 def _torch_step(optimizer: torch.optim.Optimizer) -> None:
     """torch's ``step()`` of the optimizer's class without the step hooks (fuse_step runs them)."""
-    step = type(optimizer).step
+    step: Any = type(optimizer).step
     if getattr(step, "hooked", False):  # torch's profile_hook_step wrapper (functools.wraps)
         step = step.__wrapped__
     step(optimizer)
@@ -1098,6 +1110,9 @@ def _scan(b: _Bucket, state: Any, light: bool = False) -> None:
 
 def _step_fast(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> bool:
     """Repeat the previous step's kernel runs when nothing about the layout changed."""
+    fast = info.fast
+    if fast is None:
+        return False
     state = optimizer.state
     groups = optimizer.param_groups
     # State cleared, deleted, replaced or emptied by hand, or a state tensor replaced (a warm
@@ -1115,12 +1130,12 @@ def _step_fast(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> bool:
         if b.status.tobytes() != b.fast_status or _cfg_key(groups[b.group_index]) != b.cfg:
             info.fast = None
             return False
-    for _kern, _b, run in info.fast:
+    for _kern, _b, run in fast:
         # A step counter set in place (st["step"].zero_() at a warm restart) changes the math.
         if run.step_ptrs is not None and not _K.steps_equal(run.step_ptrs, run.sig):
             info.fast = None
             return False
-    for kern, b, run in info.fast:
+    for kern, b, run in fast:
         kern.run(optimizer, groups[b.group_index], b, run)
     outside = _outside_with_grad(info)
     if outside:
@@ -1139,7 +1154,7 @@ class _Run:
 
 
 def _scalar_sig(st: Dict[Any, Any], flat_keys: Iterable[Any]) -> Any:
-    items = []
+    items: List[Tuple[Any, ...]] = []
     for k, v in st.items():
         if k in flat_keys:
             continue
@@ -1206,7 +1221,8 @@ def _step_flat(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> None:
             with torch.no_grad():
                 for i in np.flatnonzero(status == 2).tolist():
                     p = b.params[i]
-                    g, view = p.grad, b.grad_views[i]
+                    # status 2: p.grad is a tensor of its own, not the bucket's view
+                    g, view = cast(torch.Tensor, p.grad), b.grad_views[i]
                     if g is view:  # the view object itself was re-pointed (p.grad.data = t, set_)
                         view = b.grad_views[i] = b._view(b.flat_grad, i)
                     if g.shape == view.shape and g.dtype == view.dtype and g.device == view.device:
@@ -1251,7 +1267,7 @@ def _step_flat(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> None:
         if run_idx:
             (runs if kern is not None else generic).append(_Run(b, run_idx, run_sig))  # type: ignore[arg-type]
     kernel_runs = []
-    for run in runs:  # type: ignore[assignment]
+    for run in runs:
         b = run.bucket  # type: ignore[attr-defined]
         kern = _kernel_for(optimizer, groups[b.group_index], b)
         kernel_runs.append((kern, b, run))
@@ -1860,7 +1876,7 @@ def _probe_matches_torch(kind: str, flavour: str, dt: torch.dtype) -> bool:
                 a.grad = gp.clone()
                 b.grad = gp.clone()
             opt_r.step()
-            opt_f.fuse_step()  # type: ignore[attr-defined]
+            opt_f.fuse_step()
         for a, b in zip(ref, mine):
             pairs = [(a.detach(), b.detach())]
             pairs += [

@@ -4,6 +4,8 @@
 ``RedisStore`` is imported lazily (it needs the ``redis`` extra).
 """
 
+from typing import Any
+
 from trainloom.data.stores.base import (
     Store,
     StoreError,
@@ -30,7 +32,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):  # PEP 562: import redis only when RedisStore is used
+def __getattr__(name: str) -> Any:  # PEP 562: import redis only when RedisStore is used
     if name == "RedisStore":
         from trainloom.data.stores.redis_store import RedisStore
 

@@ -28,6 +28,7 @@ __all__ = [
 Key = Union[str, bytes]
 Value = Union[bytes, bytearray, memoryview, str]
 T = TypeVar("T")
+_S = TypeVar("_S", bound="Store")
 
 
 class StoreUnavailableError(StoreError, ConnectionError):
@@ -107,6 +108,8 @@ class Store(abc.ABC):
 
     #: short backend name used in errors and stats ("lmdb", "redis", "cluster").
     backend: str = "store"
+    #: the namespace (the cache's dataset_name) this store reads and writes; set by every subclass.
+    namespace: Optional[str]
     #: longest key in bytes the store accepts, or None (no limit the cache must check).
     max_key_size: Optional[int] = None
     #: whether two threads of one process may call the store at once (the cache serialises its calls
@@ -210,7 +213,7 @@ class Store(abc.ABC):
         """Stop the servers this store started (none for embedded stores) and close it."""
         self.close()
 
-    def __enter__(self) -> Store:
+    def __enter__(self: _S) -> _S:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -221,6 +224,7 @@ def _takes_missing(store: Store) -> bool:
     fn = type(store).mget_decode
     cached = _TAKES_MISSING.get(fn)
     if cached is None:
+        params: Mapping[str, inspect.Parameter]
         try:
             params = inspect.signature(fn).parameters
         except (TypeError, ValueError):
@@ -255,7 +259,7 @@ def mget_decode_missing(store: Store, keys: Sequence[Key], missing: Any) -> Tupl
     return out, nbytes
 
 
-def check_namespace(namespace: str) -> str:
+def check_namespace(namespace: object) -> str:
     if not isinstance(namespace, str):
         raise TypeError(f"namespace must be a str, got {type(namespace).__name__}")
     try:

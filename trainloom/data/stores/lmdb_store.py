@@ -13,7 +13,7 @@ import os
 import shutil
 import threading
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union
 
 from trainloom.data.codec import _codec
 from trainloom.data.stores.base import (
@@ -164,7 +164,7 @@ class LmdbStore(Store):
 
     def __init__(
         self,
-        path: Optional[os.PathLike] = None,
+        path: Union[str, os.PathLike, None] = None,
         namespace: Optional[str] = "",
         map_size: int = _GIB,
         max_map_size: int = 1024 * _GIB,

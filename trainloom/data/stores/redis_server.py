@@ -223,7 +223,7 @@ class RedisServer:
                     )
                 )
             self.port = port
-            if self._wait_ready():
+            if self._wait_ready(port):
                 # Nothing is left on disk even if this job is SIGKILLed: the server keeps its open log
                 # descriptor, and with no RDB/AOF it never writes into its (now deleted) directory.
                 shutil.rmtree(self._dir, ignore_errors=True)
@@ -243,13 +243,13 @@ class RedisServer:
             f"redis-server ({self.binary}) did not start on {self.host}: {last.strip()}", backend="redis"
         )
 
-    def _wait_ready(self) -> bool:
+    def _wait_ready(self, port: int) -> bool:
         import redis
 
         deadline = time.monotonic() + self.startup_timeout
         client = redis.Redis(
             host=self.host,
-            port=self.port,
+            port=port,
             password=self.password,
             socket_timeout=0.5,
             socket_connect_timeout=0.5,
