@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import trainloom
 
@@ -65,3 +69,24 @@ def test_every_pyx_has_its_compiled_module():
         rel = src.relative_to(root).with_suffix("")
         target = PKG.joinpath(*rel.parts[:-1])
         assert list(target.glob(rel.parts[-1] + ".*.so")), f"{src} was not built"
+
+
+PACKAGES = ["trainloom", "trainloom.comm", "trainloom.data", "trainloom.data.stores", "trainloom.optim"]
+
+
+@pytest.mark.parametrize("name", PACKAGES)
+def test_every_public_name_of_a_package_is_in_its_all(name):
+    # trainloom ships py.typed: pyright (Pylance) and mypy with implicit_reexport=False count a name
+    # a package's __init__ imports as public only when its __all__ lists it. trainloom.data had no
+    # __all__, so `from trainloom.data import CacheLoader` was an error in their eyes.
+    mod = importlib.import_module(name)
+    exported = set(getattr(mod, "__all__", ()))
+    public = {
+        k
+        for k, v in vars(mod).items()
+        if not k.startswith("_")
+        and not inspect.ismodule(v)
+        and (getattr(v, "__module__", None) or "").startswith("trainloom")
+    }
+    assert sorted(public - exported) == []
+    assert sorted(n for n in exported if not hasattr(mod, n)) == []

@@ -12,7 +12,7 @@ from typing import Any
 # torch first, then compiled modules: torch's libgomp is then the OpenMP runtime the kernels share.
 import torch  # noqa: F401
 
-from trainloom._build_check import import_compiled
+from trainloom._build_check import import_compiled as _import_compiled
 from trainloom._config import config, show_config
 from trainloom.errors import (
     CommError,
@@ -31,7 +31,7 @@ def __getattr__(name: str) -> Any:
     # The OpenMP helpers load on first use (after torch, imported above), so that `trainloom info`
     # and `trainloom --help` still work, and say what is missing, when a compiled module is.
     if name == "_openmp_helpers":
-        return import_compiled("trainloom._openmp_helpers")
+        return _import_compiled("trainloom._openmp_helpers")
     raise AttributeError(f"module 'trainloom' has no attribute {name!r}")
 
 
