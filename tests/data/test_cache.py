@@ -13,6 +13,7 @@ import textwrap
 import threading
 import time
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -620,7 +621,7 @@ def test_stored_none_is_a_hit_in_a_dataloader(tmp_path):
     for _ in range(3):
         got = [int(x[0]) for batch in DataLoader(ds, batch_size=4, collate_fn=_drop_none) for x in batch]
         assert got == [0, 2, 4, 6, 8, 10]
-    computed = [int(x) for x in open(base.log_path).read().split()]
+    computed = [int(x) for x in Path(base.log_path).read_text().split()]
     assert sorted(computed) == list(range(12))  # each sample computed once, None ones included
     s = ds.stats()
     assert (s["hits"], s["misses"], s["writes"]) == (24, 12, 12)

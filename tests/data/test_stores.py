@@ -97,6 +97,8 @@ def test_lmdb_reclaims_reader_slots_of_killed_processes(tmp_path):
     for p in procs:
         p.send_signal(signal.SIGKILL)
         p.wait()
+        p.stdin.close()
+        p.stdout.close()
     s = LmdbStore(path, max_readers=4, namespace="other")
     s.set("x", b"y")
     assert s.get("x") == b"y"  # would be ReadersFullError without reader_check()
