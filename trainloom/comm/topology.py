@@ -26,11 +26,11 @@ Example::
 from __future__ import annotations
 
 import math
-import numbers
 import os
 import weakref
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
+from trainloom._numbers import is_real
 from trainloom.comm.env import as_int, get_rank
 from trainloom.comm.group import NON_COMM_MEMBER, WORLD, Communicator, ProcessGroup, get_default_group
 from trainloom.errors import CommError, ConfigError
@@ -55,7 +55,7 @@ def _check_weight(value: Any, what: str) -> float:
     Any finite value is a weight, negative ones and sums other than 1 included, as in Bluefog
     (which checks only the types and the ranks of weights).
     """
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if not is_real(value):
         raise TypeError(f"{what} must be a real number, got {value!r}")
     w = float(value)
     if not math.isfinite(w):
@@ -218,7 +218,7 @@ class Topology:
                 )
             row = []
             for j, v in enumerate(r):
-                if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                if not is_real(v):
                     raise TypeError(f"{who}: entry [{i}][{j}] must be a real number, got {v!r}")
                 row.append(float(v))
             rows.append(row)

@@ -36,7 +36,6 @@ import hashlib
 import inspect
 import logging
 import multiprocessing.util
-import numbers
 import operator
 import os
 import shlex
@@ -53,6 +52,7 @@ import torch
 from torch.utils.data import Dataset
 
 from trainloom._build_check import import_compiled
+from trainloom._numbers import is_real
 from trainloom._warnings import log_if_configured, warn_at_caller
 from trainloom.data.codec import ChecksumError, CodecError
 from trainloom.data.shared_counters import SharedCounters
@@ -579,8 +579,7 @@ class CacheLoader:
             raise ValueError(f"on_error must be 'raise' or 'bypass', got {on_error!r}")
         if type(max_buffer_bytes) is bool or not isinstance(max_buffer_bytes, int) or max_buffer_bytes < 0:
             raise ValueError(f"max_buffer_bytes must be an int >= 0, got {max_buffer_bytes!r}")
-        interval: object = retry_interval  # checked as an object: see samplers._is_real
-        if isinstance(interval, bool) or not isinstance(interval, numbers.Real) or not float(interval) >= 0:
+        if not is_real(retry_interval) or not float(retry_interval) >= 0:
             raise ValueError(f"retry_interval must be a number of seconds >= 0, got {retry_interval!r}")
         if flush_interval is not None and (
             isinstance(flush_interval, bool)

@@ -33,6 +33,7 @@ import torch
 from torch.utils.data import Sampler
 
 from trainloom._build_check import import_compiled
+from trainloom._numbers import is_real
 from trainloom._warnings import warn_at_caller
 from trainloom.errors import ConfigError
 
@@ -118,15 +119,6 @@ def _as_int(value: Any, what: str, minimum: Optional[int] = None) -> int:
     return out
 
 
-def _is_real(value: object) -> bool:
-    """Whether ``value`` is a real number (int, float, numpy scalar; not bool).
-
-    (A function, not an inline ``isinstance``: narrowing a ``float`` parameter by ``numbers.Real``
-    makes type checkers invent an intersection type.)
-    """
-    return not isinstance(value, bool) and isinstance(value, numbers.Real)
-
-
 def _world(num_replicas: Optional[int], rank: Optional[int], who: str) -> Tuple[int, int]:
     """num_replicas and rank, defaulting to torch.distributed's, or 1 and 0 when not initialized."""
     initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -203,7 +195,7 @@ def _complexities_from_fn(dataset: Any, fn: Callable[[Any], Any], who: str) -> n
             ) from exc
         if isinstance(v, torch.Tensor) and v.numel() == 1 and not v.is_complex() and v.dtype != torch.bool:
             v = v.item()
-        if not _is_real(v):
+        if not is_real(v):
             raise ConfigError(
                 f"{who}: complexity_fn returned {type(v).__name__} at index {i}; "
                 "it must return a real number (int or float)"
@@ -391,7 +383,7 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
             )
         if c.shape[0] == 0:
             raise ConfigError(f"{who}: the dataset is empty (0 samples); there is nothing to sample")
-        if not _is_real(random_level) or not 0 <= float(random_level) <= 1:
+        if not is_real(random_level) or not 0 <= float(random_level) <= 1:
             raise ConfigError(f"{who}: random_level must be in [0, 1], got {random_level!r}")
         n = int(c.shape[0])
         if drop_last and n < self.num_replicas:
@@ -829,7 +821,7 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         if max_complexity is not None:
             if isinstance(max_complexity, torch.Tensor) and max_complexity.dim() == 0:
                 max_complexity = max_complexity.item()  # a 0-d tensor, as seed=/epoch= accept
-            if not _is_real(max_complexity):
+            if not is_real(max_complexity):
                 raise ConfigError(
                     f"{who}: max_complexity must be a number, got {type(max_complexity).__name__}"
                 )

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import json
 import logging
-import numbers
 import os
 import threading
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar
 
+from trainloom._numbers import is_real
 from trainloom.data.codec import _codec
 from trainloom.data.stores.base import (
     Key,
@@ -96,7 +96,7 @@ def _glob_escape(b: bytes) -> bytes:
 
 def _check_client_args(timeout: Any, retries: Any) -> None:
     """The client settings every server's store takes (checked before a server is started for them)."""
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not float(timeout) > 0:
+    if not is_real(timeout) or not float(timeout) > 0:
         raise ValueError(f"RedisStore: timeout must be > 0 seconds, got {timeout!r}")
     if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
         raise ValueError(f"RedisStore: retries must be an int >= 0, got {retries!r}")

@@ -1,0 +1,15 @@
+"""The check every numeric argument shares."""
+
+from __future__ import annotations
+
+import numbers
+
+
+def is_real(value: object) -> bool:
+    """Whether ``value`` is a real number (int, float, numpy scalar, Fraction...; not bool).
+
+    A function rather than an inline ``isinstance``: narrowing a ``float``-annotated argument by
+    ``numbers.Real`` makes mypy invent an intersection type, after which it cannot type the
+    attributes of the class being built.
+    """
+    return not isinstance(value, bool) and isinstance(value, numbers.Real)
