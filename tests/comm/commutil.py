@@ -222,6 +222,43 @@ def sweep(rank: int, ws: int, engine: str) -> List[str]:
     return bad
 
 
+def inplace_results(rank: int, ws: int, engine: str) -> List[Any]:
+    """Every in-place form with ``async_op=True``, on every rank (also the root of a rooted one):
+    (name, whether ``result()`` is the tensor it was given, the tensor's values after ``wait()``)."""
+    os.environ["TRAINLOOM_CPU_ENGINE"] = "auto" if engine == "shm" else engine
+    C.init_process_group(timeout=30)
+    full = lambda: torch.arange(2.0 * ws) + 10 * rank  # noqa: E731  two elements per rank
+    calls = [
+        ("allreduce_inplace", full(), lambda t: C.allreduce_inplace(t, async_op=True)),
+        ("reduce_inplace", full(), lambda t: C.reduce_inplace(t, dst=0, async_op=True)),
+        ("reduce_scatter_inplace", full(), lambda t: C.reduce_scatter_inplace(t, async_op=True)),
+        ("broadcast", full(), lambda t: C.broadcast(t, src=0, async_op=True)),
+        ("allgather_inplace", full(), lambda t: C.allgather_inplace(t, async_op=True)),
+        ("alltoall_inplace", full(), lambda t: C.alltoall_inplace(t, async_op=True)),
+        (
+            "alltoall_v_inplace",
+            full(),
+            lambda t: C.alltoall_v_inplace(t, [2] * ws, [2 * j for j in range(ws)], async_op=True),
+        ),
+    ]
+    for root in range(ws):  # the rooted forms take a whole tensor on the root and a chunk elsewhere
+        t = full() if rank == root else torch.full((2,), -1.0)
+        calls.append(
+            (f"scatter_inplace src={root}", t, lambda t, r=root: C.scatter_inplace(t, 2, r, async_op=True))
+        )
+        t = full() if rank == root else full()[2 * rank : 2 * rank + 2]
+        calls.append(
+            (f"gather_inplace dst={root}", t, lambda t, r=root: C.gather_inplace(t, 2, r, async_op=True))
+        )
+    out: List[Any] = []
+    for name, t, call in calls:
+        w = call(t)
+        w.wait()
+        out.append((name, w.result() is t, t.tolist()))
+    C.destroy_process_group()
+    return out
+
+
 def features(rank: int, ws: int, engine: str) -> Dict[str, Any]:
     """Async Work, non-contiguous views, empty tensors, groups, hierarchical allreduce."""
     os.environ["TRAINLOOM_CPU_ENGINE"] = "auto" if engine == "shm" else engine

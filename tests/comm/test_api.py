@@ -66,6 +66,18 @@ def test_launch_env_errors_name_the_missing_variable(clean_env):
         read_launch_env()
 
 
+def test_getters_before_init_name_themselves_in_launch_errors(clean_env):
+    """get_rank() and the other getters read the environment before init; their errors used to
+    start with "init_process_group:"."""
+    clean_env.setenv("RANK", "0")
+    for getter in (C.get_rank, C.get_world_size, C.get_local_rank, C.get_local_size):
+        with pytest.raises(
+            ConfigError,
+            match=rf"^{getter.__name__}: WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE not set, but RANK is\. ",
+        ):
+            getter()
+
+
 def test_launch_env_master_only_with_explicit_rank_leaves_the_node_layout_to_the_rendezvous(clean_env):
     """The early launchers set MASTER_ADDR/MASTER_PORT and pass rank=/world_size= (no LOCAL_*)."""
     clean_env.setenv("MASTER_ADDR", "127.0.0.1")
@@ -180,6 +192,28 @@ def test_world_size_one_every_collective(world1):
     col = torch.zeros(3, 2)
     C.allgather(torch.ones(3), col[:, 1])
     assert col.tolist() == [[0, 1], [0, 1], [0, 1]]
+
+
+def test_world1_output_overlapping_a_strided_input_gets_the_input_as_it_was(world1):
+    """``x[0::2]`` spans 7 elements of ``x``, not 4: the overlap test used to measure it as 4, so the
+    copy into ``x[4:8]`` read elements it had already written ([0, 2, 0, 0] instead of [0, 2, 4, 6])."""
+    calls = {
+        "allreduce": lambda s, r: C.allreduce(s, r),
+        "reduce": lambda s, r: C.reduce(s, r, dst=0),
+        "reduce_scatter": lambda s, r: C.reduce_scatter(s, r),
+        "allgather": lambda s, r: C.allgather(s, r),
+        "gather": lambda s, r: C.gather(s, r, dst=0),
+        "scatter": lambda s, r: C.scatter(s, r, src=0),
+        "alltoall": lambda s, r: C.alltoall(s, r),
+        "alltoall_v": lambda s, r: C.alltoall_v(s, [4], [0], r, [4], [0]),
+    }
+    for name, call in calls.items():
+        x = torch.arange(8.0)
+        call(x[0::2], x[4:8])
+        assert x.tolist() == [0, 1, 2, 3, 0, 2, 4, 6], name
+        x = torch.arange(8.0)
+        call(x[4:8], x[1::2])  # the output strided, over the input
+        assert x.tolist() == [0, 4, 2, 5, 4, 6, 6, 7], name
 
 
 def test_bad_arguments_raise_before_any_engine(world1):

@@ -16,6 +16,7 @@ from commutil import (
     engines,
     features,
     gloo_p2p_mismatch,
+    inplace_results,
     late_p2p_peer,
     late_rank,
     mismatches,
@@ -46,6 +47,42 @@ def test_every_collective_matches_torch_distributed(engine, ws):
     res = run_ranks(sweep, ws, engine, timeout=150)
     assert res == [[]] * ws, "\n".join(line for r in res for line in r[:20])
     assert shm_segments() == before  # nothing left in /dev/shm
+
+
+def _expected_inplace(ws: int, rank: int) -> dict:
+    """What each call of commutil.inplace_results leaves in this rank's tensor."""
+    full = [[float(i + 10 * r) for i in range(2 * ws)] for r in range(ws)]
+    chunk = lambda r, j: full[r][2 * j : 2 * j + 2]  # noqa: E731
+    total = [sum(full[r][i] for r in range(ws)) for i in range(2 * ws)]
+    mine = full[rank]
+    want = {
+        "allreduce_inplace": total,
+        "reduce_inplace": total if rank == 0 else mine,
+        "reduce_scatter_inplace": mine[: 2 * rank] + total[2 * rank : 2 * rank + 2] + mine[2 * rank + 2 :],
+        "broadcast": full[0],
+        "allgather_inplace": [x for r in range(ws) for x in chunk(r, r)],
+        "alltoall_inplace": [x for r in range(ws) for x in chunk(r, rank)],
+        "alltoall_v_inplace": [x for r in range(ws) for x in chunk(r, rank)],
+    }
+    for root in range(ws):
+        want[f"scatter_inplace src={root}"] = mine if rank == root else chunk(root, rank)
+        gathered = [x for r in range(ws) for x in chunk(r, r)]
+        want[f"gather_inplace dst={root}"] = gathered if rank == root else chunk(rank, rank)
+    return want
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_every_inplace_form_returns_its_own_tensor_as_the_result(engine):
+    """``result()`` of an in-place form's Work is the tensor it was given, on every rank. On the
+    source rank, scatter_inplace's used to be a scratch chunk."""
+    ws = 2
+    res = run_ranks(inplace_results, ws, engine, timeout=90)
+    for rank, r in enumerate(res):
+        want = _expected_inplace(ws, rank)
+        assert [name for name, _, _ in r] == list(want)
+        for name, is_own, values in r:
+            assert is_own, (rank, name)
+            assert values == want[name], (rank, name)
 
 
 @pytest.mark.parametrize("engine", ENGINES)

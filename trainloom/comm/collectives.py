@@ -1048,13 +1048,18 @@ def _allgather_staged(
     return _go(c, name, _where(s), lambda e: e.allgather(sc, rc), async_op, result, st, (sc, rc), (s,))
 
 
+def _span(t: torch.Tensor) -> int:
+    """Bytes from ``t``'s first element to the end of its last one, strides included (a strided view
+    such as ``x[0::2]`` reaches past ``numel * element_size``; torch has no negative strides)."""
+    return (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size()
+
+
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory ranges of ``a`` and ``b`` intersect (a conservative test for aliasing)."""
     if a.device != b.device or a.numel() == 0 or b.numel() == 0:
         return False
     a0, b0 = a.data_ptr(), b.data_ptr()
-    a1 = a0 + a.numel() * a.element_size()
-    b1 = b0 + (b.numel() * b.element_size() if b.is_contiguous() else b.untyped_storage().nbytes())
-    return a0 < b1 and b0 < a1
+    return a0 < b0 + _span(b) and b0 < a0 + _span(a)
 
 
 def allgather_inplace(tensor: torch.Tensor, comm: CommArg = None, async_op: bool = False) -> Optional[Work]:
@@ -1263,9 +1268,10 @@ def _scatter_staged(
     sr: int,
     async_op: bool,
     st: _Staged,
+    result: Optional[torch.Tensor] = None,
 ) -> Optional[Work]:
     """:func:`scatter` of checked arguments (``s`` is used on ``sr`` only), staged by ``st`` (see
-    :func:`_reduce_scatter_staged`)."""
+    :func:`_reduce_scatter_staged`); the Work's ``result()`` is ``result``, by default ``r``."""
     if c.rank() == sr and s is not None:
         sc = st.input(s)
         if _overlaps(sc, r):
@@ -1273,7 +1279,8 @@ def _scatter_staged(
     else:
         sc = torch.empty(0, dtype=r.dtype, device=r.device)
     rc = st.output(r, load=False)
-    return _go(c, name, _where(r), lambda e: e.scatter(sc, rc, sr), async_op, r, st, (sc, rc), (r, -1, sr))
+    out = r if result is None else result
+    return _go(c, name, _where(r), lambda e: e.scatter(sc, rc, sr), async_op, out, st, (sc, rc), (r, -1, sr))
 
 
 def scatter_inplace(
@@ -1311,8 +1318,12 @@ def scatter_inplace(
     n = c.nranks()
     if c.rank() == s:
         _numel(t, n * k, "tensor", name, f"on src: nranks={n} * count={k}")
+        if n == 1:
+            return _local(async_op, t, lambda: None)
+        # Rank src's chunk is already in place: the engine writes it into a scratch chunk, and the
+        # Work's result() is still the caller's tensor.
         own = torch.empty(k, dtype=t.dtype, device=t.device)
-        return scatter(t, own, s, c, async_op)  # rank src's chunk is already in place
+        return _scatter_staged(c, name, t, own, s, async_op, _Staged(name), result=t)
     _numel(t, k, "tensor", name, "count, on ranks other than src")
     return scatter(t, t, s, c, async_op)
 

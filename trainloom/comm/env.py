@@ -82,6 +82,7 @@ def read_launch_env(
     world_size: Optional[int] = None,
     local_world_size: Optional[int] = None,
     need_master: bool = True,
+    caller: str = "init_process_group",
 ) -> LaunchEnv:
     """Read the torchrun variables, with explicit overrides.
 
@@ -91,6 +92,7 @@ def read_launch_env(
         local_world_size: overrides LOCAL_WORLD_SIZE (LOCAL_RANK then defaults to
             ``rank % local_world_size``).
         need_master: MASTER_ADDR/MASTER_PORT are required (False when the caller brings a store).
+        caller: the function named at the start of error messages.
 
     Returns:
         The launch environment.
@@ -136,13 +138,13 @@ def read_launch_env(
     if missing:
         present = sorted(set(env) | {k for k, v in overrides.items() if v is not None})
         raise ConfigError(
-            f"init_process_group: {', '.join(missing)} not set, but {', '.join(present)} "
+            f"{caller}: {', '.join(missing)} not set, but {', '.join(present)} "
             f"{'is' if len(present) == 1 else 'are'}. Launch with torchrun (which sets "
             f"{', '.join(LAUNCH_VARS)}), set the missing variables, or pass rank=/world_size=/"
             "local_world_size= explicitly"
         )
     if r is None or w is None:  # unreachable: both are in LAUNCH_VARS and were checked above
-        raise ConfigError("init_process_group: RANK and WORLD_SIZE are required")
+        raise ConfigError(f"{caller}: RANK and WORLD_SIZE are required")
     if w < 1:
         raise ConfigError(f"world_size must be >= 1, got {w}")
     if not 0 <= r < w:
@@ -188,7 +190,7 @@ def get_rank() -> int:
     pg = _default_group()
     if pg is not None:
         return pg.rank
-    return read_launch_env(need_master=False).rank
+    return read_launch_env(need_master=False, caller="get_rank").rank
 
 
 def get_world_size() -> int:
@@ -204,7 +206,7 @@ def get_world_size() -> int:
     pg = _default_group()
     if pg is not None:
         return pg.world_size
-    return read_launch_env(need_master=False).world_size
+    return read_launch_env(need_master=False, caller="get_world_size").world_size
 
 
 def get_local_rank() -> int:
@@ -221,7 +223,7 @@ def get_local_rank() -> int:
 
     if group._STATE.launch is not None:
         return group._STATE.launch.local_rank
-    return read_launch_env(need_master=False).local_rank
+    return read_launch_env(need_master=False, caller="get_local_rank").local_rank
 
 
 def get_local_size() -> int:
@@ -238,7 +240,7 @@ def get_local_size() -> int:
 
     if group._STATE.launch is not None:
         return group._STATE.launch.local_world_size
-    return read_launch_env(need_master=False).local_world_size
+    return read_launch_env(need_master=False, caller="get_local_size").local_world_size
 
 
 def get_default_bucket_size() -> int:
