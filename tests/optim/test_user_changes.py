@@ -203,6 +203,39 @@ def test_step_routed_to_fuse_step_then_an_lr_scheduler() -> None:
     assert_bitwise(list(ref.parameters()), list(fus.parameters()))
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, fused=True),
+        lambda ps: torch.optim.Adam(ps, lr=0.01, fused=True),
+    ],
+    ids=["sgd", "adam"],
+)
+def test_grad_scaler_after_unscaled_steps_unscales_and_skips_inf(make: Callable) -> None:
+    """Plain fp32 steps first (fuse_step caches its fast path), then GradScaler: the fast path used to
+    replay the kernels, which neither divide by the scale nor skip a step whose gradients hold inf."""
+    ref, fus = _model(), _model()
+    opt_r = make(list(ref.parameters()))
+    opt_f = fuse_optimizer(make(list(fus.parameters())))
+    opt_f.step = opt_f.fuse_step
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(4))
+    scalers = [torch.amp.GradScaler("cpu", init_scale=1024.0) for _ in range(2)]
+    for loss_scale in (None, None, None, 1.0, 1.0, float("inf"), 1.0):
+        for m, o, scaler in ((ref, opt_r, scalers[0]), (fus, opt_f, scalers[1])):
+            o.zero_grad()
+            loss = m(x).square().sum()
+            if loss_scale is None:
+                loss.backward()
+                o.step()
+            else:
+                scaler.scale(loss * loss_scale).backward()
+                scaler.step(o)
+                scaler.update()
+        assert_bitwise(list(ref.parameters()), list(fus.parameters()))
+        assert all(p.isfinite().all() for p in fus.parameters())
+    assert scalers[0].get_scale() == scalers[1].get_scale() == 512.0  # the inf step halved it
+
+
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_untouched_state_keeps_the_fast_path(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # The state check must not fail on state nobody touched: torch itself re-assigns SGD's

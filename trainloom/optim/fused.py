@@ -1113,6 +1113,9 @@ def _step_fast(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> bool:
     fast = info.fast
     if fast is None:
         return False
+    if _scaled(optimizer):  # GradScaler's unscale and skip happen in torch's step; see _kernel_for
+        info.fast = None
+        return False
     state = optimizer.state
     groups = optimizer.param_groups
     # State cleared, deleted, replaced or emptied by hand, or a state tensor replaced (a warm
@@ -1895,13 +1898,19 @@ def _same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
     return torch.equal(x.contiguous().view(ints), y.contiguous().view(ints))
 
 
+def _scaled(opt: Any) -> bool:
+    """Whether a GradScaler handed this step its scale and inf flag (fused torch optimizers): torch's
+    step then divides the gradients by the scale and skips the update on inf, which no kernel does."""
+    return getattr(opt, "grad_scale", None) is not None or getattr(opt, "found_inf", None) is not None
+
+
 def _kernel_for(opt: Any, group: Dict[str, Any], b: _Bucket) -> Optional[_Kernel]:
     """The compiled kernel that reproduces this group's configured torch path, if any."""
     if b.device.type != "cpu" or b.dtype not in (torch.float32, torch.float64):
         return None
     if group.get("differentiable") or group.get("capturable"):
         return None
-    if getattr(opt, "grad_scale", None) is not None or getattr(opt, "found_inf", None) is not None:
+    if _scaled(opt):
         return None
     if isinstance(opt, torch.optim.SGD):
         if not all(_is_float(group[k]) for k in ("lr", "momentum", "dampening", "weight_decay")):
