@@ -375,3 +375,57 @@ def test_a_parameter_held_by_a_deleted_fused_optimizer_is_fused_by_the_next():
         warnings.simplefilter("error")  # no "already in the flat buffers" warning
         second = fuse_optimizer(torch.optim.SGD(m.parameters(), lr=0.1))
     assert sum(b.numel() for b in flat_buffers(second, "param")) >= sum(p.numel() for p in m.parameters())
+
+
+# ------------------------------------------------------------------------ one parameter listed twice
+_DUPLICATE_WARNING = (
+    "fuse_optimizer: a parameter listed more than once in the optimizer's param groups (torch warns "
+    "about this and updates it once per listing) stays where it is, and torch updates it per tensor, as "
+    "often as it is listed (not fused). The listings: param group 0 parameter 0 (shape (5, 6)), "
+    "{second} (shape (5, 6))."
+)
+_SECOND_LISTING = {
+    "one group": "param group 0 parameter 4",
+    "two groups": "param group 1 parameter 0",
+    "appended after fusing": "param group 0 parameter 4",
+}
+
+
+@pytest.mark.parametrize("where", list(_SECOND_LISTING))
+@pytest.mark.parametrize(
+    "make",
+    [lambda g: torch.optim.SGD(g, lr=0.1, momentum=0.9), lambda g: torch.optim.Adam(g, lr=0.01)],
+    ids=["sgd", "adam"],
+)
+def test_a_parameter_listed_twice_is_updated_twice_as_torch_does(where: str, make: Callable) -> None:
+    """torch warns about a duplicate parameter and steps it once per listing; fuse_step used to put it
+    in the flat buffer once and step it once."""
+
+    def run(fuse: bool) -> torch.nn.Module:
+        m = _model()
+        w = m[0].weight
+        params = list(m.parameters())  # w first
+        groups: Any = [{"params": params + [w] if where == "one group" else params}]
+        if where == "two groups":  # torch refuses this at construction, not when appended
+            groups.append({"params": [], "lr": 0.05})
+        opt = make(groups)
+        if where == "two groups":
+            opt.param_groups[1]["params"].append(w)
+        if fuse:
+            opt = fuse_optimizer(opt)
+        x = torch.randn(8, 6, generator=torch.Generator().manual_seed(2))
+        for step in range(4):
+            if where == "appended after fusing" and step == 2:
+                opt.param_groups[0]["params"].append(w)
+            opt.zero_grad()
+            m(x).pow(2).sum().backward()
+            (opt.fuse_step if fuse else opt.step)()
+        return m
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        want = run(False)
+        got = run(True)
+    assert_bitwise(list(got.parameters()), list(want.parameters()))
+    ours = [str(x.message) for x in caught if str(x.message).startswith("fuse_optimizer")]
+    assert ours == [_DUPLICATE_WARNING.format(second=_SECOND_LISTING[where])]

@@ -349,6 +349,7 @@ class _FusedInfo:
         self.outside: List[List[torch.Tensor]] = []
         self.warned_shared = False
         self.warned_shm = False
+        self.warned_duplicate = False
         # id() of the parameters whose memory overlaps another's (found when the optimizer is fused
         # or re-fused, not per step: ~6 us a parameter)
         self.shared: set = set()
@@ -625,10 +626,18 @@ def _build(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> None:
     for b in info.buckets:
         b.remove_hooks()
     info.buckets = []
-    shared = info.shared = _overlapping([p for g in optimizer.param_groups for p in g["params"]])
+    listed = [p for g in optimizer.param_groups for p in g["params"]]
+    shared = info.shared = _overlapping(listed)
     if shared:
         _warn_left_out(optimizer, info, "shared", shared)
     seen: set = set(shared)
+    # A parameter listed twice (torch warns, then updates it once per listing): one flat view cannot
+    # be updated twice by one kernel run, so torch steps it per tensor, as often as it is listed.
+    once: set = set()
+    twice = {id(p) for p in listed if id(p) in once or once.add(id(p))}
+    if twice:
+        _warn_left_out(optimizer, info, "duplicate", twice)
+    seen |= twice
     in_shm = {
         id(p)
         for g in optimizer.param_groups
@@ -736,6 +745,12 @@ def _warn_left_out(
             "them into the flat buffers would take them out of it, so the other processes would stop "
             "seeing their updates. They stay where they are and torch updates them per tensor (not "
             f"fused): {names}."
+        )
+    elif reason == "duplicate":
+        text = (
+            "a parameter listed more than once in the optimizer's param groups (torch warns about this "
+            "and updates it once per listing) stays where it is, and torch updates it per tensor, as often "
+            f"as it is listed (not fused). The listings: {names}."
         )
     else:  # "held"
         text = (
