@@ -256,3 +256,35 @@ def test_untouched_state_keeps_the_fast_path(name: str, monkeypatch: pytest.Monk
                 p.grad.copy_(g)
         opt.fuse_step()
     assert taken == [True] * 4  # steps 3-6: the first creates the state, the second records it
+
+
+def test_flat_grad_slot_of_a_parameter_without_gradient_is_zero_for_the_collective() -> None:
+    """DDP-style flow (docs/optim.md), two ranks simulated in one process: rank 1 does not use ``b``
+    in the second step, so after zero_grad() its b.grad is None. Its slot in the flat buffer used to
+    keep the first step's gradient (10), which the average then mixed into rank 0's."""
+
+    def rank():
+        ps = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3))]
+        return ps, fuse_optimizer(torch.optim.SGD(ps, lr=1.0))
+
+    ranks = [rank(), rank()]
+    for step in range(2):
+        for r, (ps, opt) in enumerate(ranks):
+            opt.zero_grad()
+            uses_b = not (step == 1 and r == 1)
+            (ps[0].sum() + (ps[1].sum() * 10.0 if uses_b else 0.0)).backward()
+        flats = [flat_buffers(opt, "grad")[0] for _, opt in ranks]
+        if step == 1:
+            b1 = ranks[1][0][1]
+            assert b1.grad is None
+            # a's three ones, zero padding, and zeros where b's slot is
+            assert flats[1].abs().sum().item() == 3.0 and flats[1].numel() > 6
+        avg = (flats[0] + flats[1]) / 2  # what allreduce_inplace(flat, op=AVG) leaves on each rank
+        for f in flats:
+            f.copy_(avg)
+        for _, opt in ranks:
+            opt.fuse_step()
+    a0, b0 = ranks[0][0]
+    assert a0.tolist() == [-2.0] * 3
+    assert b0.tolist() == [-15.0] * 3  # -10 (step 0), then -(10 + 0) / 2
+    assert ranks[1][0][1].tolist() == [-10.0] * 3  # skipped in step 1, as torch skips grad None

@@ -235,6 +235,12 @@ def flat_buffers(optimizer: torch.optim.Optimizer, kind: str = "grad") -> List[t
         optimizer: an optimizer returned by :func:`fuse_optimizer` with ``do_flatten=True``.
         kind: ``"grad"`` or ``"param"``.
 
+    A fused parameter without a gradient (``p.grad`` None: ``zero_grad()`` ran and this backward did
+    not reach it) has zeros in its slot of the ``"grad"`` buffers when this returns; the slot would
+    otherwise still hold its last gradient, and a collective would mix that into the other ranks'
+    gradients. The average over ranks is then what DDP computes; ``fuse_step`` still skips the
+    parameter on a rank where its ``p.grad`` is None, as torch does.
+
     Returns:
         1-D tensors. Alignment padding between views is always zero in ``"grad"`` buffers.
 
@@ -251,7 +257,13 @@ def flat_buffers(optimizer: torch.optim.Optimizer, kind: str = "grad") -> List[t
     if moved is not None:
         _sync(optimizer, info, moved)
     _adopt_unfrozen(info)  # no hooked parameter may have run a backward to do it
-    return [b.flat_grad if kind == "grad" else b.flat_param for b in info.buckets]
+    if kind == "param":
+        return [b.flat_param for b in info.buckets]
+    for b in info.buckets:
+        _scan(b, optimizer.state, light=True)
+        for i in np.flatnonzero(b.status == 1):  # p.grad is None: its slot holds a stale gradient
+            b.grad_views[i].zero_()
+    return [b.flat_grad for b in info.buckets]
 
 
 # --------------------------------------------------------------------------------------------
