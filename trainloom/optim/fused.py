@@ -1759,8 +1759,12 @@ _PROBE_LOCK = threading.RLock()
 _PROBING = threading.local()
 
 
-def _flavour(group: Dict[str, Any]) -> str:
-    """Which of torch's code paths a group takes: "fused", "foreach" or "loop"."""
+def _flavour(group: Dict[str, Any], foreach_first: bool = False) -> str:
+    """Which of torch's code paths a group takes: "fused", "foreach" or "loop". With both flags set
+    (the constructors refuse that, but param_groups can be edited) torch's adam() takes fused and
+    its sgd() takes foreach (``foreach_first``)."""
+    if group.get("foreach") and foreach_first:
+        return "foreach"
     if group.get("fused"):
         return "fused"
     return "foreach" if group.get("foreach") else "loop"
@@ -1942,9 +1946,10 @@ def _kernel_for(opt: Any, group: Dict[str, Any], b: _Bucket) -> Optional[_Kernel
     if isinstance(opt, torch.optim.SGD):
         if not all(_is_float(group[k]) for k in ("lr", "momentum", "dampening", "weight_decay")):
             return None
-        if not _kernel_verified("sgd", _flavour(group), b.dtype):
+        flavour = _flavour(group, foreach_first=True)
+        if not _kernel_verified("sgd", flavour, b.dtype):
             return None
-        return _SgdKernel(bool(group.get("fused")))
+        return _SgdKernel(flavour == "fused")
     if isinstance(opt, torch.optim.Adam):
         betas = group["betas"]
         if not all(
