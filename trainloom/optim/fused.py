@@ -19,6 +19,7 @@ torch's own code runs instead.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import ctypes
@@ -645,8 +646,8 @@ def _build(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> None:
     seen: set = set(shared)
     # A parameter listed twice (torch warns, then updates it once per listing): one flat view cannot
     # be updated twice by one kernel run, so torch steps it per tensor, as often as it is listed.
-    once: set = set()
-    twice = {id(p) for p in listed if id(p) in once or once.add(id(p))}
+    listings = collections.Counter(id(p) for p in listed)
+    twice = {i for i, k in listings.items() if k > 1}
     if twice:
         _warn_left_out(optimizer, info, "duplicate", twice)
     seen |= twice
