@@ -1071,6 +1071,36 @@ def test_complexity_fn_non_number_names_index_and_type(value, name):
         LoadBalancingDistributedSampler(ds, complexity_fn=lambda x: value if x == 2 else 1)
 
 
+def test_complexities_beyond_int64_and_zero_d_arrays_are_numbers():
+    """numpy makes an object array of Python ints beyond int64, and complexity_fn may return a 0-d
+    array: both used to be refused ("got dtype object", "returned ndarray") though complexity_fn's
+    ints and 0-d tensors were accepted."""
+    big = [2**64 + 3, 2**64 + 1, 2**65, 5]
+    want = np.array(big, dtype=np.float64)
+    got = LoadBalancingDistributedSampler(None, complexities=big, num_replicas=2, rank=0)
+    assert np.array_equal(got.complexities, want)
+    assert np.array_equal(
+        LoadBalancingDistributedSampler(big, complexity_fn=lambda x: x, num_replicas=2, rank=0).complexities,
+        want,
+    )
+    s = LoadBalancingDistributedSampler([3, 1, 2], complexity_fn=np.array, num_replicas=1, rank=0)
+    assert s.complexities.tolist() == [3.0, 1.0, 2.0]
+    with pytest.raises(ConfigError, match=r"complexity_fn returned bool at index 0; it must return a real"):
+        LoadBalancingDistributedSampler([True], complexity_fn=np.array, num_replicas=1, rank=0)
+    with pytest.raises(ConfigError, match=r"complexities hold an int too large for a float64$"):
+        LoadBalancingDistributedSampler(None, complexities=[10**400, 1], num_replicas=1, rank=0)
+    with pytest.raises(
+        ConfigError, match=r"complexities\[1\] is NoneType; complexities must be real numbers$"
+    ):
+        LoadBalancingDistributedSampler(None, complexities=[2**70, None], num_replicas=1, rank=0)
+    with pytest.raises(
+        ConfigError,
+        match=r"complexities must be a sequence or an array with one number per sample, got the iterator "
+        r"generator; pass list\(\.\.\.\) of it$",
+    ):
+        LoadBalancingDistributedSampler(None, complexities=(x for x in [3, 1, 2]), num_replicas=1, rank=0)
+
+
 @pytest.mark.parametrize("rank", [-1, 4, 9])
 def test_rank_outside_range(rank):
     with pytest.raises(ConfigError, match=rf"rank {rank} is outside \[0, 4\) for num_replicas=4"):

@@ -18,6 +18,7 @@ Python only validates, chooses the policy and slices the result.
 
 from __future__ import annotations
 
+import collections.abc
 import hashlib
 import logging
 import math
@@ -155,10 +156,17 @@ def _as_complexities(values: Any, n_expected: Optional[int], who: str) -> Tuple[
         if values.dtype == torch.bfloat16:  # numpy has no bfloat16; float32 holds every value
             values = values.float()
         values = values.numpy()
+    if isinstance(values, collections.abc.Iterator):
+        raise ConfigError(
+            f"{who}: complexities must be a sequence or an array with one number per sample, got the "
+            f"iterator {type(values).__name__}; pass list(...) of it"
+        )
     try:
         arr = np.asarray(values)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{who}: complexities must be a 1-D array of numbers ({exc})") from exc
+    if arr.dtype == np.object_ and arr.ndim == 1:
+        arr = _object_complexities(arr, who)  # e.g. Python ints beyond int64, or mixed int/float
     if arr.dtype == np.bool_ or not (
         np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)
     ):
@@ -183,6 +191,20 @@ def _as_complexities(values: Any, n_expected: Optional[int], who: str) -> Tuple[
     return own, True
 
 
+def _object_complexities(arr: np.ndarray, who: str) -> np.ndarray:
+    """A 1-D object array of real numbers (as numpy makes of Python ints beyond int64) as float64,
+    checked one by one as complexity_fn's results are; anything else is left to the dtype error."""
+    for i, v in enumerate(arr):
+        if not is_real(v):
+            raise ConfigError(
+                f"{who}: complexities[{i}] is {type(v).__name__}; complexities must be real numbers"
+            )
+    try:
+        return arr.astype(np.float64)
+    except OverflowError:
+        raise ConfigError(f"{who}: complexities hold an int too large for a float64") from None
+
+
 def _complexities_from_fn(dataset: Any, fn: Callable[[Any], Any], who: str) -> np.ndarray:
     n = len(dataset)
     out = np.empty(n, dtype=np.float64)
@@ -195,6 +217,8 @@ def _complexities_from_fn(dataset: Any, fn: Callable[[Any], Any], who: str) -> n
             ) from exc
         if isinstance(v, torch.Tensor) and v.numel() == 1 and not v.is_complex() and v.dtype != torch.bool:
             v = v.item()
+        elif isinstance(v, np.ndarray) and v.ndim == 0:  # e.g. np.array(n); .item() of a bool array is
+            v = v.item()  # a bool, which is_real refuses, as it refuses a bool tensor above
         if not is_real(v):
             raise ConfigError(
                 f"{who}: complexity_fn returned {type(v).__name__} at index {i}; "
