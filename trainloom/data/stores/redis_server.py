@@ -9,16 +9,17 @@ A server trainloom starts:
 * dies with the process that started it, also when that process is killed: the child sets
   ``PR_SET_PDEATHSIG`` (SIGKILL) before ``exec``, and checks that its parent is still the one that
   forked it (closing the race where the parent died before ``prctl``). On a normal exit the server is
-  stopped by ``atexit``.
+  stopped by a ``multiprocessing.util.Finalize`` that runs after the cache's exit flush (see
+  :data:`_EXIT_PRIORITY`).
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import ctypes
 import functools
 import logging
+import multiprocessing.util
 import os
 import queue
 import secrets
@@ -29,10 +30,11 @@ import subprocess
 import tempfile
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from trainloom._locate import find_redis_server
 from trainloom.data.stores.base import StoreError
+from trainloom.errors import ConfigError
 
 __all__ = ["RedisServer", "free_port"]
 
@@ -40,6 +42,13 @@ log = logging.getLogger("trainloom.data")
 _PR_SET_PDEATHSIG = 1
 _RUNNING: List[RedisServer] = []
 _RUNNING_LOCK = threading.Lock()
+#: ``exitpriority`` of the ``multiprocessing.util.Finalize`` that stops this process's servers at exit.
+#: Finalizers run highest priority first: the cache's exit flush has 10, so it still reaches the server
+#: (an ``atexit`` stop ran first and the flush found "Connection refused"). Negative priorities run last,
+#: after ``multiprocessing`` has joined this process's non-daemonic children, whose exits may flush too.
+_EXIT_PRIORITY = -10
+#: The pid whose exit finalizer is registered (a forked child registers its own).
+_EXIT_HOOK_PID = -1
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -120,7 +129,19 @@ def _stop_all() -> None:
         s.stop()
 
 
-atexit.register(_stop_all)
+def _stop_all_at_exit() -> None:
+    """Register :func:`_stop_all` to run at this process's exit (once per process; call with
+    ``_RUNNING_LOCK`` held).
+
+    ``multiprocessing.util.Finalize``, not ``atexit``: the cache flushes its buffers at exit from a
+    ``Finalize`` (the only hook that also runs in DataLoader workers), and ``multiprocessing`` runs all of
+    them from one ``atexit`` handler registered when it was first imported, so a later ``atexit`` handler
+    would run before every flush.
+    """
+    global _EXIT_HOOK_PID
+    if _EXIT_HOOK_PID != os.getpid():
+        multiprocessing.util.Finalize(None, _stop_all, exitpriority=_EXIT_PRIORITY)
+        _EXIT_HOOK_PID = os.getpid()
 
 
 class RedisServer:
@@ -186,56 +207,59 @@ class RedisServer:
         """``{"host", "port", "password"}`` for :class:`RedisStore` ``hosts=``."""
         return {"host": self.host, "port": self.port, "password": self.password}
 
+    def _free_port(self) -> int:
+        try:
+            return free_port(self.host)
+        except OSError as exc:  # socket.gaierror too (a name that does not resolve)
+            raise ConfigError(
+                f"RedisServer: cannot listen on bind={self.bind!r}: binding a socket to {self.host!r} "
+                f"failed ({exc}); pass an address of one of this machine's interfaces (the node's private "
+                "address for multi-node use) or '127.0.0.1'"
+            ) from exc
+
     def start(self) -> RedisServer:
-        """Start the server and wait until it answers; retries once on a port race."""
+        """Start the server and wait until it answers; retries once on a port race.
+
+        Raises:
+            ConfigError: ``bind`` is not an address of this machine.
+            StoreError: the server exited, or did not answer PING within ``startup_timeout`` seconds
+                (it is then stopped and its directory removed).
+        """
         last = ""
+        requested = self.port
         for _attempt in range(3):
-            port = self.port or free_port(self.host)
+            port = self.port or self._free_port()
             self._dir = tempfile.mkdtemp(prefix="trainloom-redis-")
-            argv = [
-                self.binary,
-                "--port", str(port),
-                "--bind", self.bind,
-                "--requirepass", self.password,
-                "--daemonize", "no",
-                "--save", "",
-                "--appendonly", "no",
-                "--dir", self._dir,
-                "--maxmemory", str(self.maxmemory),
-                "--maxmemory-policy", self.maxmemory_policy,
-                "--protected-mode", "yes",
-                "--loglevel", "warning",
-            ]  # fmt: skip
-            if self.proto_max_bulk_len is not None:
-                argv += ["--proto-max-bulk-len", str(self.proto_max_bulk_len)]
-            parent = os.getpid()
-            log_path = os.path.join(self._dir, "redis.log")
-            with open(log_path, "wb") as logf:
-                self.proc = _spawner().call(
-                    functools.partial(
-                        subprocess.Popen,
-                        argv,
-                        stdin=subprocess.DEVNULL,
-                        stdout=logf,
-                        stderr=subprocess.STDOUT,
-                        preexec_fn=functools.partial(_die_with_parent, _prctl(), parent),
-                        close_fds=True,
+            ready = False
+            try:
+                failure = self._launch(port, self._dir)
+                if failure is None:
+                    ready = True
+                    # Nothing is left on disk even if this job is SIGKILLed: the server keeps its open
+                    # log descriptor, and with no RDB/AOF it never writes into its (now deleted) directory.
+                    shutil.rmtree(self._dir, ignore_errors=True)
+                    self._dir = None
+                    with _RUNNING_LOCK:
+                        _RUNNING.append(self)
+                        _stop_all_at_exit()
+                    pid = self.proc.pid if self.proc is not None else None
+                    log.info("started redis-server pid %s on %s:%d", pid, self.host, port)
+                    return self
+                exited, exc = failure
+                last = self._log_tail()
+                if not exited:
+                    why = f"last error: {type(exc).__name__}: {exc}" if exc is not None else "no answer"
+                    tail = f"; its log: {last.strip()}" if last.strip() else ""
+                    raise StoreError(
+                        f"redis-server ({self.binary}) on {self.host}:{port} did not answer PING within "
+                        f"startup_timeout={self.startup_timeout:g}s ({why}); it was stopped. Raise "
+                        f"startup_timeout= on a slow machine{tail}",
+                        backend="redis",
                     )
-                )
-            self.port = port
-            if self._wait_ready(port):
-                # Nothing is left on disk even if this job is SIGKILLed: the server keeps its open log
-                # descriptor, and with no RDB/AOF it never writes into its (now deleted) directory.
-                shutil.rmtree(self._dir, ignore_errors=True)
-                self._dir = None
-                with _RUNNING_LOCK:
-                    _RUNNING.append(self)
-                log.info("started redis-server pid %d on %s:%d", self.proc.pid, self.host, port)
-                return self
-            with contextlib.suppress(OSError):
-                with open(log_path, "rb") as fh:
-                    last = fh.read()[-2000:].decode("utf-8", "replace")
-            self._kill()
+            finally:
+                if not ready:  # never leave a half-started child or its directory behind
+                    self._kill()
+                    self.port = requested
             if "Address already in use" not in last:
                 break
             self.port = None
@@ -243,29 +267,83 @@ class RedisServer:
             f"redis-server ({self.binary}) did not start on {self.host}: {last.strip()}", backend="redis"
         )
 
-    def _wait_ready(self, port: int) -> bool:
+    def _log_tail(self) -> str:
+        if self._dir is None:
+            return ""
+        with contextlib.suppress(OSError):
+            with open(os.path.join(self._dir, "redis.log"), "rb") as fh:
+                return fh.read()[-2000:].decode("utf-8", "replace")
+        return ""
+
+    def _launch(self, port: int, directory: str) -> Optional[Tuple[bool, Optional[BaseException]]]:
+        """Start the child on ``port`` and wait for it: None once it answers, else (whether it exited,
+        the last error of the readiness check)."""
+        argv = [
+            self.binary,
+            "--port", str(port),
+            "--bind", self.bind,
+            "--requirepass", self.password,
+            "--daemonize", "no",
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", directory,
+            "--maxmemory", str(self.maxmemory),
+            "--maxmemory-policy", self.maxmemory_policy,
+            "--protected-mode", "yes",
+            "--loglevel", "warning",
+        ]  # fmt: skip
+        if self.proto_max_bulk_len is not None:
+            argv += ["--proto-max-bulk-len", str(self.proto_max_bulk_len)]
+        parent = os.getpid()
+        with open(os.path.join(directory, "redis.log"), "wb") as logf:
+            self.proc = _spawner().call(
+                functools.partial(
+                    subprocess.Popen,
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=logf,
+                    stderr=subprocess.STDOUT,
+                    preexec_fn=functools.partial(_die_with_parent, _prctl(), parent),
+                    close_fds=True,
+                )
+            )
+        self.port = port
+        return self._wait_ready(port)
+
+    def _wait_ready(self, port: int) -> Optional[Tuple[bool, Optional[BaseException]]]:
+        """PING until the server answers (None), exits or ``startup_timeout`` passes ((exited, last
+        error)). One attempt per client and no retries: redis-py's default retries (with backoff) made
+        one PING of a server that accepts but does not answer take ~9 s, past any deadline."""
         import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
 
         deadline = time.monotonic() + self.startup_timeout
-        client = redis.Redis(
-            host=self.host,
-            port=port,
-            password=self.password,
-            socket_timeout=0.5,
-            socket_connect_timeout=0.5,
-        )
-        try:
-            while time.monotonic() < deadline:
-                if self.proc is None or self.proc.poll() is not None:
-                    return False
-                try:
-                    if client.ping():
-                        return True
-                except redis.exceptions.ConnectionError:
-                    time.sleep(0.02)
-            return False
-        finally:
-            client.close()
+        last: Optional[BaseException] = None
+        while True:
+            if self.proc is None or self.proc.poll() is not None:
+                return True, last
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False, last
+            step = min(0.5, left)
+            client = redis.Redis(
+                host=self.host,
+                port=port,
+                password=self.password,
+                socket_timeout=step,
+                socket_connect_timeout=step,
+                retry=Retry(NoBackoff(), 0),
+                health_check_interval=0,
+            )
+            try:
+                if client.ping():
+                    return None
+            except redis.exceptions.RedisError as exc:  # refused, timed out, still loading...
+                last = exc
+            finally:
+                client.close()
+            time.sleep(max(0.0, min(0.02, deadline - time.monotonic())))
 
     @property
     def alive(self) -> bool:

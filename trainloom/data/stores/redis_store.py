@@ -68,6 +68,11 @@ _QUERYBUF_SLACK = 1 << 10
 # RedisStore of the process (and through the job store, by every rank of the node).
 _NODE_SERVERS: Dict[Any, RedisServer] = {}
 _NODE_LOCK = threading.Lock()
+#: Under torch.distributed: how many ``RedisStore(hosts=None)`` of each (bind, capacity, policy) this
+#: process has made. Every rank counts the same, so the count names the job-store key of one round of
+#: announcements: a key reused across rounds let a rank read the address of a server that local rank 0
+#: had since stopped (``shutdown()``), before rank 0 announced the new one.
+_ROUNDS: Dict[Tuple[str, int, str], int] = {}
 
 
 def _import_redis() -> Any:
@@ -450,7 +455,13 @@ def _start_node_server(bind: str, capacity: int, policy: str, startup_timeout: f
 
 
 def _spawn_hosts(bind: str, capacity: int, policy: str, startup_timeout: float) -> List[Dict[str, Any]]:
-    """One server per node: started by local rank 0, announced through the job's c10d store."""
+    """One server per node: started by local rank 0, announced through the job's c10d store.
+
+    Every rank of the job must make its ``hosts=None`` stores (of each ``bind``, capacity and policy) in
+    the same order, as for a collective: the n-th store of a rank uses the address announced for the
+    n-th store of local rank 0 (a rank with more of them than rank 0 waits for an announcement that
+    never comes, until the job store's timeout).
+    """
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -461,7 +472,9 @@ def _spawn_hosts(bind: str, capacity: int, policy: str, startup_timeout: float) 
     local_rank = int(os.environ.get("LOCAL_RANK", str(dist.get_rank() % max(local_ws, 1))))
     num_nodes = max(world // max(local_ws, 1), 1)
     node = _node_rank()
-    tag = f"trainloom/redis/{bind}/{capacity}/{policy}"
+    with _NODE_LOCK:
+        rnd = _ROUNDS[(bind, capacity, policy)] = _ROUNDS.get((bind, capacity, policy), 0) + 1
+    tag = f"trainloom/redis/{bind}/{capacity}/{policy}/round{rnd}"
     if local_rank == 0:
         addr = _start_node_server(bind, capacity, policy, startup_timeout).address()
         store.set(f"{tag}/node{node}", json.dumps(addr))
@@ -496,6 +509,11 @@ class RedisStore(ClusterStore):
             writes (reported, writes stop); ``allkeys-lru`` evicts instead.
         startup_timeout: seconds to wait for a started server.
 
+    .. warning::
+        Under ``torch.distributed``, every rank must make its ``hosts=None`` stores in the same order
+        (as for a collective): the n-th one of each rank uses the server announced for the n-th one of
+        its node's local rank 0, so that a store made after ``shutdown()`` never gets the stopped server.
+
     Example::
 
         >>> store = RedisStore(hosts=[{"host": "127.0.0.1", "port": port, "password": pw}], namespace="ds")
@@ -520,7 +538,11 @@ class RedisStore(ClusterStore):
         startup_timeout: float = 10.0,
     ) -> None:
         _import_redis()
-        if not isinstance(capacity_per_node, int) or capacity_per_node <= 0:
+        if (
+            not isinstance(capacity_per_node, int)
+            or isinstance(capacity_per_node, bool)
+            or capacity_per_node <= 0
+        ):
             raise ValueError(
                 f"RedisStore: capacity_per_node must be a positive int, got {capacity_per_node!r}"
             )
