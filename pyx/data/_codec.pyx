@@ -15,14 +15,19 @@
 # Only the elements a view covers are written (a 10-element view of a 1M-element tensor costs 40 bytes,
 # not 4 MB as pickle would), and tensors never go through pickle: objects the tree cannot express are
 # pickled with protocol 5, but every tensor/array inside them is pulled out through persistent_id and
-# stored raw in the data section like any other array.
+# stored raw in the data section like any other array. Tensor subclasses (torchvision's tv_tensors,
+# your `class Image(torch.Tensor)`) are pickled as their plain data (raw) plus their type and attributes
+# (_reduce_tensor), and tensors of more dimensions than numpy arrays have as their flat data (raw) plus
+# their shape.
 #
 # Decoding copies the data section once (fused with the checksum pass) into a block the decoder owns
 # (_Block: pooled from 64 KiB) and returns tensors/arrays that are views of it. That single copy is what
 # LMDB needs (its buffers are only valid inside the read transaction); the source is never copied twice.
 # Batches spread the checksum+copy passes of their large values over threads (_decode_batch).
+import copyreg
 import io
 import pickle
+import sys
 
 import numpy as np
 import torch
@@ -160,6 +165,11 @@ cdef uint64_t _np_itemsize_c[MAX_CODES]
 cdef int _torch_typenum_c[MAX_CODES]
 cdef uint64_t _torch_itemsize_c[MAX_CODES]
 cdef bint _torch_needs_view_c[MAX_CODES]
+# Most dimensions an array node may have: the decoder builds every array with numpy's C API, which
+# allows NPY_MAXDIMS (64 in numpy 2, 32 in numpy 1, which extensions built against numpy 2 also run on)
+# and never more than its 64-entry dims buffers. The encoder sends tensors of more dimensions (torch
+# has no such limit) through pickle as their flat data, still raw, so encoder and decoder agree.
+cdef int _max_ndim = min(<int>cnp.NPY_MAXDIMS, 64 if int(np.__version__.split(".")[0]) >= 2 else 32)
 if _n_np_codes > MAX_CODES or _n_torch_codes > MAX_CODES:
     raise ImportError(f"trainloom.data._codec: more than {MAX_CODES} dtype codes; raise MAX_CODES")
 for _i in range(_n_np_codes):
@@ -171,6 +181,7 @@ for _i in range(_n_torch_codes):
     _torch_needs_view_c[_i] = _TORCH_NEEDS_VIEW[_i]
 
 _Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
 _ndarray = np.ndarray
 _npgeneric = np.generic
 _strided = torch.strided
@@ -557,8 +568,9 @@ cdef class _Encoder:
 
     cdef int _shape(self, tuple shape) except -1:
         cdef Py_ssize_t d
-        if len(shape) > 255:
-            raise CodecError(f"arrays with {len(shape)} dimensions are not supported (max 255)")
+        if len(shape) > _max_ndim:
+            # Tensors of more dimensions never get here (_tensor, _persist); the decoder refuses them.
+            raise CodecError(f"arrays with {len(shape)} dimensions are not supported (max {_max_ndim})")
         self._u8(<uint8_t>len(shape))
         for d in shape:
             self._u64(<uint64_t>d)
@@ -568,6 +580,10 @@ cdef class _Encoder:
         """A T_TENSOR node: tag, dtype code, ndim, shape, data offset (nbytes follow from them)."""
         cdef uint64_t nbytes, off
         cdef int code = _TORCH_CODE[obj.dtype]   # the caller checked the dtype is in the table
+        if obj.dim() > _max_ndim:
+            # More dimensions than the decoder's numpy arrays can have: pickled (detach() makes a
+            # Parameter a plain tensor, as below), which stores the flat data raw plus the shape.
+            return self._pickle(obj.detach())
         try:
             t = _stored_tensor(obj, code)
             shape = tuple(t.shape)
@@ -720,8 +736,8 @@ cdef class _Encoder:
         cdef Py_buffer view
         if type(obj) is _Tensor and obj.layout is _strided:
             code = _TORCH_CODE.get(obj.dtype)
-            if code is None or obj.is_nested:
-                return 0
+            if code is None or obj.is_nested or obj.dim() > _max_ndim:
+                return 0   # torch's own pickling; more dimensions: _reduce_tensor stores it flat
             t = _stored_tensor(obj, code)
             nbytes = <uint64_t>t.numel() * <uint64_t>_TORCH_ITEMSIZE[code]
             off = self._add_array(<const uint8_t*><size_t>t.data_ptr(), nbytes, t) if nbytes else 0
@@ -805,15 +821,138 @@ cdef object _stored_tensor(object t, int code):
     return t
 
 
+cdef object _flat_stored(object t, int code):
+    """``t``'s elements as a detached, contiguous, 1-dimensional CPU tensor of ``t``'s dtype."""
+    s = _stored_tensor(t, code)
+    if s.dtype != t.dtype:      # a raw-view dtype made contiguous through the integer of its width
+        s = s.view(t.dtype)
+    return s.view(-1)
+
+
+cdef object _class_by_name(object cls):
+    """What pickle would find under ``cls``'s module and qualified name (None if nothing)."""
+    obj = sys.modules.get(getattr(cls, "__module__", None) or "")
+    for part in str(getattr(cls, "__qualname__", "<locals>")).split("."):
+        if obj is None or part == "<locals>":
+            return None
+        obj = getattr(obj, part, None)
+    return obj
+
+
+cdef object _obj_state(object obj):
+    """The Python state torch's own pickling saves for a tensor subclass (``_get_obj_state``):
+    ``__getstate__()``, by default the ``__dict__``, or ``(__dict__, slots)``."""
+    getstate = getattr(obj, "__getstate__", None)
+    if getstate is not None:
+        return getstate()
+    slots = copyreg._slotnames(type(obj))     # Python < 3.11: object has no __getstate__
+    if slots:
+        return (obj.__dict__, {n: getattr(obj, n) for n in slots if hasattr(obj, n)})
+    return obj.__dict__
+
+
+cdef bint _restorable(object cls, object state):
+    """Whether _rebuild_subclass can give ``state`` back to a ``cls``: its own ``__setstate__`` takes
+    anything, else it must be what the default ``__getstate__`` returns."""
+    if getattr(cls, "__setstate__", _Tensor.__setstate__) is not _Tensor.__setstate__:
+        return True
+    if state is None or isinstance(state, dict):
+        return True
+    return (isinstance(state, tuple) and len(state) == 2
+            and all(part is None or isinstance(part, dict) for part in state))
+
+
+def _rebuild_reshaped(flat, shape):
+    """Decode side of a tensor of more dimensions than numpy arrays have (referenced by name in stored
+    values: keep its name and arguments)."""
+    return flat.view(tuple(shape))
+
+
+def _rebuild_subclass(cls, data, state, requires_grad):
+    """Decode side of a tensor subclass: its plain ``data`` (decoded raw) as a ``cls``, with its
+    attributes (referenced by name in stored values: keep its name and arguments). Sets the state as
+    torch's ``_rebuild_from_type_v2`` does."""
+    if not (isinstance(cls, type) and issubclass(cls, _Tensor)):
+        raise TypeError(f"{cls!r} is not a tensor subclass")
+    out = data.as_subclass(cls)
+    if requires_grad:
+        out.requires_grad_(True)
+    if getattr(cls, "__setstate__", _Tensor.__setstate__) is not _Tensor.__setstate__:
+        out.__setstate__(state)
+    elif state:
+        if isinstance(state, tuple):
+            dict_state, slots_state = state
+        else:
+            dict_state, slots_state = state, None
+        for k, v in (dict_state or {}).items():
+            setattr(out, k, v)
+        for k, v in (slots_state or {}).items():
+            setattr(out, k, v)
+    return out
+
+
+cdef object _reduce_tensor(object obj, list keep):
+    """The pickler's reducer_override for a tensor persistent_id did not take (NotImplemented: torch's
+    own pickling). torch pickles a tensor subclass with its whole storage (a 10-element view of a
+    4 MB tensor costs 4 MB, and decodes holding 4 MB), so a subclass whose type pickle can find and
+    that keeps torch's pickling is reduced to its plain data (stored raw by persistent_id), its type
+    and its attributes, rebuilt with as_subclass. requires_grad is dropped as for plain tensors, except
+    for Parameter subclasses (the cache keeps a Parameter's). Other subclasses are pickled by torch from
+    a compact copy of the elements they view, never their whole storage."""
+    if not isinstance(obj, _Tensor):
+        return NotImplemented
+    cls = type(obj)
+    if cls is _Parameter or obj.layout is not _strided or obj.is_nested:
+        return NotImplemented     # Parameter's own reduce pickles its plain .data, which goes raw
+    code = _TORCH_CODE.get(obj.dtype)
+    if code is None:
+        return NotImplemented
+    if cls is _Tensor:
+        if obj.dim() <= _max_ndim:
+            return NotImplemented
+        return (_rebuild_reshaped, (_flat_stored(obj, code), tuple(obj.shape)))
+    if cls.__torch_dispatch__ is not _Tensor.__torch_dispatch__:
+        # A wrapper subclass (DTensor, ...) has no storage of its own: its pickling stores its inner
+        # plain tensors, which go raw.
+        return NotImplemented
+    reduce_ex = cls.__reduce_ex__
+    if (reduce_ex is _Tensor.__reduce_ex__ or reduce_ex is _Parameter.__reduce_ex__) and _class_by_name(cls) is cls:
+        state = _obj_state(obj)
+        if not _restorable(cls, state):
+            # Refused here, not when decoding: a value that never decodes is recomputed on every read.
+            raise CodecError(
+                f"cannot serialize a value of type {cls.__name__}: its __getstate__ returned a "
+                f"{type(state).__name__}, which only a __setstate__ of its own could restore")
+        return (_rebuild_subclass,
+                (cls, obj.as_subclass(_Tensor), state, isinstance(obj, _Parameter) and obj.requires_grad))
+    # Its own __reduce_ex__, or a type pickle cannot find by name (which then fails as for any object).
+    compact = _flat_stored(obj.as_subclass(_Tensor), code)
+    if compact.untyped_storage().nbytes() > compact.nbytes:    # a contiguous view of a larger tensor
+        compact = compact.clone()
+    compact = compact.view(tuple(obj.shape)).as_subclass(cls)
+    attrs = getattr(obj, "__dict__", None)
+    if attrs:
+        compact.__dict__.update(attrs)
+    for name in copyreg._slotnames(cls):
+        if hasattr(obj, name):
+            setattr(compact, name, getattr(obj, name))
+    keep.append(compact)    # alive until the pickle is written: pickle's memo is keyed by id()
+    return compact.__reduce_ex__(5)
+
+
 class _Pickler(pickle.Pickler):
     def __init__(self, file, enc, refs):
         super().__init__(file, protocol=5, buffer_callback=self._buffer)
         self._enc = enc
         self._refs = refs
+        self._keep = []
 
     def persistent_id(self, obj):
         pid = _persist_hook(self._enc, obj, self._refs)
         return pid - 1 if pid else None
+
+    def reducer_override(self, obj):
+        return _reduce_tensor(obj, self._keep)
 
     def _buffer(self, pb):
         # Out-of-band buffers (protocol 5) also go raw into the data section.
@@ -1024,8 +1163,8 @@ cdef class _Decoder:
         cdef uint8_t i
         cdef uint64_t d
         numel[0] = 1
-        if nd > cnp.NPY_MAXDIMS or nd > 64:
-            raise CodecError(f"encoded value is malformed (an array with {nd} dimensions)")
+        if nd > _max_ndim:    # the encoder writes at most _max_ndim (<= 64, the size of dims)
+            raise CodecError(f"encoded value is malformed (an array with {nd} dimensions, max {_max_ndim})")
         for i in range(nd):
             d = _gu64(c)
             # Checked here, not by numpy: arrays are made over our block with the C API.

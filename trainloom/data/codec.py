@@ -5,7 +5,12 @@ numpy scalars, ``int``, ``float``, ``bool``, ``None``, ``str`` and ``bytes``. :f
 into one ``bytes`` value: a 32-byte header, a small metadata section describing the tree, and the raw
 C-contiguous bytes of every array (only the elements a view covers, never its whole storage).
 Anything else is pickled with protocol 5, but tensors and arrays inside such objects are still
-pulled out and stored raw, so tensors never go through pickle. Tensors of dtypes numpy lacks
+pulled out and stored raw, so tensors never go through pickle. A tensor subclass (torchvision's
+``tv_tensors``, ``class Image(torch.Tensor)``) is stored as its plain data, raw, plus its type and
+attributes, and decodes as that type (``requires_grad`` is dropped as for plain tensors, except for
+``nn.Parameter`` subclasses); one with its own ``__reduce_ex__`` is pickled by it from a compact copy of
+the elements it views. Tensors of more dimensions than numpy arrays have (64) are stored as their flat
+data, raw, plus their shape. Tensors of dtypes numpy lacks
 (bfloat16, float8, float4, the bits types, complex32, the sub-byte ints) are stored as the integers of
 their width, bit for bit. A ``str`` holding a lone surrogate (a file name ``os.listdir`` could not
 decode) and nested tensors are pickled; meta tensors, which hold no data, raise :class:`CodecError`.
