@@ -203,14 +203,14 @@ def test_step_routed_to_fuse_step_then_an_lr_scheduler() -> None:
     assert_bitwise(list(ref.parameters()), list(fus.parameters()))
 
 
-@pytest.mark.parametrize(
-    "make",
-    [
-        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, fused=True),
-        lambda ps: torch.optim.Adam(ps, lr=0.01, fused=True),
-    ],
-    ids=["sgd", "adam"],
-)
+#: torch's own fused=True optimizers (the ones GradScaler hands grad_scale and found_inf)
+_TORCH_FUSED = [
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, fused=True),
+    lambda ps: torch.optim.Adam(ps, lr=0.01, fused=True),
+]
+
+
+@pytest.mark.parametrize("make", _TORCH_FUSED, ids=["sgd", "adam"])
 def test_grad_scaler_after_unscaled_steps_unscales_and_skips_inf(make: Callable) -> None:
     """Plain fp32 steps first (fuse_step caches its fast path), then GradScaler: the fast path used to
     replay the kernels, which neither divide by the scale nor skip a step whose gradients hold inf."""
@@ -290,14 +290,7 @@ def test_flat_grad_slot_of_a_parameter_without_gradient_is_zero_for_the_collecti
     assert ranks[1][0][1].tolist() == [-10.0] * 3  # skipped in step 1, as torch skips grad None
 
 
-@pytest.mark.parametrize(
-    "make",
-    [
-        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, fused=True),
-        lambda ps: torch.optim.Adam(ps, lr=0.01, fused=True),
-    ],
-    ids=["sgd", "adam"],
-)
+@pytest.mark.parametrize("make", _TORCH_FUSED, ids=["sgd", "adam"])
 def test_fused_and_foreach_both_set_take_torchs_own_path(make: Callable) -> None:
     """The constructors refuse fused=True with foreach=True, but param_groups can be edited: torch's
     sgd() then takes foreach and adam() takes fused. The SGD kernel used to follow fused (8.9e-08 off)."""
