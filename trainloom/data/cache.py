@@ -36,6 +36,7 @@ import hashlib
 import inspect
 import logging
 import multiprocessing.util
+import numbers
 import operator
 import os
 import shlex
@@ -159,6 +160,12 @@ def cached_values(store: Store) -> int:
     CachedDataset and CacheLoader(fingerprint=...) keep there (one per shard of a Redis cluster)."""
     n = store.num_keys()
     return n - store.copies(META_KEY) if n else 0
+
+
+def _is_integral(value: object) -> bool:
+    """Whether ``value`` is an integer (int, numpy integer...; not bool). A function for the reason
+    :func:`trainloom._numbers.is_real` is one (mypy's narrowing by ``numbers.Integral``)."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Integral)
 
 
 def _short_repr(key: Any, limit: int = 80) -> str:
@@ -289,6 +296,10 @@ _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 
 
+#: How deep the codec encodes nested containers: MAX_DEPTH in pyx/data/_codec.pyx (not exported; keep
+#: the two equal). The tensor-state walks below go as deep, so a Parameter or a tensor with attributes
+#: the codec stores is also kept on hits; anything deeper fails to encode anyway (CodecError).
+_CODEC_MAX_DEPTH = 200
 #: The types the tensor-state walk looks into (anything else is a leaf without tensor state).
 _STATE_LOOK = frozenset((_Tensor, _Parameter, tuple, list, dict))
 
@@ -306,7 +317,7 @@ def _has_tensor_state(x: Any, depth: int = 0) -> bool:
         return bool(x.__dict__)
     else:
         return t is _Parameter
-    if depth > 50:
+    if depth >= _CODEC_MAX_DEPTH:  # its items would be deeper than the codec encodes
         return False
     for item in items:
         ti = type(item)
@@ -349,7 +360,7 @@ def _wrap_tensor_state(x: Any, depth: int = 0) -> Any:
     t = type(x)
     if t is _Parameter or (t is _Tensor and x.__dict__):
         return _TensorWithState(x)
-    if depth > 50:
+    if depth >= _CODEC_MAX_DEPTH:
         return x
     if t is tuple or t is list:
         return t(_wrap_tensor_state(i, depth + 1) for i in x)
@@ -391,15 +402,21 @@ def _store_location(store: Store) -> Tuple[Any, ...]:
     return ("store", id(store), getattr(store, "namespace", None))
 
 
-def _live_other(location: Tuple[Any, ...], digest: bytes) -> Optional[Tuple[CacheLoader, str]]:
-    """A loader of this process, open, on ``location`` with a fingerprint other than ``digest``."""
+def _live_other(
+    location: Tuple[Any, ...], digest: Optional[bytes], name: str
+) -> Optional[Tuple[CacheLoader, str]]:
+    """A loader of this process, open, on ``location`` with another ``dataset_name`` than ``name`` (only
+    loaders over a Store instance can: the namespace of the others is their name), or with a
+    fingerprint other than ``digest`` (when both have one)."""
     pid = os.getpid()
     with _LIVE_LOCK:
         entries = _LIVE.get(location, [])
         entries[:] = [e for e in entries if e[3] == pid and e[0]() is not None and not e[0]()._closed]
         for ref, d, desc, _ in entries:
             other = ref()
-            if other is not None and d is not None and d != digest:
+            if other is None:
+                continue
+            if other.dataset_name != name or (d is not None and digest is not None and d != digest):
                 return other, desc
     return None
 
@@ -457,10 +474,122 @@ def make_store(backend: Any, namespace: str, **store_kwargs: Any) -> Store:
     return cls(namespace=namespace, **store_kwargs)
 
 
-def _flush_at_exit(ref: weakref.ref[CacheLoader]) -> None:
-    loader = ref()
-    if loader is not None:
-        loader._flush_on_exit()
+#: Errors a store raises when it cannot take any write now (not only the value at hand).
+_STORE_WIDE = (StoreUnavailableError, StoreOutOfMemoryError, StoreFullError)
+
+
+class _Pending:
+    """The values one loader buffered in one process, and what writing them needs (the store, the lock,
+    the counters), kept apart from the loader: the exit handler and the loader's own finalizer write
+    them without referencing the loader, so a loader dropped without :meth:`CacheLoader.close` is
+    collected, and its values written, then (flush_interval=None leaves no thread to keep it alive)."""
+
+    __slots__ = (
+        "buffer",
+        "nbytes",
+        "lock",
+        "store",
+        "stats",
+        "name",
+        "pid",
+        "serialized",
+        "timer_error",
+        "at_exit",
+        "at_gc",
+    )
+
+    def __init__(self, store: Store, stats: Any, name: str, serialized: bool) -> None:
+        self.buffer: Dict[bytes, bytes] = {}
+        self.nbytes = 0
+        self.lock = threading.RLock()
+        self.store = store
+        #: This process's counter slot (a memoryview; see SharedCounters).
+        self.stats = stats
+        self.name = name
+        self.pid = os.getpid()
+        self.serialized = serialized
+        #: The error of a failed background flush, raised by the loader's next call (logged at exit).
+        self.timer_error: Optional[Exception] = None
+        #: multiprocessing.util.Finalize writing the buffer at exit (made by the first buffered value).
+        self.at_exit: Optional[multiprocessing.util.Finalize] = None
+        #: weakref.finalize on the loader: writes the buffer when the loader is collected.
+        self.at_gc: Optional[weakref.finalize] = None
+
+    def cancel(self) -> None:
+        """Unregister both handlers (the loader was closed, or collected and its buffer written)."""
+        at_exit, self.at_exit = self.at_exit, None
+        at_gc, self.at_gc = self.at_gc, None
+        if at_exit is not None:
+            at_exit.cancel()  # drops its entry from multiprocessing.util._finalizer_registry
+        if at_gc is not None:
+            at_gc.detach()
+
+
+def _flush_pending(p: _Pending, when: str) -> None:
+    """Write what ``p`` holds, without its loader (at exit, or when the loader was collected): nobody
+    is left to raise to, so failures are logged; values that cannot be written are dropped and
+    counted. A batch that fails is written value by value, so one value the store refuses loses
+    only itself."""
+    if p.pid != os.getpid():  # inherited through fork: the parent writes its own buffer
+        return
+    with p.lock:
+        err, p.timer_error = p.timer_error, None
+        if err is not None:
+            log.error("CacheLoader(%r): a background flush failed: %s", p.name, err)
+        items, p.buffer, p.nbytes = p.buffer, {}, 0
+        if not items:
+            return
+        written: List[bytes] = []
+        failed: Dict[bytes, Exception] = {}
+        with _STORE_LOCK if p.serialized else _NO_LOCK:
+            try:
+                p.store.mset(cast(Mapping[Key, bytes], items))
+                written = list(items)
+            except (StoreError, ConfigError) as exc:  # ConfigError: a key the store refuses
+                wide: Optional[Exception] = exc if isinstance(exc, _STORE_WIDE) else None
+                for k, v in items.items():
+                    if wide is not None:  # the store takes nothing now: do not try each value
+                        failed[k] = wide
+                        continue
+                    try:
+                        p.store.mset({k: v})
+                    except (StoreError, ConfigError) as one:
+                        failed[k] = one
+                        if isinstance(one, _STORE_WIDE):
+                            wide = one
+                    else:
+                        written.append(k)
+        stats = p.stats
+        if written:
+            stats[_WRITES] += len(written)
+            stats[_BYTES_WRITTEN] += sum(len(items[k]) for k in written)
+            stats[_FLUSHES] += 1
+        stats[_BUFFERED] = stats[_BUFFERED_BYTES] = 0
+        if failed:
+            stats[_DROPPED] += len(failed)
+            stats[_ERRORS] += 1
+            k0, e0 = next(iter(failed.items()))
+            log.error(
+                "CacheLoader(%r): could not write %d of %d buffered value(s) %s (not cached; computed again "
+                "when next read): key %s: %s",
+                p.name,
+                len(failed),
+                len(items),
+                when,
+                _short_repr(k0),
+                e0,
+            )
+
+
+def _flush_at_exit(p: _Pending) -> None:
+    _flush_pending(p, "at exit")
+
+
+def _flush_collected(p: _Pending) -> None:
+    try:
+        _flush_pending(p, "when the CacheLoader was garbage-collected without close()")
+    finally:
+        p.cancel()
 
 
 class _FlushThread(threading.Thread):
@@ -504,6 +633,15 @@ class CacheLoader:
     loaders with different ``dataset_name`` never see each other's entries (even for names like
     ``"a"`` + key ``"b_1"`` and ``"a_b"`` + key ``"1"``).
 
+    A loader over a :class:`~trainloom.data.stores.Store` instance owns that store's whole namespace
+    (the store's own ``namespace=``): ``dataset_name`` then only prefixes the keys, while
+    :meth:`clear`, :meth:`num_keys` and the fingerprint entry act on the whole namespace. A Store
+    instance therefore holds one dataset: give each dataset its own store namespace, e.g.
+    ``LmdbStore(path, namespace="val")``. Opening a second loader with another ``dataset_name`` on
+    that namespace while the first is open raises :class:`~trainloom.errors.ConfigError`; a namespace
+    used by several names one after the other cannot be checked cheaply (the :meth:`clear` of one
+    deletes the others' entries, and a different fingerprint drops them).
+
     Args:
         backend: ``"lmdb"`` (default, embedded), ``"redis"``, or a :class:`~trainloom.data.stores.Store`.
         dataset_name: name of the dataset; the store namespace and the key prefix.
@@ -537,6 +675,8 @@ class CacheLoader:
         ConfigError: another loader of this process, still open, uses the same store and namespace
             with a different fingerprint (it would drop this one's entries or the reverse, and both
             would read each other's values): pass distinct ``dataset_name`` values, or close it first.
+            Over a Store instance's namespace: another open loader has another ``dataset_name`` or
+            fingerprint (give each dataset its own store namespace).
         TypeError: ``fingerprint`` holds a type that cannot be compared by content.
 
     With the persistent LMDB store, an empty ``dataset_name`` (Bagua's default) warns once per process.
@@ -565,26 +705,22 @@ class CacheLoader:
     ) -> None:
         if not isinstance(dataset_name, str):
             raise TypeError(f"dataset_name must be a str, got {type(dataset_name).__name__}")
-        if (
-            not isinstance(writer_buffer_size, int)
-            or isinstance(writer_buffer_size, bool)
-            or writer_buffer_size < 0
-        ):
+        # Integers and reals of any kind (numpy scalars too), never bool.
+        if not _is_integral(writer_buffer_size) or int(writer_buffer_size) < 0:
             raise ValueError(
                 f"writer_buffer_size must be an int >= 0 (0 writes every value at once, as 1 does), "
                 f"got {writer_buffer_size!r}"
             )
-        writer_buffer_size = max(1, writer_buffer_size)  # Bagua's BatchFetcher reads 0 as 1 too
+        writer_buffer_size = max(1, int(writer_buffer_size))  # Bagua's BatchFetcher reads 0 as 1 too
         if on_error not in ("raise", "bypass"):
             raise ValueError(f"on_error must be 'raise' or 'bypass', got {on_error!r}")
-        if type(max_buffer_bytes) is bool or not isinstance(max_buffer_bytes, int) or max_buffer_bytes < 0:
+        if not _is_integral(max_buffer_bytes) or int(max_buffer_bytes) < 0:
             raise ValueError(f"max_buffer_bytes must be an int >= 0, got {max_buffer_bytes!r}")
+        max_buffer_bytes = int(max_buffer_bytes)
         if not is_real(retry_interval) or not float(retry_interval) >= 0:
             raise ValueError(f"retry_interval must be a number of seconds >= 0, got {retry_interval!r}")
         if flush_interval is not None and (
-            isinstance(flush_interval, bool)
-            or not isinstance(flush_interval, (int, float))
-            or not 0 <= flush_interval < float("inf")
+            not is_real(flush_interval) or not 0 <= float(flush_interval) < float("inf")
         ):
             raise ValueError(
                 f"flush_interval must be None or a finite number of seconds >= 0, got {flush_interval!r}"
@@ -608,6 +744,9 @@ class CacheLoader:
         #: Seconds a buffered value waits at most before a background write; None: no background writes.
         self.flush_interval: Optional[float] = float(flush_interval) if flush_interval else None
         self.store = make_store(backend, dataset_name, **store_kwargs)
+        # Made here for this dataset_name (its namespace), or a Store instance the caller passed (whose
+        # whole namespace this loader then owns, whatever its dataset_name).
+        self._owns_store = not isinstance(backend, Store)
         self.backend = self.store.backend
         # Whether the store calls take _STORE_LOCK (see there).
         self._serialized = not self.store.thread_safe
@@ -628,7 +767,7 @@ class CacheLoader:
             self._open_checks(digest, shown, user_fp, owner)
         except BaseException:
             self._closed = self._blocked = True
-            if not isinstance(backend, Store):
+            if self._owns_store:
                 self.store.close()
             raise
         # An evicting Redis (maxmemory-policy allkeys-lru...) drops cached values instead of refusing
@@ -661,26 +800,28 @@ class CacheLoader:
                 "dataset_name='imagenet-train-224').",
             )
         desc = owner if shown is None else f"{owner} with fingerprint {_short_repr(shown)}"
+        found = _live_other(self._location, digest, self.dataset_name)
+        if found is not None:
+            # A loader that is only kept alive by its flush thread (nobody uses it any more) is not a
+            # conflict: write its values (before this one resets the namespace) and let it go.
+            found[0]._quiesce()
+            found = None
+            gc.collect()
+            found = _live_other(self._location, digest, self.dataset_name)
+        if found is not None:
+            other, other_desc = found
+            if not (self._owns_store and other._owns_store):
+                raise ConfigError(self._shared_store_message(desc, other_desc))
+            raise ConfigError(
+                f"{desc} would share the cache namespace "
+                f"{getattr(store, 'namespace', self.dataset_name)!r} of {where} with {other_desc}, "
+                "created earlier in this process and still open: their fingerprints differ, so the new "
+                "one would drop the other's entries and both would then read and write each other's "
+                "values under the same keys. Pass distinct dataset_name= values (e.g. "
+                "dataset_name='train' and dataset_name='val'), or close() the other one first if it is "
+                "no longer used."
+            )
         if digest is not None:
-            found = _live_other(self._location, digest)
-            if found is not None:
-                # A loader that is only kept alive by its flush thread (nobody uses it any more) is not a
-                # conflict: write its values (before this one resets the namespace) and let it go.
-                found[0]._quiesce()
-                found = None
-                gc.collect()
-                found = _live_other(self._location, digest)
-            if found is not None:
-                other_desc = found[1]
-                raise ConfigError(
-                    f"{desc} would share the cache namespace "
-                    f"{getattr(store, 'namespace', self.dataset_name)!r} of {where} with {other_desc}, "
-                    "created earlier in this process and still open: their fingerprints differ, so the new "
-                    "one would drop the other's entries and both would then read and write each other's "
-                    "values under the same keys. Pass distinct dataset_name= values (e.g. "
-                    "dataset_name='train' and dataset_name='val'), or close() the other one first if it is "
-                    "no longer used."
-                )
             self._check_fingerprint(digest, shown)
         first_open = self._location not in _OPENED
         _OPENED.add(self._location)
@@ -693,6 +834,30 @@ class CacheLoader:
         leader = os.environ.get(judge, "0").strip() in ("", "0")
         if user_fp is None and persistent and first_open and leader:
             self._warn_reused(where)
+
+    def _shared_store_message(self, desc: str, other_desc: str) -> str:
+        """The ConfigError of a second loader opened, with another dataset_name or fingerprint, on the
+        namespace of a Store instance an open loader of this process uses."""
+        from trainloom.data.stores.lmdb_store import LmdbStore
+
+        store = self.store
+        ns = getattr(store, "namespace", None)
+        shared = f"the namespace {ns!r} of {self._where()}" if ns is not None else self._where()
+        name = self.dataset_name or "val"
+        if isinstance(store, LmdbStore):
+            fix = f"e.g. LmdbStore(path, namespace={name!r})"
+        elif store.backend == "redis":
+            fix = f"e.g. RedisStore(hosts, namespace={name!r})"
+        else:
+            fix = "e.g. a store of its own"
+        return (
+            f"{desc} would share {shared} with {other_desc}, created earlier in this process and still "
+            "open. A Store instance holds one dataset: a CacheLoader over it owns the store's whole "
+            "namespace (dataset_name= only prefixes the keys; clear(), num_keys() and the fingerprint "
+            "entry act on the whole namespace), so the two would count, drop and clear each other's "
+            f"entries. Give each dataset its own store namespace, {fix}, or close() the other one first "
+            "if it is no longer used."
+        )
 
     def _where(self) -> str:
         """The store's location, for messages."""
@@ -732,19 +897,18 @@ class CacheLoader:
         is about to reset the namespace; the thread no longer keeps this loader alive)."""
         if self._pid != os.getpid() or self._closed:
             return
-        self._flush_on_exit()
+        _flush_pending(self._pending, "before another loader reset the namespace")
         self._stop_timer(join=True)
 
     # -- process-local state ----------------------------------------------------------------------
     def _reset_process_state(self) -> None:
         self._pid = os.getpid()
-        self._buffer: Dict[bytes, bytes] = {}
-        self._buffer_bytes = 0
-        self._lock = threading.RLock()
-        self._finalizer: Optional[multiprocessing.util.Finalize] = None
         # This process's counters: its slot of the table shared with the other processes.
         self._counters.after_fork()
         self._stats = self._counters.values
+        # This process's write buffer (a forked child starts empty: the parent writes its own).
+        self._pending = _Pending(self.store, self._stats, self.dataset_name, self._serialized)
+        self._lock = self._pending.lock
         self._down_until = 0.0
         self._warned: set = set()
         # Out of memory (set later), or a store opened read-only (values computed for misses are
@@ -759,7 +923,6 @@ class CacheLoader:
         self._timer: Optional[_FlushThread] = None
         # Every flush thread started here that may still run (close() joins them).
         self._timers: List[_FlushThread] = []
-        self._timer_error: Optional[Exception] = None
         self._evictions_checked = 0.0  # when this process last looked (time.monotonic())
         # Whether the next call must raise (closed, or a background flush failed): one test per call.
         self._blocked = self._closed
@@ -788,7 +951,7 @@ class CacheLoader:
     def _take_timer_error(self) -> Optional[Exception]:
         """The error of a failed background flush (once), annotated; None when there is none."""
         with self._lock:
-            exc, self._timer_error = self._timer_error, None
+            exc, self._pending.timer_error = self._pending.timer_error, None
             self._blocked = self._closed
         if exc is not None and hasattr(exc, "add_note"):
             exc.add_note(
@@ -805,7 +968,7 @@ class CacheLoader:
                 self._flush_now()
             state = dict(self.__dict__)
         # _counters stays: it shares its table with a process being spawned (not with a plain pickle).
-        for k in ("_buffer", "_lock", "_finalizer", "_stats", "_warned", "_timer", "_timers", "_timer_error"):
+        for k in ("_pending", "_lock", "_stats", "_warned", "_timer", "_timers"):
             state.pop(k, None)
         return state
 
@@ -814,31 +977,17 @@ class CacheLoader:
         self._reset_process_state()
 
     def _ensure_finalizer(self) -> None:
-        if self._finalizer is None:
+        """Register the handlers that write this process's buffer if the loader is never closed (the
+        lock is held; at the first buffered value)."""
+        p = self._pending
+        if p.at_exit is None:
             # atexit and weakref.finalize do not run when a forked DataLoader worker exits; Finalize
             # with an exitpriority runs from multiprocessing's _exit_function in every worker kind
-            # and, through atexit, in the main process.
-            self._finalizer = multiprocessing.util.Finalize(
-                None, _flush_at_exit, args=(weakref.ref(self),), exitpriority=10
-            )
-
-    def _flush_on_exit(self) -> None:
-        if self._pid != os.getpid() or self._closed:
-            return
-        pending = self._take_timer_error()
-        if pending is not None:
-            log.error("CacheLoader(%r): a background flush failed: %s", self.dataset_name, pending)
-        try:
-            self._flush_now()
-        except StoreError as exc:
-            log.error(
-                "CacheLoader(%r): could not flush %d buffered values at exit: %s",
-                self.dataset_name,
-                len(self._buffer),
-                exc,
-            )
-        finally:
-            self._stop_timer(join=False)
+            # and, through atexit, in the main process. It holds the buffer, not the loader.
+            p.at_exit = multiprocessing.util.Finalize(None, _flush_at_exit, args=(p,), exitpriority=10)
+            # A loader collected without close(): write its values then, and drop the exit entry.
+            p.at_gc = weakref.finalize(self, _flush_collected, p)
+            p.at_gc.atexit = False  # at exit, the Finalize above writes them (in every process kind)
 
     # -- background flush -------------------------------------------------------------------------
     def _start_timer(self) -> None:
@@ -885,7 +1034,7 @@ class CacheLoader:
         with self._lock:
             if self._timer is not thread or self._closed or self._pid != os.getpid():
                 return None
-            if not self._buffer or self.flush_interval is None:
+            if not self._pending.buffer or self.flush_interval is None:
                 self._timer = None
                 return None
             now = time.monotonic()
@@ -899,11 +1048,11 @@ class CacheLoader:
                     # on_error="raise" (or a bug in a Store subclass): the next call raises it. With
                     # "bypass" a failing store does not raise here: flush warned once and counted.
                     log.debug("CacheLoader(%r): background flush failed: %r", self.dataset_name, exc)
-                    self._timer_error = exc
+                    self._pending.timer_error = exc
                     self._blocked = True
                     self._timer = None
                     return None
-                if not self._buffer:
+                if not self._pending.buffer:
                     self._timer = None
                     return None
             # The store is down (on_error="bypass"): retry when it may be used again.
@@ -975,7 +1124,7 @@ class CacheLoader:
         """Values (or _MISSING / _UNDECODABLE) for store keys; counts; honours bypass."""
         # Taken before the store is read: a background flush replaces the buffer after writing it, so
         # a value is found either in the store or in this dict.
-        buf = self._buffer
+        buf = self._pending.buffer
         down = self._down_until
         if down > 0.0 and time.monotonic() < down:  # self._is_down(), inlined on the hot path
             self._stats[_BYPASSED] += len(keys)
@@ -1046,16 +1195,16 @@ class CacheLoader:
                 )
             return
         with self._lock:
-            buffer = self._buffer
+            buffer = self._pending.buffer
             if not buffer:
                 self._buffered_since = time.monotonic()
             old = buffer.pop(k, None)
             if old is not None:
-                self._buffer_bytes -= len(old)
+                self._pending.nbytes -= len(old)
             buffer[k] = encoded
-            self._buffer_bytes += len(encoded)
+            self._pending.nbytes += len(encoded)
             self._ensure_finalizer()
-            full = len(buffer) >= self.writer_buffer_size or self._buffer_bytes >= self.max_buffer_bytes
+            full = len(buffer) >= self.writer_buffer_size or self._pending.nbytes >= self.max_buffer_bytes
             if full and not self._is_down():
                 try:
                     self._flush_locked()
@@ -1069,21 +1218,22 @@ class CacheLoader:
             # Values left in the buffer are written within flush_interval even if no other value comes.
             # A full buffer flushed above leaves a running thread alone: it ends at its next check if
             # the buffer is empty then (no thread started and stopped per buffer of values).
-            if self._timer is None and self._buffer and self.flush_interval is not None:
+            if self._timer is None and self._pending.buffer and self.flush_interval is not None:
                 self._start_timer()
             self._publish_buffered()
 
     def _publish_buffered(self) -> None:
         """Show this process's buffer in the shared gauges (for stats() in other processes)."""
-        self._stats[_BUFFERED] = len(self._buffer)
-        self._stats[_BUFFERED_BYTES] = self._buffer_bytes
+        self._stats[_BUFFERED] = len(self._pending.buffer)
+        self._stats[_BUFFERED_BYTES] = self._pending.nbytes
 
     def _trim_buffer(self) -> None:
         # The buffer only outgrows writer_buffer_size/max_buffer_bytes while the store is down
         # (bypass mode): then the oldest values are dropped, so it stays bounded in bytes.
-        while self._buffer and self._buffer_bytes > self.max_buffer_bytes and len(self._buffer) > 1:
-            k = next(iter(self._buffer))
-            self._buffer_bytes -= len(self._buffer.pop(k))
+        p = self._pending
+        while p.buffer and p.nbytes > self.max_buffer_bytes and len(p.buffer) > 1:
+            k = next(iter(p.buffer))
+            p.nbytes -= len(p.buffer.pop(k))
             self._stats[_DROPPED] += 1
 
     def _check_fingerprint(self, digest: bytes, shown: Any) -> None:
@@ -1205,18 +1355,35 @@ class CacheLoader:
         return vals
 
     def contains_many(self, keys: Sequence[Any]) -> List[bool]:
-        """Whether each key is in the store (reads no value, decodes nothing)."""
+        """Whether each key is cached: in the store or in this process's write buffer (reads no
+        value, decodes nothing).
+
+        Raises:
+            StoreError: the store failed (with ``on_error="bypass"``: one warning, the error counted,
+            and the keys not buffered reported as not cached, as :meth:`get` serves misses).
+        """
         self._check_pid()
         ks = [self.key(k) for k in keys]
-        buffered = self._buffer  # before the store is read, as in _read
-        with self._store_lock():
-            out = self.store.mget_apply(ks, lambda buf: True)
+        buffered = self._pending.buffer  # before the store is read, as in _read
+        if self._is_down():
+            self._stats[_BYPASSED] += len(ks)
+            return [k in buffered for k in ks]
+        try:
+            with self._store_lock():
+                out = self.store.mget_apply(ks, lambda buf: True)
+        except StoreError as exc:
+            self._store_failed(exc, "a read")
+            self._stats[_BYPASSED] += len(ks)
+            return [k in buffered for k in ks]
         return [v is not None or k in buffered for k, v in zip(ks, out)]
 
     def num_keys(self) -> int:
-        """The number of cached values of this loader's ``dataset_name``.
+        """The number of cached values of this loader's ``dataset_name``: of its store namespace.
 
-        Flushes this process's write buffer first, so every value computed here is counted."""
+        Flushes this process's write buffer first, so every value computed here is counted.
+
+        With a Store instance as backend, the count is of that store's whole namespace, whatever
+        ``dataset_name`` wrote them (see :class:`CacheLoader`)."""
         self._check_pid()
         self.flush()
         with self._store_lock():
@@ -1243,7 +1410,7 @@ class CacheLoader:
             except BaseException:
                 self._stop_timer(join=False)
                 raise
-            if not self._buffer:
+            if not self._pending.buffer:
                 self._stop_timer(join=False)
 
     def _flush_locked(self) -> None:
@@ -1255,14 +1422,14 @@ class CacheLoader:
 
     def _write_buffer(self) -> None:
         with self._store_lock():
-            if not self._buffer:
+            if not self._pending.buffer:
                 return
             if self._writes_disabled:
-                self._stats[_DROPPED] += len(self._buffer)
-                self._buffer.clear()
-                self._buffer_bytes = 0
+                self._stats[_DROPPED] += len(self._pending.buffer)
+                self._pending.buffer.clear()
+                self._pending.nbytes = 0
                 return
-            items = self._buffer
+            items = self._pending.buffer
             try:
                 self.store.mset(cast(Mapping[Key, bytes], items))  # (Mapping's key type is invariant)
             except (StoreError, ConfigError) as exc:
@@ -1270,10 +1437,10 @@ class CacheLoader:
                     self._flush_one_by_one(exc)
                 return
             self._stats[_WRITES] += len(items)
-            self._stats[_BYTES_WRITTEN] += self._buffer_bytes
+            self._stats[_BYTES_WRITTEN] += self._pending.nbytes
             self._stats[_FLUSHES] += 1
-            self._buffer = {}
-            self._buffer_bytes = 0
+            self._pending.buffer = {}
+            self._pending.nbytes = 0
             self._down_until = 0.0
         self._check_evictions()
 
@@ -1361,18 +1528,23 @@ class CacheLoader:
     def _stop_writing(self, counter: int, what: str, message: str) -> None:
         """This process writes nothing more (its buffer is dropped and counted); reads continue."""
         self._stats[counter] += 1
-        self._stats[_DROPPED] += len(self._buffer)
+        self._stats[_DROPPED] += len(self._pending.buffer)
         self._writes_disabled = True
-        self._buffer = {}
-        self._buffer_bytes = 0
+        self._pending.buffer = {}
+        self._pending.nbytes = 0
         self._warn_once(what, message)
 
     def _flush_one_by_one(self, first: Exception) -> None:
         """After a failed batch: write each buffered value alone; drop those the store refuses."""
         refused: Dict[bytes, Exception] = {}
         written = 0
-        for k in list(self._buffer):
-            v = self._buffer[k]
+        # A batch of one value the store refused already: not tried again.
+        alone = len(self._pending.buffer) == 1 and isinstance(first, (StoreValueRefusedError, ConfigError))
+        for k in list(self._pending.buffer):
+            v = self._pending.buffer[k]
+            if alone:
+                refused[k] = first
+                continue
             try:
                 self.store.mset({k: v})
             except (StoreError, ConfigError) as exc:  # ConfigError: the key is invalid for this store
@@ -1380,8 +1552,8 @@ class CacheLoader:
                     return
                 refused[k] = exc
                 continue
-            del self._buffer[k]
-            self._buffer_bytes -= len(v)
+            del self._pending.buffer[k]
+            self._pending.nbytes -= len(v)
             self._stats[_WRITES] += 1
             self._stats[_BYTES_WRITTEN] += len(v)
             written += 1
@@ -1402,7 +1574,7 @@ class CacheLoader:
         if not item_specific:
             return
         for k in item_specific:
-            self._buffer_bytes -= len(self._buffer.pop(k))
+            self._pending.nbytes -= len(self._pending.buffer.pop(k))
         self._stats[_DROPPED] += len(item_specific)
         self._stats[_ERRORS] += 1
         k0, e0 = next(iter(item_specific.items()))
@@ -1445,11 +1617,18 @@ class CacheLoader:
         return out
 
     def clear(self) -> None:
-        """Delete every cached value of this ``dataset_name`` (other names are untouched)."""
+        """Delete every cached value of this ``dataset_name`` (other names are untouched): its store
+        namespace, and this process's write buffer.
+
+        .. warning::
+            With a Store instance as backend, this clears that store's whole namespace, including
+            entries other ``dataset_name`` values wrote there (see :class:`CacheLoader`: a Store
+            instance holds one dataset).
+        """
         self._check_pid()
         with self._lock:
-            self._buffer.clear()
-            self._buffer_bytes = 0
+            self._pending.buffer.clear()
+            self._pending.nbytes = 0
             self._publish_buffered()
             self._stop_timer(join=False)
             with self._store_lock():
@@ -1475,9 +1654,7 @@ class CacheLoader:
             self._blocked = True
             _unregister_live(self)
             self._stop_timer(join=True)  # no thread outlives close(), none writes after it
-            if self._finalizer is not None:
-                self._finalizer.cancel()
-                self._finalizer = None
+            self._pending.cancel()
             with self._store_lock():
                 self.store.close()
         if pending is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import logging
+import numbers
 import os
 import shutil
 import threading
@@ -21,6 +22,7 @@ from trainloom.data.stores.base import (
     Store,
     StoreError,
     StoreFullError,
+    StoreValueRefusedError,
     Value,
     check_mapping,
     check_namespace,
@@ -40,6 +42,9 @@ _DB_PREFIX = b"tl:"
 _GIB = 1 << 30
 #: A failed write with less free space than this on the cache's filesystem is a full disk.
 _DISK_FULL_BYTES = 64 << 20
+#: A map at max_map_size with less room than this (or a sixteenth of the cap, if smaller) is full:
+#: a value that does not fit then is StoreFullError (the store takes no more), not a refused value.
+_FULL_ROOM = 1 << 20
 #: LMDB's MDB_MAXKEYSIZE as py-lmdb builds it (the store reads the real value when it opens).
 _DEFAULT_MAX_KEY = 511
 
@@ -136,7 +141,9 @@ class LmdbStore(Store):
             act on it only.
         map_size: initial size of the memory map in bytes (default 1 GiB). The map grows by doubling
             when full, and the failed batch is retried.
-        max_map_size: cap of that growth (default 1 TiB); reaching it raises :class:`StoreFullError`.
+        max_map_size: cap of that growth (default 1 TiB); reaching it raises :class:`StoreFullError`,
+            or :class:`StoreValueRefusedError` for a value larger than the room left while there is
+            room for others (the other values of its batch are written).
         max_readers: reader slots, shared by every process on the node (ranks x DataLoader workers x
             threads). Slots left by killed processes are reclaimed with ``reader_check()``.
         max_dbs: how many namespaces the environment can hold.
@@ -175,7 +182,8 @@ class LmdbStore(Store):
     ) -> None:
         _import_lmdb()
         for name, v in (("map_size", map_size), ("max_map_size", max_map_size), ("max_readers", max_readers)):
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            # Any integer (numpy's too), not bool.
+            if not isinstance(v, numbers.Integral) or isinstance(v, bool) or int(v) <= 0:
                 raise ValueError(f"LmdbStore: {name} must be a positive int, got {v!r}")
         if max_map_size < map_size:
             raise ValueError(
@@ -415,14 +423,66 @@ class LmdbStore(Store):
         if not items:
             return
 
-        def write(env: Any) -> None:
+        def put(env: Any, batch: List[Tuple[bytes, Any]]) -> None:
             def txn() -> None:
                 with env.begin(write=True, db=self._db) as t:
-                    t.cursor().putmulti(items, dupdata=False, overwrite=True)
+                    t.cursor().putmulti(batch, dupdata=False, overwrite=True)
 
             self._retry_grow(env, txn)
 
+        def write(env: Any) -> None:
+            try:
+                put(env, items)
+            except StoreFullError as exc:  # the map is at max_map_size (raised by _grow only)
+                self._write_one_by_one(env, items, put, exc)
+
         self._call("mset", write)
+
+    def _write_one_by_one(
+        self,
+        env: Any,
+        items: List[Tuple[bytes, Any]],
+        put: Callable[[Any, List[Tuple[bytes, Any]]], None],
+        full: StoreFullError,
+    ) -> None:
+        """After a batch failed at ``max_map_size``: write its values one transaction each, so that one
+        value too large for the room left does not keep the others out. Raises StoreValueRefusedError
+        (naming the first such key and its size) when only such values failed, StoreFullError when
+        the map has no room left for ordinary values."""
+        refused: List[Tuple[bytes, int, int]] = []  # (key, bytes, room left when it failed)
+        for item in items:
+            if len(items) > 1:  # (a batch of one value has just failed alone)
+                try:
+                    put(env, [item])
+                    continue
+                except StoreFullError:
+                    pass
+            room = self._room(env)
+            if room < self._full_room():
+                raise full
+            refused.append((item[0], len(item[1]), room))
+        if refused:
+            k, size, room = refused[0]
+            others = f" ({len(refused) - 1} other value(s) of the batch too)" if len(refused) > 1 else ""
+            raise StoreValueRefusedError(
+                f"LmdbStore.mset on {self.path} (namespace {self.namespace!r}): the value of key "
+                f"{k.decode('utf-8', 'replace')!r} ({size} bytes) does not fit in the {room} bytes left at "
+                f"max_map_size={self.max_map_size} bytes{others}, so it is not stored"
+                + ("; the other values of the batch were written" if len(items) > 1 else "")
+                + ". Pass a larger max_map_size= to store values this large",
+                backend="lmdb",
+                key=k.decode("utf-8", "replace"),
+            )
+
+    def _full_room(self) -> int:
+        """Room left at max_map_size below which the map counts as full (StoreFullError) rather than
+        refusing only values that are too large (StoreValueRefusedError)."""
+        return min(_FULL_ROOM, self.max_map_size // 16)
+
+    def _room(self, env: Any) -> int:
+        """Bytes of a map of max_map_size past the last page in use (pages on LMDB's free list are not
+        counted). (Not env.info()'s map_size: _grow's set_mapsize(0) falls back to the committed size.)"""
+        return max(0, self.max_map_size - (env.info()["last_pgno"] + 1) * env.stat()["psize"])
 
     def delete(self, keys: Sequence[Key]) -> None:
         """Delete ``keys`` from this namespace (missing keys are ignored)."""

@@ -1,0 +1,410 @@
+"""CacheLoader fixes from the data audit: values of a loader dropped without close(), a value too large
+for LMDB's max_map_size, bypass in contains_many()/warmup(), numpy numbers as arguments, deeply nested
+Parameters, and a Store instance shared by two dataset names."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import multiprocessing.util
+import warnings
+import weakref
+
+import numpy as np
+import pytest
+import torch
+
+from trainloom.data import CachedDataset, CacheLoader, cache
+from trainloom.data.stores import LmdbStore, Store, StoreError, StoreUnavailableError, StoreValueRefusedError
+from trainloom.errors import ConfigError
+
+
+class Squares:
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> int:
+        return i * i
+
+
+class DownStore(Store):
+    """A store whose server is down: every call fails."""
+
+    namespace = "down"
+
+    def mget_apply(self, keys, fn):
+        raise StoreUnavailableError("server down", backend="store")
+
+    def mset(self, dictionary):
+        raise StoreUnavailableError("server down", backend="store")
+
+    def num_keys(self):
+        raise StoreUnavailableError("server down", backend="store")
+
+    def clear(self):
+        raise StoreUnavailableError("server down", backend="store")
+
+    def status(self):
+        return False
+
+    def reset_if_changed(self, key, value):
+        raise StoreUnavailableError("server down", backend="store")
+
+
+class DictStore(Store):
+    """A store written to Bagua's interface (no namespace of its own)."""
+
+    def __init__(self) -> None:
+        self.d: dict = {}
+
+    def mget(self, keys):
+        return [self.d.get(k) for k in keys]
+
+    def mset(self, dictionary):
+        self.d.update(dictionary)
+
+    def num_keys(self):
+        return len(self.d)
+
+    def clear(self):
+        self.d.clear()
+
+    def status(self):
+        return True
+
+
+# -- 1: a loader collected without close() ----------------------------------------------------------
+
+
+def _exit_handlers() -> int:
+    """The loaders' exit handlers registered with multiprocessing.util (one per loader that buffered),
+    after a collection: a loader of an earlier test that only a reference cycle still holds would
+    otherwise drop its entry in the middle of a test (a flaky count)."""
+    gc.collect()
+    entries = list(multiprocessing.util._finalizer_registry.values())
+    return sum(1 for f in entries if getattr(f, "_callback", None) is cache._flush_at_exit)
+
+
+def test_values_of_a_loader_collected_without_close_are_written(tmp_path):
+    before = _exit_handlers()
+    loader = CacheLoader(path=tmp_path, dataset_name="gc", writer_buffer_size=10, flush_interval=None)
+    for i in range(3):
+        loader.get(i, lambda k: k * k)
+    assert loader.stats()["buffered"] == 3
+    assert _exit_handlers() == before + 1
+    ref = weakref.ref(loader)
+    del loader
+    gc.collect()
+    assert ref() is None  # nothing (no exit handler) keeps the loader alive
+    # Written when it was collected, and its exit entry unregistered (not one entry per loader).
+    assert _exit_handlers() == before
+    with CacheLoader(path=tmp_path, dataset_name="gc") as again:
+        assert again.num_keys() == 3
+        assert again.get_many([0, 1, 2], lambda k: pytest.fail(f"recomputed {k}")) == [0, 1, 4]
+        assert again.stats()["hits"] == 3
+
+
+def test_dropped_and_closed_loaders_leave_no_exit_entries(tmp_path):
+    before = _exit_handlers()
+    for i in range(30):
+        loader = CacheLoader(
+            path=tmp_path, dataset_name=f"d{i % 3}", writer_buffer_size=5, flush_interval=None
+        )
+        loader.get(i, lambda k: k)
+        if i % 2:
+            loader.close()
+        del loader
+    gc.collect()
+    assert _exit_handlers() == before
+    assert sum(CacheLoader(path=tmp_path, dataset_name=f"d{j}").num_keys() for j in range(3)) == 30
+
+
+def test_a_collected_loader_that_cannot_write_logs_what_it_lost(caplog):
+    loader = CacheLoader(DownStore(), "x", writer_buffer_size=10, flush_interval=None, on_error="bypass")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the bypass warning (tested elsewhere)
+        assert loader.get(0, lambda k: 7) == 7
+    with caplog.at_level(logging.ERROR, logger="trainloom.data"):
+        del loader
+        gc.collect()
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR] == [
+        "CacheLoader('x'): could not write 1 of 1 buffered value(s) when the CacheLoader was "
+        "garbage-collected without close() (not cached; computed again when next read): key b'x_0': "
+        "server down"
+    ]
+
+
+# -- 2: a value too large for LMDB's max_map_size ---------------------------------------------------
+
+
+def test_lmdb_batch_at_the_cap_writes_the_values_that_fit(tmp_path):
+    s = LmdbStore(tmp_path, namespace="cap", map_size=1 << 20, max_map_size=4 << 20)
+    small = {f"s{i}": bytes([i]) * 200_000 for i in range(3)}
+    with pytest.raises(StoreValueRefusedError) as info:
+        s.mset({**small, "big": b"x" * (8 << 20)})
+    room = s._room(s._handles())  # (what it was when "big" failed: nothing was written since)
+    assert str(info.value) == (
+        f"LmdbStore.mset on {tmp_path} (namespace 'cap'): the value of key 'big' ({8 << 20} bytes) does not "
+        f"fit in the {room} bytes left at max_map_size={4 << 20} bytes, so it is not stored; the other "
+        "values of the batch were written. Pass a larger max_map_size= to store values this large"
+    )
+    assert info.value.key == "big" and 3 << 20 < room < 4 << 20
+    assert s.mget(["s0", "s1", "s2", "big"]) == [*small.values(), None]
+    s.close()
+
+
+def test_a_value_too_large_for_the_cap_is_dropped_alone_and_later_values_are_cached(tmp_path):
+    loader = CacheLoader(path=tmp_path, dataset_name="g", map_size=1 << 20, max_map_size=8 << 20)
+    for i in range(2):
+        loader.get(i, lambda k: np.full(1 << 20, k, np.uint8))
+    with pytest.raises(StoreError) as info:
+        loader.get(99, lambda k: np.zeros(16 << 20, np.uint8))
+    room = loader.store._room(loader.store._handles())
+    size = len(loader._encode(np.zeros(16 << 20, np.uint8), "x"))
+    assert str(info.value) == (
+        "CacheLoader('g'): the lmdb store refused 1 value(s), dropped (not cached; recomputed when next "
+        f"read): key b'g_99': LmdbStore.mset on {tmp_path} (namespace 'g'): the value of key 'g_99' "
+        f"({size} bytes) does not fit in the {room} bytes left at max_map_size={8 << 20} bytes, so it is "
+        "not stored. Pass a larger max_map_size= to store values this large. The other 0 buffered "
+        "value(s) were written."
+    )
+    # The store is not full: later values are cached (each get used to raise StoreFullError again).
+    assert [loader.get(i, lambda k: k) for i in range(100, 103)] == [100, 101, 102]
+    s = loader.stats()
+    assert (s["buffered"], s["dropped"], s["writes"]) == (0, 1, 5)
+    assert loader.num_keys() == 5
+    loader.close()
+
+
+def test_bypass_drops_the_large_value_and_caches_the_rest_of_its_batch(tmp_path):
+    loader = CacheLoader(
+        path=tmp_path,
+        dataset_name="gb",
+        writer_buffer_size=4,
+        on_error="bypass",
+        map_size=1 << 20,
+        max_map_size=8 << 20,
+    )
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for i in range(4):  # the 4th value fills the buffer: one batch with the large value in it
+            loader.get(i, lambda k: np.zeros(16 << 20 if k == 1 else 1000, np.uint8))
+        for i in range(4, 8):
+            loader.get(i, lambda k: k)
+    refused = [str(r.message) for r in rec if "refused" in str(r.message)]
+    size = len(loader._encode(np.zeros(16 << 20, np.uint8), "x"))
+    assert len(refused) == 1 and f"key 'gb_1' ({size} bytes) does not fit" in refused[0]
+    assert refused[0].endswith(
+        "The other 3 buffered value(s) were written. on_error='bypass': further refusals are only counted."
+    )
+    assert loader.contains_many(range(8)) == [True, False] + [True] * 6
+    assert loader.stats()["dropped"] == 1
+    loader.close()
+
+
+# -- 3: bypass in contains_many() and warmup() ------------------------------------------------------
+
+
+def test_contains_many_is_bypassed_like_get(tmp_path):
+    loader = CacheLoader(DownStore(), "sq", writer_buffer_size=10, on_error="bypass", retry_interval=60)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        assert loader.contains_many([1, 2, 3]) == [False, False, False]
+        assert loader.get(2, lambda k: k * k) == 4  # a miss, computed and buffered
+        assert loader.contains_many([1, 2]) == [False, True]  # store skipped until the retry
+    assert [str(r.message) for r in rec] == [
+        "CacheLoader('sq'): the store store failed during a read (server down); on_error='bypass': "
+        "serving misses and retrying every 60s. See stats() for the error, bypass and drop counts."
+    ]
+    s = loader.stats()
+    assert (s["errors"], s["bypassed"]) == (1, 3 + 1 + 2)
+    loader.close()
+    with pytest.raises(StoreUnavailableError, match="server down"):  # on_error="raise" still raises
+        CacheLoader(DownStore(), "sq2").contains_many([1])
+
+
+def test_warmup_with_a_failing_store_in_bypass_mode(tmp_path):
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        ds = CachedDataset(
+            Squares(), backend=DownStore(), dataset_name="sq", on_error="bypass", retry_interval=0
+        )
+        assert ds.warmup(progress=False) == 8
+    assert len([r for r in rec if "on_error='bypass'" in str(r.message)]) == 1
+    assert ds.stats()["errors"] >= 2  # the fingerprint check, contains_many, the writes
+    ds.close()
+
+
+# -- 4: numpy numbers as arguments ------------------------------------------------------------------
+
+
+def test_numpy_numbers_are_accepted(tmp_path):
+    loader = CacheLoader(
+        path=tmp_path,
+        dataset_name="n",
+        writer_buffer_size=np.int64(20),
+        max_buffer_bytes=np.uint32(1 << 20),
+        flush_interval=np.float32(0.5),
+        map_size=np.int64(1 << 24),
+    )
+    assert (loader.writer_buffer_size, loader.max_buffer_bytes, loader.flush_interval) == (20, 1 << 20, 0.5)
+    assert type(loader.writer_buffer_size) is int and type(loader.max_buffer_bytes) is int
+    assert loader.store.map_size == 1 << 24 and type(loader.store.map_size) is int
+    assert loader.get(1, lambda k: 2) == 2
+    loader.close()
+
+
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        (
+            {"writer_buffer_size": np.int64(-1)},
+            "writer_buffer_size must be an int >= 0 (0 writes every value at once, as 1 does), "
+            "got np.int64(-1)",
+        ),
+        (
+            {"writer_buffer_size": np.bool_(True)},
+            "writer_buffer_size must be an int >= 0 (0 writes every value at once, as 1 does), got np.True_",
+        ),
+        (
+            {"max_buffer_bytes": np.float64(64.0)},
+            "max_buffer_bytes must be an int >= 0, got np.float64(64.0)",
+        ),
+        ({"max_buffer_bytes": np.int8(-3)}, "max_buffer_bytes must be an int >= 0, got np.int8(-3)"),
+        (
+            {"flush_interval": np.float32("nan")},
+            "flush_interval must be None or a finite number of seconds >= 0, got np.float32(nan)",
+        ),
+        (
+            {"flush_interval": np.float64(-0.5)},
+            "flush_interval must be None or a finite number of seconds >= 0, got np.float64(-0.5)",
+        ),
+        ({"map_size": np.int64(0)}, "LmdbStore: map_size must be a positive int, got np.int64(0)"),
+    ],
+    ids=lambda x: x if isinstance(x, str) else None,
+)
+def test_bad_numpy_numbers_name_the_value(tmp_path, kw, message):
+    with pytest.raises(ValueError) as info:
+        CacheLoader(path=tmp_path, dataset_name="n", **kw)
+    assert str(info.value) == message
+
+
+# -- 5: deeply nested Parameters and tensors with attributes ------------------------------------------
+
+
+def _nest(x, depth: int):
+    for _ in range(depth):
+        x = [x]
+    return x
+
+
+def _unnest(x, depth: int):
+    for _ in range(depth):
+        x = x[0]
+    return x
+
+
+@pytest.mark.parametrize("depth", [60, 199])
+def test_deeply_nested_parameters_come_back_as_parameters(tmp_path, depth):
+    def make(k):
+        t = torch.ones(2)
+        t.src = "img.jpg"
+        return {"p": _nest(torch.nn.Parameter(torch.ones(2)), depth), "t": _nest(t, depth)}
+
+    loader = CacheLoader(path=tmp_path, dataset_name="p")
+    loader.get(0, make)
+    hit = loader.get(0, lambda k: pytest.fail("recomputed"))
+    assert loader.stats()["hits"] == 1
+    p, t = _unnest(hit["p"], depth), _unnest(hit["t"], depth)
+    assert type(p) is torch.nn.Parameter and p.requires_grad and torch.equal(p, torch.ones(2))
+    assert type(t) is torch.Tensor and t.src == "img.jpg"
+    loader.close()
+
+
+# -- 6: a Store instance holds one dataset ----------------------------------------------------------
+
+
+def _shared(desc: str, ns_where: str, other: str, fix: str) -> str:
+    return (
+        f"{desc} would share {ns_where} with {other}, created earlier in this process and still open. A "
+        "Store instance holds one dataset: a CacheLoader over it owns the store's whole namespace "
+        "(dataset_name= only prefixes the keys; clear(), num_keys() and the fingerprint entry act on the "
+        "whole namespace), so the two would count, drop and clear each other's entries. Give each dataset "
+        f"its own store namespace, {fix}, or close() the other one first if it is no longer used."
+    )
+
+
+class Offset:
+    def __init__(self, n: int, off: int) -> None:
+        self.n, self.off = n, off
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return i + self.off
+
+
+def test_two_datasets_over_one_store_instance_are_refused_with_the_fix(tmp_path):
+    store = LmdbStore(tmp_path, namespace="shared")
+    train = CachedDataset(Offset(10, 0), backend=store, dataset_name="train")
+    assert [train[i] for i in range(10)][3] == 3
+    with pytest.raises(ConfigError) as info:
+        CachedDataset(Offset(5, 100), backend=store, dataset_name="val")
+    assert str(info.value) == _shared(
+        "CachedDataset(Offset of length 5, dataset_name='val') with fingerprint ('len', 5, None)",
+        f"the namespace 'shared' of the LMDB cache at {str(tmp_path)!r}",
+        "CachedDataset(Offset of length 10, dataset_name='train') with fingerprint ('len', 10, None)",
+        "e.g. LmdbStore(path, namespace='val')",
+    )
+    assert train.cache_loader.num_keys() == 10 and train[3] == 3  # train untouched
+    # The fix the message gives: a namespace of its own; both are then cached side by side.
+    val = CachedDataset(Offset(5, 100), backend=LmdbStore(tmp_path, namespace="val"), dataset_name="val")
+    assert [val[i] for i in range(5)] == [100, 101, 102, 103, 104]
+    assert (train.cache_loader.num_keys(), val.cache_loader.num_keys()) == (10, 5)
+    train.close()
+    val.close()
+
+
+def test_second_dataset_name_over_one_store_instance_without_fingerprints(tmp_path):
+    store = LmdbStore(tmp_path, namespace="shared")
+    a = CacheLoader(store, "a")
+    a.get(1, lambda k: k)
+    with pytest.raises(ConfigError) as info:
+        CacheLoader(store, "b")  # clear() of either would delete the other's entries
+    assert str(info.value) == _shared(
+        "CacheLoader('b')",
+        f"the namespace 'shared' of the LMDB cache at {str(tmp_path)!r}",
+        "CacheLoader('a')",
+        "e.g. LmdbStore(path, namespace='b')",
+    )
+    # Also a loader made from path= whose namespace is that store's.
+    with pytest.raises(ConfigError) as info:
+        CacheLoader(path=tmp_path, dataset_name="shared")
+    assert str(info.value) == _shared(
+        "CacheLoader('shared')",
+        f"the namespace 'shared' of the LMDB cache at {str(tmp_path)!r}",
+        "CacheLoader('a')",
+        "e.g. LmdbStore(path, namespace='shared')",
+    )
+    bagua = DictStore()
+    first = CacheLoader(bagua, "train")
+    with pytest.raises(ConfigError) as info:
+        CacheLoader(bagua, "val")
+    assert str(info.value) == _shared(
+        "CacheLoader('val')", repr(bagua), "CacheLoader('train')", "e.g. a store of its own"
+    )
+    # Same dataset_name over the same store: one dataset, allowed; and after close() another one.
+    CacheLoader(store, "a").close()
+    a.close()
+    first.close()
+    with CacheLoader(store, "b") as b:
+        assert b.get(1, lambda k: -1) == -1
+    # Loaders made from path= (one namespace per dataset_name) never conflict.
+    with CacheLoader(path=tmp_path, dataset_name="x") as x, CacheLoader(path=tmp_path, dataset_name="y") as y:
+        assert x.get(1, lambda k: 1) == 1 and y.get(1, lambda k: 2) == 2
+
+
+def test_clear_and_num_keys_document_the_store_instance_namespace():
+    for doc in (CacheLoader.clear.__doc__, CacheLoader.num_keys.__doc__, CacheLoader.__doc__):
+        assert "Store instance" in doc and "whole namespace" in " ".join(doc.split())
