@@ -177,3 +177,28 @@ def test_broadcast_and_allreduce_are_differentiable_as_in_bluefog():
         assert r["allreduce"] == [float(rank + 1)] * 3  # d/dx of mean_r((r+1) x) through averaged grads
         assert r["allreduce_sum"] == [2.0 * (rank + 1)] * 3  # summed forward, summed backward
         assert r["no_grad"] is False
+
+
+def init_twice_ranks(rank: int, ws: int) -> dict:
+    import trainloom.comm as C
+    import trainloom.comm.bluefog as bf
+
+    bf.init(lambda n: bf.RingGraph(n, 2))
+    first = bf.neighbor_allreduce(torch.full((1,), float(rank)), name="x").item()
+    bf.init()  # as in a unittest setUp: keeps the group, sets the default topology again
+    out = {"first": first, "in_neighbors": bf.in_neighbor_ranks(), "initialized": C.is_initialized()}
+    out["second"] = bf.neighbor_allreduce(torch.full((1,), float(rank)), name="x").item()
+    bf.shutdown()
+    return out
+
+
+def test_init_again_keeps_the_group_and_resets_the_topology_as_bluefog():
+    """Bluefog's init is InitializeBluefogOnce and its own tests call bf.init() in every setUp; the
+    second call used to raise RepeatedInitializationError."""
+    ws = 3
+    res = run_ranks(init_twice_ranks, ws, timeout=90)
+    for rank, r in enumerate(res):
+        assert r["first"] == 0.5 * rank + 0.5 * ((rank - 1) % ws)  # RingGraph(n, 2): from r - 1 only
+        assert r["initialized"] is True
+        assert sorted(r["in_neighbors"]) == sorted({(rank - 1) % ws, (rank - 2) % ws})  # ExponentialTwo of 3
+        assert r["second"] == sum(range(ws)) / ws  # uniform over self and both in-neighbours

@@ -436,3 +436,59 @@ def test_lbfgs_is_refused_with_the_reason():
         "and the wrapper averages one gradient per step; the steps would use local gradients. Use a "
         "first-order optimizer, or average the gradients inside the closure yourself"
     )
+
+
+def synchronize_then_step_ranks(rank: int, ws: int, engine: str) -> dict:
+    """opt.synchronize() (to clip or inspect before the update), then step() or fuse_step()."""
+    import trainloom.comm.bluefog as bf
+    from trainloom.optim import fuse_optimizer
+
+    R._engine(engine)
+    bf.init(lambda n: bf.RingGraph(n, 2))  # rank r receives from r - 1: half its own, half r - 1's
+    out: dict = {}
+    # neighbour mode, lr=0: the parameters are the neighbour average itself, once
+    w = torch.nn.Parameter(torch.full((1,), float(rank), dtype=torch.float64))
+    opt = bf.DistributedNeighborAllreduceOptimizer(torch.optim.SGD([w], lr=0.0), [("w", w)])
+    (w * 0).sum().backward()
+    opt.synchronize()
+    opt.synchronize()  # again before the next backward: nothing to do
+    out["neighbor_synchronized"] = w.item()
+    opt.step()
+    out["neighbor_stepped"] = w.item()
+    opt.zero_grad()
+    (w * 0).sum().backward()
+    opt.step()  # the next step communicates again
+    out["neighbor_next_step"] = w.item()
+    # gradient mode: a change to the averaged gradient after synchronize() reaches the update
+    # (step() used to average the changed gradients again), with step() and with fuse_step()
+    for fused in (False, True):
+        m = _weight0()
+        inner = torch.optim.SGD(m.parameters(), lr=1.0)
+        opt = bf.DistributedAllreduceOptimizer(
+            fuse_optimizer(inner) if fused else inner, m.named_parameters()
+        )
+        (m.weight * (rank + 1)).sum().backward()
+        opt.synchronize()
+        out[f"averaged fused={fused}"] = m.weight.grad.item()
+        m.weight.grad.mul_(rank + 1)  # a per-rank change, e.g. a clip with this rank's norm
+        opt.fuse_step() if fused else opt.step()
+        out[f"weight fused={fused}"] = m.weight.item()
+    bf.shutdown()
+    return out
+
+
+def test_step_after_an_explicit_synchronize_does_not_communicate_again():
+    """synchronize() is Bluefog's "finish this step's communication now": step() used to communicate
+    a second time, which averaged the neighbour-averaged parameters again (W W x instead of W x) and
+    undid a per-rank change to the averaged gradients."""
+    ws = 3
+    res = run_ranks(synchronize_then_step_ranks, ws, ENGINE, timeout=90)
+    mean = sum(r + 1 for r in range(ws)) / ws
+    for rank, r in enumerate(res):
+        left = (rank - 1) % ws
+        once = 0.5 * rank + 0.5 * left
+        assert r["neighbor_synchronized"] == r["neighbor_stepped"] == once, (rank, r)
+        assert r["neighbor_next_step"] == 0.5 * once + 0.5 * (0.5 * left + 0.5 * ((left - 1) % ws)), (rank, r)
+        for fused in (False, True):
+            assert r[f"averaged fused={fused}"] == mean, (rank, r)
+            assert r[f"weight fused={fused}"] == -mean * (rank + 1), (rank, r)

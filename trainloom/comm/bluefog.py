@@ -153,11 +153,16 @@ def init(topology_fn: Optional[Callable[[int], Topology]] = None, is_weighted: b
         topology_fn: builds the topology from the world size (default ``ExponentialTwoGraph``).
         is_weighted: use the topology's weights in neighbour averaging.
 
+    Called again (Bluefog's own tests call it in every ``setUp``), or after
+    ``trainloom.comm.init_process_group()``, it keeps the process group and only sets the topology, as
+    Bluefog's ``InitializeBluefogOnce`` does.
+
     Example::
 
         bf.init(lambda n: bf.RingGraph(n))
     """
-    _group.init_process_group()
+    if not _group.is_initialized():
+        _group.init_process_group()
     set_topology((topology_fn or ExponentialTwoGraph)(size()), is_weighted=is_weighted)
 
 

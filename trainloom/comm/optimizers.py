@@ -116,11 +116,16 @@ class _Reducer:
         #: buckets launched from a backward hook (before step()) in the last step: the overlap.
         self.launched_in_backward = 0
         self._backward_launches = 0
+        #: an explicit synchronize() finished this step's communication: step() must not repeat it (a
+        #: second neighbour average would average the averaged parameters). Cleared by the step and by
+        #: the next gradient.
+        self.synced = False
         self.handles = [
             p.register_post_accumulate_grad_hook(functools.partial(self._hook, id(p))) for p in params
         ]
 
     def _hook(self, key: int, _p: torch.Tensor) -> None:
+        self.synced = False  # a new gradient: a new step's communication
         n = self.counts[key] + 1
         if n > self.passes:
             # Horovod raises here too: the bucket was already reduced, so this gradient would be lost.
@@ -263,8 +268,21 @@ class _DistributedMixin:
     _tl_original: Callable[[], Optional[torch.optim.Optimizer]]  # a weakref to the wrapped optimizer
 
     def synchronize(self) -> None:
-        """Finish this step's communication now (``step()`` calls it)."""
-        self._tl_reducer.synchronize(self.param_groups)  # type: ignore[attr-defined]
+        """Finish this step's communication now, e.g. to clip the averaged gradients before
+        ``step()``; ``step()`` then does not communicate again (as in Bluefog, where the handles are
+        gone once synchronized). Calling it again before the next backward pass does nothing."""
+        r = self._tl_reducer
+        if r.synced:
+            return
+        r.synchronize(self.param_groups)  # type: ignore[attr-defined]
+        r.synced = True
+
+    def _finish_communication(self) -> None:
+        """Before the update: this step's communication, unless :meth:`synchronize` already did it."""
+        r = self._tl_reducer
+        if not r.synced:
+            r.synchronize(self.param_groups)  # type: ignore[attr-defined]
+        r.synced = False
 
     def _neighbor_only(self, name: str) -> _Reducer:
         r = self._tl_reducer
@@ -301,14 +319,14 @@ class _DistributedMixin:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.synchronize()
+        self._finish_communication()
         super().step()  # type: ignore[misc]
         return loss
 
     def fuse_step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """``fuse_step`` of a fused optimizer underneath (``fuse_optimizer`` before wrapping): the
         closure, this step's communication, then the fused update. ``trainloom.optim.fuse_step(opt)``
-        does the same (it calls :meth:`synchronize` through ``_tl_before_step``)."""
+        does the same (it finishes the communication through ``_tl_before_step``)."""
         from trainloom.optim.fused import fuse_step
 
         return fuse_step(self, closure)  # type: ignore[arg-type]
@@ -453,7 +471,7 @@ def _wrap(
     wrapped._tl_original = weakref.ref(optimizer)
     #: called by trainloom.optim.fuse_step with the optimizer, before the fused update (the function,
     #: not the bound method: no reference cycle)
-    wrapped._tl_before_step = _DistributedMixin.synchronize
+    wrapped._tl_before_step = _DistributedMixin._finish_communication
     return wrapped
 
 
