@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import extutil_allgather as X
 import pytest
 import test_ext_ranks as R
 import torch
@@ -9,6 +10,9 @@ from commutil import engines, shm_segments
 from multiproc import run_ranks
 
 from trainloom.comm import topology as tp
+from trainloom.comm.neighbor import then_work
+from trainloom.comm.work import Work
+from trainloom.errors import CommError
 
 ENGINES = engines()
 
@@ -313,3 +317,124 @@ def test_zero_weight_edges_and_equality():
     assert uniform.matrix() == weighted.matrix()
     assert uniform != weighted and weighted == tp.Topology.from_matrix(weighted.matrix())
     assert uniform == tp.Topology.from_edges(2, [(1, 0), (0, 1)])
+
+
+# ---------------------------------------------------------------------------- allgather, neighbor_allgather
+def _mismatch(opname: str, shapes) -> str:
+    each = "; ".join(f"rank {r} has {s}" for r, s in enumerate(shapes))
+    return (
+        f"CommError: {opname}: ranks disagree on the tensor: only the first dimension may differ between "
+        f"ranks, the dtype and the other dimensions must be the same ({each})"
+    )
+
+
+@pytest.mark.parametrize("engine,strategy", [("shm", "auto"), ("shm", "exchange"), ("gloo", "auto")])
+def test_allgather_first_dimension_may_differ_between_ranks(engine, strategy):
+    # Bluefog: the output's first dimension "is the sum of all first dimensions of the tensors in
+    # different Bluefog processes" (its test_allgather_variable_size); trainloom raised CommError.
+    if engine not in ENGINES:
+        pytest.skip(f"engine {engine} unavailable: {ENGINES}")
+    ws, firsts = 3, [2, 1, 3]
+    res = run_ranks(X.variable_size, ws, engine, strategy, firsts, timeout=90)
+    xs = [X.rows(r, firsts[r]) for r in range(ws)]
+    everything = torch.cat(xs).tolist()
+    wide = [X.rows(r, firsts[r], cols=6)[:, ::2] for r in range(ws)]
+    same = torch.cat([X.rows(r, 2) for r in range(ws)]).tolist()
+    for rank, out in enumerate(res):
+        left = (rank - 1) % ws  # RingGraph(connect_style=2): the only in-neighbour
+        assert out["allgather"] == ([sum(firsts), 3], everything)
+        assert out["allgather_async"] == everything and out["allgather_result"] == everything
+        assert out["nag"] == xs[left].tolist()
+        assert out["nag_polled"] == xs[left].tolist()
+        assert out["strided"] == torch.cat(wide).tolist()
+        assert out["empty"] == [4, 3]  # rank 0 has no rows
+        assert out["nag_empty"] == ([] if left == 0 else X.rows(left, 2).tolist())
+        assert out["same"] == same and out["nag_same"] == X.rows(left, 2).tolist()
+        assert out["scalar"] == [0.0, 1.0, 2.0] and out["nag_scalar"] == [float(left)]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_allgather_other_dimensions_and_dtype_must_match(engine):
+    res = run_ranks(X.shape_mismatch, 3, engine, timeout=90)
+    cols = ["float32 (1, 3)", "float32 (2, 4)", "float32 (3, 3)"]
+    for out in res:
+        assert out["cols"] == _mismatch("allgather(w)", cols)
+        assert out["nag_cols"] == _mismatch("neighbor_allgather", cols)
+        assert out["dtype"] == _mismatch("allgather", ["float32 (2, 3)", "float32 (2, 3)", "float64 (2, 3)"])
+        assert out["ndim"] == _mismatch(
+            "neighbor_allgather(n)", ["float32 (2, 3, 1)", "float32 (2, 3)", "float32 (2, 3)"]
+        )
+        # the same element count no longer passes for a different shape
+        assert out["same_numel"] == _mismatch(
+            "allgather", ["float32 (2, 3)", "float32 (3, 2)", "float32 (3, 2)"]
+        )
+        a = _mismatch("neighbor_allgather(a)", ["float32 (2, 3)", "float32 (2, 4)", "float32 (2, 3)"])
+        assert out["async_wait"] == a and out["async_again"] == a
+        assert out["after"] == [0.0, 1.0, 2.0]
+        supported = "float16, bfloat16, float32, float64, int8, uint8, int16, int32, int64, bool, "
+        supported += "complex64, complex128"
+        for fn in ("allgather", "neighbor_allgather_async"):
+            op = fn.replace("_async", "")
+            assert out[f"uint16/{fn}"] == (
+                f"{op}(b): tensor has dtype torch.uint16, which is not supported (supported: {supported})"
+            )
+            assert out[f"sparse/{fn}"] == (
+                f"{op}(b): tensor must be a dense (strided) tensor, got layout torch.sparse_coo"
+            )
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_neighbor_allgather_exchange_errors_name_the_call(engine):
+    # The exchange path (80 KB) used to raise the engine's "shm alltoall_v #2 ..." without the call.
+    res = run_ranks(X.exchange_errors, 3, engine, timeout=90)
+    for rank, out in enumerate(res):
+        for key, seq in (("sync", 2), ("async_wait", 4), ("async_sync", 4)):
+            if engine == "shm":
+                step = (
+                    f"shm alltoall_v #{seq} on rank {rank}/3 (prefix 'tl/1/default/global/shm'): rank 0 "
+                    "sends 0 elements to rank 1, but rank 1 expects 20000 from rank 0: send_counts[1] on "
+                    "rank 0 must equal recv_counts[0] on rank 1"
+                )
+            else:
+                step = (
+                    f"alltoall_v #{seq}: rank 0 sends 0 elements to rank 1 (its send_counts[1]), but rank 1 "
+                    "expects 20000 from rank 0 (its recv_counts[0])"
+                )
+            assert out[key].startswith("CommError: neighbor_allgather(grads): "), (key, out[key])
+            assert out[key] == f"CommError: neighbor_allgather(grads): {step}", (key, out[key])
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("engine", ENGINES)
+def test_neighbor_allgather_timeout_names_the_call(engine, mode):
+    res = run_ranks(X.late_rank, 3, engine, mode, timeout=60)
+    for rank in (0, 2):
+        kind, text = res[rank]["error"].split(": ", 1)
+        assert kind in ("CommTimeoutError", "CommError"), res[rank]
+        step = (
+            f"shm allgather #2 on rank {rank}/3 "
+            if engine == "shm"
+            else f"allgather #2 (gloo, rank {rank} of 3)"
+        )
+        assert text.startswith("neighbor_allgather(grads): "), res[rank]
+        assert text.startswith(f"neighbor_allgather(grads): {step}"), res[rank]
+        assert res[rank]["seconds"] < 20
+
+
+class _FailingWork(Work):
+    """A Work (not a CPU FutureWork: the CUDA branch) whose wait raises the engine's error."""
+
+    def wait(self, timeout=None):
+        raise CommError("nccl alltoall_v #3: rank 1 died")
+
+    def is_completed(self):
+        return True
+
+
+@pytest.mark.parametrize("after", [None, lambda: None])
+def test_then_work_names_the_call_in_every_error(after):
+    h = then_work(None, "neighbor_allgather(g)", _FailingWork("alltoall_v", None), after, None)
+    for _ in range(2):  # a second wait re-raises without naming the call twice
+        with pytest.raises(CommError) as info:
+            h.wait()
+        assert str(info.value) == "neighbor_allgather(g): nccl alltoall_v #3: rank 1 died"

@@ -15,7 +15,9 @@ asynchronous. :func:`poll` and :func:`synchronize` (Bluefog) and ``Work.wait()``
 How neighbour data moves depends only on the topology and the tensor size (so every rank picks the
 same collective): one neighbour exchange (``alltoall_v`` with zero counts for non-neighbours, every
 destination reading the same send buffer), except for small tensors (< 64 KiB) on dense graphs
-(at least half of all possible edges), which use one ``allgather``. See docs/comm-ext.md.
+(at least half of all possible edges), which use one ``allgather``. :func:`neighbor_allgather` and
+:func:`allgather` first exchange every rank's shape (the first dimension may differ between ranks,
+as in Bluefog) and gather differently sized tensors with one ``alltoall_v``. See docs/comm-ext.md.
 
 .. warning::
     As with every asynchronous collective, do not modify the input tensor until the handle has been
@@ -35,7 +37,8 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Union, cast
+import math
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union, cast
 
 import torch
 
@@ -44,7 +47,8 @@ from trainloom.comm.collectives import ReduceOp
 from trainloom.comm.env import as_int
 from trainloom.comm.group import Communicator, ProcessGroup
 from trainloom.comm.topology import _check_weight, exchange_strategy, resolve_comm, topology_entry
-from trainloom.comm.work import CompletedWork, ThenWork, Work
+from trainloom.comm.work import CompletedWork, FutureWork, ThenWork, Work
+from trainloom.errors import CommError
 
 __all__ = [
     "neighbor_allreduce",
@@ -79,15 +83,55 @@ def then_work(
     For a CPU operation ``after`` runs on ``c``'s worker right after ``inner``: the results are
     complete when ``is_completed()`` (or :func:`poll`) says so, before any later collective on ``c``
     and at destroy, as torch.distributed's CPU Work guarantees. For CUDA it runs in ``wait()``.
+    Every CommError raised through the returned Work starts with ``op_name`` (the call the user
+    made), then the engine's step, with or without ``after``.
     """
     if after is None:
-        return ThenWork(op_name, inner, None, result)
+        # Nothing to run after the data movement, but its errors still name the call (a bare
+        # ThenWork raised the engine's "shm alltoall_v #2 ..." alone).
+        return _NamedWork(op_name, inner, None, result)
 
     def run() -> None:
         with torch.no_grad():
             after()
 
-    return _core._then(c, inner, run, True, result, op_name)  # type: ignore[return-value]
+    if inner is None or isinstance(inner, (FutureWork, CompletedWork)):
+        return _core._then(c, inner, run, True, result, op_name)  # type: ignore[return-value]
+    return _NamedWork(op_name, inner, run, result)  # CUDA: _then's ThenWork, with named errors
+
+
+def _name_error(exc: CommError, op_name: str) -> None:
+    """Start ``exc``'s message with ``op_name`` (once: a second wait() re-raises the same object)."""
+    if exc.args and isinstance(exc.args[0], str) and not exc.args[0].startswith(f"{op_name}: "):
+        exc.args = (f"{op_name}: {exc.args[0]}",) + tuple(exc.args[1:])
+
+
+class _NamedWork(ThenWork):
+    """A :class:`ThenWork` whose CommErrors start with the call the user made (its ``op_name``)."""
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        try:
+            return super().wait(timeout)
+        except CommError as exc:
+            _name_error(exc, self.op_name)
+            raise
+
+
+class _GatherWork(FutureWork):
+    """A CPU gather whose output tensor the operation itself makes, on the worker: its first dimension
+    is the sum of the ranks' first dimensions, known only once they were exchanged."""
+
+    def __init__(self, op_name: str, future: Any, box: List[torch.Tensor]) -> None:
+        super().__init__(op_name, future, None)
+        self._box = box  # the output, appended once it holds the gathered data
+
+    @property
+    def tensor(self) -> Optional[torch.Tensor]:
+        return self._box[0] if self._box else None
+
+    def result(self) -> Optional[torch.Tensor]:
+        self.wait()
+        return self.tensor
 
 
 # ---------------------------------------------------------------------------- handles
@@ -333,33 +377,160 @@ def neighbor_allreduce(
     )
 
 
-def neighbor_allgather_async(tensor: torch.Tensor, name: Optional[str] = None, comm: CommArg = None) -> Work:
-    """Asynchronous :func:`neighbor_allgather`; the handle's result is the concatenated tensor."""
-    opname = f"neighbor_allgather({name})" if name else "neighbor_allgather"
-    t = _tensor(tensor, "tensor", opname)
-    c = resolve_comm(comm, opname)
-    topo, _ = topology_entry(c)
+# Trailing dimensions a gather header carries for the error message; a hash compares all of them.
+_HDR_DIMS = 6
+_HASH_MOD = (1 << 61) - 1
+
+
+def _shape_header(src: torch.Tensor) -> torch.Tensor:
+    """``[dtype code, ndim, first dimension, hash of the other dimensions, those dimensions...]``."""
+    from trainloom.comm._gloo import DTYPE_CODES  # (imported at first use, as group.cross_check does)
+
+    shape = tuple(src.shape)
+    rest = shape[1:]
+    h = 0
+    for d in rest:  # not hash(): the value must be the same in every process and Python version
+        h = (h * 1000003 + d + 1) % _HASH_MOD
+    dims = list(rest[:_HDR_DIMS]) + [-1] * (_HDR_DIMS - min(len(rest), _HDR_DIMS))
+    first = shape[0] if shape else 1  # a 0-d tensor is one row
+    return torch.tensor([DTYPE_CODES.get(src.dtype, 0), len(shape), first, h, *dims], dtype=torch.int64)
+
+
+def _describe(row: Sequence[int]) -> str:
+    """A header as ``float32 (17, 3)``."""
+    from trainloom.comm._gloo import DTYPE_CODES
+
+    names = {code: str(dt).replace("torch.", "") for dt, code in DTYPE_CODES.items()}
+    ndim = row[1]
+    if ndim == 0:
+        return f"{names.get(row[0], 'unsupported dtype')} ()"
+    dims = [row[2], *row[4 : 4 + min(ndim - 1, _HDR_DIMS)]]
+    inner = ", ".join(map(str, dims)) + (", ..." if ndim - 1 > _HDR_DIMS else "") + ("," if ndim == 1 else "")
+    return f"{names.get(row[0], 'unsupported dtype')} ({inner})"
+
+
+def _first_dims(c: Communicator, src: torch.Tensor) -> List[int]:
+    """Every rank's first dimension, from one small synchronous allgather over the CPU engine. The
+    ranks' dtypes and other dimensions must agree: otherwise every rank raises the same CommError
+    (from the same exchanged data), naming each rank's dtype and shape."""
+    mine = _shape_header(src)
+    n = c.nranks()
+    rows_t = torch.empty(n * mine.numel(), dtype=torch.int64)
+    _core.allgather(mine, rows_t, comm=c)
+    rows = rows_t.view(n, -1).tolist()
+    key = rows[0][:2] + rows[0][3:4]  # dtype, ndim, other dimensions (their hash)
+    if any(row[:2] + row[3:4] != key for row in rows):
+        each = "; ".join(f"rank {r} has {_describe(row)}" for r, row in enumerate(rows))
+        raise CommError(
+            f"ranks disagree on the tensor: only the first dimension may differ between ranks, the "
+            f"dtype and the other dimensions must be the same ({each})"
+        )
+    return [row[2] for row in rows]
+
+
+def _gather_start(
+    c: Communicator,
+    src: torch.Tensor,
+    firsts: List[int],
+    topo: Any,
+    async_op: bool,
+) -> Tuple[torch.Tensor, Optional[Work], Optional[Callable[[], None]]]:
+    """Start gathering ``src`` from every rank (``topo`` None) or from this rank's in-neighbours.
+
+    ``firsts`` holds every rank's first dimension (:func:`_first_dims`, the same list on every
+    rank, so every rank picks the same collectives). Returns the output, the Work (None when not
+    ``async_op``) and what to run after it (or None).
+    """
     n, me = c.nranks(), c.rank()
-    ins = topo.in_neighbors(me)
-    src = t.detach()
     numel = src.numel()
-    k = len(ins)
-    shape = (k * src.shape[0], *src.shape[1:]) if src.dim() else (k,)
-    if n == 1:
-        return CompletedWork(opname, torch.empty(shape, dtype=src.dtype, device=src.device))
+    row = math.prod(src.shape[1:])  # elements per index of dimension 0 (1 for a 0-d tensor)
+    srcs = list(range(n)) if topo is None else topo.in_neighbors(me)
+    total = sum(firsts[r] for r in srcs)
+    out = torch.empty((total, *src.shape[1:]), dtype=src.dtype, device=src.device)
+    same = all(f == firsts[0] for f in firsts)
     # src as it is, not reshaped: see neighbor_allreduce_async
-    if exchange_strategy(topo, numel * src.element_size()) == "allgather":
+    if topo is None and same:
+        return out, _core.allgather(src, out, comm=c, async_op=async_op), None
+    if topo is not None and same and exchange_strategy(topo, numel * src.element_size()) == "allgather":
         buf = torch.empty(n * numel, dtype=src.dtype, device=src.device)
-        inner = cast(Work, _core.allgather(src, buf, comm=c, async_op=True))  # async_op=True: a Work
-        out = torch.empty(shape, dtype=src.dtype, device=src.device)
-        index = torch.tensor(ins, dtype=torch.long, device=src.device)
+        work = _core.allgather(src, buf, comm=c, async_op=async_op)
+        index = torch.tensor(srcs, dtype=torch.long, device=src.device)
 
         def pick() -> None:
-            torch.index_select(buf.view(n, numel), 0, index, out=out.view(k, numel))
+            torch.index_select(buf.view(n, numel), 0, index, out=out.view(len(srcs), numel))
 
-        return then_work(c, opname, inner, pick, out)
-    buf, inner = _exchange(c, topo, me, src)
-    return then_work(c, opname, inner, None, buf.view(shape))
+        return out, work, pick
+    # One alltoall_v with per-rank counts; every destination reads the same send buffer.
+    outs = set(range(n)) if topo is None else set(topo.out_neighbors(me))
+    send_counts = [numel if j in outs else 0 for j in range(n)]
+    recv_counts = [0] * n
+    recv_displs = [0] * n
+    offset = 0
+    for r in srcs:
+        recv_counts[r] = firsts[r] * row
+        recv_displs[r] = offset
+        offset += recv_counts[r]
+    work = _core.alltoall_v(
+        src, send_counts, [0] * n, out, recv_counts, recv_displs, comm=c, async_op=async_op
+    )
+    return out, work, None
+
+
+def _gather_now(c: Communicator, opname: str, src: torch.Tensor, topo: Any) -> torch.Tensor:
+    """The CPU (neighbour) allgather of ``src``, run in this thread: the caller's for a synchronous
+    call (which follows the asynchronous ones issued before it), or the worker's inside an operation
+    (nested calls from a running operation run at once). Every CommError starts with ``opname``."""
+    try:
+        out, _, after = _gather_start(c, src, _first_dims(c, src), topo, False)
+        if after is not None:
+            with torch.no_grad():
+                after()
+    except CommError as exc:
+        _name_error(exc, opname)
+        raise
+    return out
+
+
+def _gather_work(c: Communicator, opname: str, src: torch.Tensor, topo: Any, async_op: bool) -> Work:
+    """The (neighbour) allgather of ``src`` over ``c`` (more than one rank): the exchange of the
+    ranks' shapes, then the gather sized by them (:func:`_gather_start`). Every CommError it raises
+    starts with ``opname``. Not ``async_op``: a CPU gather runs now, in this thread (no worker hop)."""
+    if src.is_cpu:
+        if not async_op:
+            return CompletedWork(opname, _gather_now(c, opname, src, topo))
+        box: List[torch.Tensor] = []
+
+        def body(_engine: Any) -> None:
+            box.append(_gather_now(c, opname, src, topo))  # one operation on the worker
+
+        # needs_engine: the engine connects now, in issue order on every rank (body only nests calls)
+        w = c.execute(opname, "cpu", body, True, None)
+        return _GatherWork(opname, w._future, box)  # type: ignore[union-attr]
+    # CUDA: the shapes go through the CPU engine now (the output's size depends on them), then the
+    # gather is enqueued on the CUDA stream.
+    try:
+        firsts = _first_dims(c, src)
+    except CommError as exc:
+        _name_error(exc, opname)
+        raise
+    out, work, after = _gather_start(c, src, firsts, topo, True)
+    return then_work(c, opname, cast(Work, work), after, out)
+
+
+def _neighbor_allgather(tensor: Any, name: Optional[str], comm: CommArg, async_op: bool) -> Work:
+    opname = f"neighbor_allgather({name})" if name else "neighbor_allgather"
+    t = _core._tensor(tensor, "tensor", opname)  # dense, CPU/CUDA, a supported dtype: before any exchange
+    c = resolve_comm(comm, opname)
+    topo, _ = topology_entry(c)
+    src = t.detach()
+    if c.nranks() == 1:
+        return CompletedWork(opname, torch.empty((0, *src.shape[1:]), dtype=src.dtype, device=src.device))
+    return _gather_work(c, opname, src, topo, async_op)
+
+
+def neighbor_allgather_async(tensor: torch.Tensor, name: Optional[str] = None, comm: CommArg = None) -> Work:
+    """Asynchronous :func:`neighbor_allgather`; the handle's result is the concatenated tensor."""
+    return _neighbor_allgather(tensor, name, comm, True)
 
 
 def neighbor_allgather(
@@ -367,18 +538,27 @@ def neighbor_allgather(
 ) -> torch.Tensor:
     """The in-neighbours' tensors concatenated along dimension 0 (Bluefog's ``neighbor_allgather``).
 
-    This rank's own tensor is not included. Every rank's tensor must have the same shape.
+    This rank's own tensor is not included. As in Bluefog, the first dimension may differ between
+    ranks; the dtype and the other dimensions must be the same on every rank.
 
     Returns:
-        A tensor of shape ``(len(in_neighbors) * tensor.shape[0], *tensor.shape[1:])`` (a 0-d input
-        gives shape ``(len(in_neighbors),)``).
+        A tensor of shape ``(sum of the in-neighbours' tensor.shape[0], *tensor.shape[1:])`` (0-d
+        inputs give shape ``(len(in_neighbors),)``), in in-neighbour rank order.
+
+    Raises:
+        TypeError: not a tensor.
+        CommError: the ranks disagree on the dtype or on a dimension other than the first (the same
+            error on every rank, naming each rank's dtype and shape), or, in exchange mode, on the
+            topology; the message starts with the call (``neighbor_allgather(<name>): ...``).
+        CommTimeoutError: a rank did not arrive in time.
 
     Example::
 
         set_topology(RingGraph(world_size))
         g = neighbor_allgather(torch.tensor([float(rank)]))    # [rank - 1, rank + 1] in rank order
+        v = neighbor_allgather(torch.zeros(rank + 1, 3))       # rows: sum of the neighbours' rank + 1
     """
-    return synchronize(neighbor_allgather_async(tensor, name, comm))  # type: ignore[return-value]
+    return synchronize(_neighbor_allgather(tensor, name, comm, False))  # type: ignore[return-value]
 
 
 # ---------------------------------------------------------------------------- functional forms
@@ -450,26 +630,42 @@ def allreduce_(
     return synchronize(allreduce_async_(tensor, average, name, comm))  # type: ignore[return-value]
 
 
-def allgather_async(tensor: torch.Tensor, name: Optional[str] = None, comm: CommArg = None) -> Work:
-    """Asynchronous :func:`allgather`."""
+def _allgather(tensor: Any, name: Optional[str], comm: CommArg, async_op: bool) -> Work:
     opname = f"allgather({name})" if name else "allgather"
-    t = _tensor(tensor, "tensor", opname)
+    t = _core._tensor(tensor, "tensor", opname)  # dense, CPU/CUDA, a supported dtype: before any exchange
     c = resolve_comm(comm, opname)
-    n = c.nranks()
     src = t.detach()
-    shape = (n * src.shape[0], *src.shape[1:]) if src.dim() else (n,)
-    out = torch.empty(shape, dtype=src.dtype, device=src.device)
-    return _core.allgather(src, out, comm=c, async_op=True)  # type: ignore[return-value]
+    if c.nranks() == 1:
+        out = torch.empty(src.shape if src.dim() else (1,), dtype=src.dtype, device=src.device)
+        return _core.allgather(src, out, comm=c, async_op=True)  # type: ignore[return-value]
+    return _gather_work(c, opname, src, None, async_op)
+
+
+def allgather_async(tensor: torch.Tensor, name: Optional[str] = None, comm: CommArg = None) -> Work:
+    """Asynchronous :func:`allgather`; the handle's result is the concatenated tensor."""
+    return _allgather(tensor, name, comm, True)
 
 
 def allgather(tensor: torch.Tensor, name: Optional[str] = None, comm: CommArg = None) -> torch.Tensor:
-    """Concatenate every rank's tensor along dimension 0 (rank order) into a new tensor.
+    """Concatenate every rank's tensor along dimension 0 (rank order) into a new tensor (Bluefog's
+    ``allgather``); the input is not modified.
+
+    As in Bluefog, the first dimension may differ between ranks (the output's first dimension is
+    their sum); the dtype and the other dimensions must be the same on every rank.
+
+    Raises:
+        TypeError: not a tensor.
+        CommError: the ranks disagree on the dtype or on a dimension other than the first (the same
+            error on every rank, naming each rank's dtype and shape); the message starts with the
+            call (``allgather(<name>): ...``).
+        CommTimeoutError: a rank did not arrive in time.
 
     Example::
 
         g = allgather(torch.tensor([float(rank)]))      # [0., 1., ..., world_size - 1]
+        v = allgather(torch.zeros(rank + 1, 3))         # shape (1 + 2 + ... + world_size, 3)
     """
-    return synchronize(allgather_async(tensor, name, comm))  # type: ignore[return-value]
+    return synchronize(_allgather(tensor, name, comm, False))  # type: ignore[return-value]
 
 
 def broadcast_async(
