@@ -134,10 +134,17 @@ def _cythonize(exts: list[Extension]) -> list[Extension]:
     )
 
 
+#: Files a .pyx may cimport or include; keep in step with trainloom/_build_check.py's source_hash().
+_DEP_SUFFIXES = (".pxd", ".pxi", ".h")
+
+
 def _source_hash(src: str) -> str:
+    # The .pyx, then every .pxd/.pxi/.h under pyx/ (path and contents, in path order): a header a
+    # module includes (comm/_shm_kernels.h) changes the build as much as the .pyx does.
     h = hashlib.sha256((ROOT / src).read_bytes())
-    for pxd in sorted(PYX.glob("*.pxd")):
-        h.update(pxd.read_bytes())
+    for dep in sorted(p for p in PYX.rglob("*") if p.suffix in _DEP_SUFFIXES and p.is_file()):
+        h.update(dep.relative_to(PYX).as_posix().encode())
+        h.update(dep.read_bytes())
     return h.hexdigest()
 
 
@@ -154,7 +161,7 @@ def _build_info() -> dict[str, object]:
         "cython": Cython.__version__,
         "python": sys.version.split()[0],
         "extensions": [name for name, _ in _discover()],
-        # sha256 of each .pyx (and the shared .pxd files) at build time: trainloom._build_check
+        # sha256 of each .pyx (and the .pxd/.pxi/.h files under pyx/) at build time: trainloom._build_check
         # compares them with the sources of a checkout to report a stale build.
         "source_hashes": {name: _source_hash(src) for name, src in _discover()},
     }

@@ -40,7 +40,9 @@ def test_stale_module_is_reported(monkeypatch):
     hashes[name] = "0" * 64
     monkeypatch.setitem(BUILD_INFO, "source_hashes", hashes)
     with pytest.raises(
-        ImportError, match=r"'trainloom._openmp_helpers' is stale: .*_openmp_helpers.pyx changed"
+        ImportError,
+        match=r"'trainloom._openmp_helpers' is stale: .*_openmp_helpers.pyx \(or a .pxd/.pxi/.h file "
+        r"under .*pyx\) changed after it was built",
     ):
         _build_check.import_compiled(name)
     # The developers' escape hatch turns the check off.
@@ -50,6 +52,130 @@ def test_stale_module_is_reported(monkeypatch):
 
 def test_current_build_is_not_stale():
     assert _build_check.import_compiled("trainloom._openmp_helpers").openmp_enabled() in (True, False)
+
+
+def test_setup_and_the_stale_check_hash_alike(monkeypatch):
+    # setup.py's _source_hash and _build_check.source_hash must agree on every module, including
+    # those that include a header (comm/_shm includes comm/_shm_kernels.h).
+    info = pytest.importorskip("trainloom._build_info")
+    if not (ROOT / "pyx").is_dir():
+        pytest.skip("installed without sources: nothing can be stale")
+    monkeypatch.delenv("TRAINLOOM_ALLOW_STALE", raising=False)
+    names = sorted(info.BUILD_INFO["source_hashes"])
+    assert "trainloom.comm._shm" in names
+    for name in names:
+        _build_check.check_stale(name)
+
+
+def _copy_package(dest: Path, setup_py: bool = False) -> None:
+    """trainloom/ (with its compiled modules and build record) and pyx/ into ``dest``, as a source
+    checkout built in place."""
+    skip = shutil.ignore_patterns("__pycache__", "*.c", "*.html")
+    shutil.copytree(ROOT / "trainloom", dest / "trainloom", ignore=skip)
+    shutil.copytree(ROOT / "pyx", dest / "pyx", ignore=skip)
+    if setup_py:
+        shutil.copy(ROOT / "setup.py", dest)
+
+
+# An editable install's finder would resolve what the copy lacks from the checkout: drop it.
+_IN_COPY = """
+import sys
+sys.meta_path[:] = [f for f in sys.meta_path if "EditableFinder" not in repr(f)]
+"""
+
+_STALE_STATES = (
+    _IN_COPY
+    + """
+from pathlib import Path
+from trainloom._build_check import check_stale
+assert __import__("trainloom").__file__.startswith(sys.argv[1])
+
+def state():
+    try:
+        check_stale("trainloom.comm._shm")
+    except ImportError as exc:
+        return str(exc).splitlines()[0]
+    return "not stale"
+
+pyx = Path(sys.argv[1]) / "pyx"
+header = pyx / "comm" / "_shm_kernels.h"
+original = header.read_bytes()
+print(state())
+header.write_bytes(original + b"/* x */\\n")
+print(state())
+header.write_bytes(original)
+print(state())
+(pyx / "data" / "_extra.pxd").write_text("cdef extern from *:\\n    pass\\n")
+print(state())
+"""
+)
+
+
+def test_an_edited_header_makes_the_module_that_includes_it_stale(tmp_path):
+    # _shm.pyx includes pyx/comm/_shm_kernels.h, but only the .pyx and the top-level pyx/*.pxd were
+    # hashed: a changed header left the old kernels in use without a word.
+    if not (ROOT / "pyx" / "comm" / "_shm_kernels.h").exists():
+        pytest.skip("installed without sources")
+    pytest.importorskip("trainloom._build_info")
+    _copy_package(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "TRAINLOOM_ALLOW_STALE"}
+    out = subprocess.run(
+        [sys.executable, "-c", _STALE_STATES, str(tmp_path)],
+        cwd=tmp_path,
+        env={**env, "PYTHONPATH": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    pyx = tmp_path / "pyx" / "comm" / "_shm.pyx"
+    stale = (
+        f"trainloom's compiled module 'trainloom.comm._shm' is stale: {pyx} "
+        f"(or a .pxd/.pxi/.h file under {tmp_path / 'pyx'}) changed after it was built."
+    )
+    assert out.stdout.splitlines() == ["not stale", stale, "not stale", stale]
+
+
+_INFO = _IN_COPY + "from trainloom.cli import main\nsys.exit(main(['info']))\n"
+
+
+@pytest.mark.parametrize("how", ["stale", "missing"])
+def test_info_says_which_module_is_unusable_when_the_fused_kernels_are_stale_or_missing(tmp_path, how):
+    # `trainloom info` (show_config checks the fused kernels) crashed with the ImportError's
+    # traceback when trainloom.optim._fused was stale or not built; only OpenMP's was caught.
+    if not (ROOT / "pyx" / "optim" / "_fused.pyx").exists():
+        pytest.skip("installed without sources")
+    _copy_package(tmp_path)
+    src = tmp_path / "pyx" / "optim" / "_fused.pyx"
+    if how == "stale":
+        pytest.importorskip("trainloom._build_info")
+        with src.open("a") as f:
+            f.write("# changed\n")
+        why = f"is stale: {src} (or a .pxd/.pxi/.h file under {tmp_path / 'pyx'}) changed after it was built."
+    else:
+        for so in (tmp_path / "trainloom" / "optim").glob("_fused.*"):
+            so.unlink()
+        why = (
+            "could not be imported (No module named 'trainloom.optim._fused'). No compiled file "
+            f"_fused.*.so in {tmp_path / 'trainloom' / 'optim'}. Its source is {src}."
+        )
+    env = {k: v for k, v in os.environ.items() if k != "TRAINLOOM_ALLOW_STALE"}
+    out = subprocess.run(
+        [sys.executable, "-c", _INFO],
+        cwd=tmp_path,
+        env={**env, "PYTHONPATH": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stderr == ""
+    lines = out.stdout.splitlines()
+    at = lines.index("fused optimizer kernels (bit-exact with torch's own step here?):")
+    assert lines[at + 1 :] == [
+        "  not checked (compiled module unusable: trainloom's compiled module "
+        f"'trainloom.optim._fused' {why})"
+    ]
 
 
 def test_openmp_runtime_forks_threads():

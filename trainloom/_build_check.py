@@ -74,16 +74,28 @@ def import_compiled(name: str) -> ModuleType:
         raise ImportError(msg, name=name, path=os.fspath(pkg_dir)) from exc
 
 
-def source_hash(pyx: Path) -> str:
-    """The hash setup.py records for a .pyx: the file plus every shared pyx/*.pxd."""
-    import hashlib
+#: Files a .pyx may cimport or include; keep in step with setup.py's _source_hash().
+_DEP_SUFFIXES = (".pxd", ".pxi", ".h")
 
+
+def _pyx_root(pyx: Path) -> Path:
     root = pyx.parent
     while root.name != "pyx" and root != root.parent:
         root = root.parent
+    return root
+
+
+def source_hash(pyx: Path) -> str:
+    """The hash setup.py records for a .pyx: the file, then the path and contents of every
+    .pxd/.pxi/.h under pyx/ (a header a module includes, e.g. comm/_shm_kernels.h, changes the
+    build as much as the .pyx does)."""
+    import hashlib
+
+    root = _pyx_root(pyx)
     h = hashlib.sha256(pyx.read_bytes())
-    for pxd in sorted(root.glob("*.pxd")):
-        h.update(pxd.read_bytes())
+    for dep in sorted(p for p in root.rglob("*") if p.suffix in _DEP_SUFFIXES and p.is_file()):
+        h.update(dep.relative_to(root).as_posix().encode())
+        h.update(dep.read_bytes())
     return h.hexdigest()
 
 
@@ -107,6 +119,7 @@ def check_stale(name: str) -> None:
         return
     if source_hash(src) != recorded:
         raise ImportError(
-            f"trainloom's compiled module {name!r} is stale: {src} changed after it was built.\n{_REBUILD}",
+            f"trainloom's compiled module {name!r} is stale: {src} (or a .pxd/.pxi/.h file under "
+            f"{_pyx_root(src)}) changed after it was built.\n{_REBUILD}",
             name=name,
         )

@@ -59,7 +59,8 @@ def config(kernels: bool = False) -> Dict[str, Any]:
     Args:
         kernels: also check the fused optimizer's compiled kernels against torch's own step
             (``trainloom.optim.kernel_checks()``, about 2 s in a fresh process) under
-            ``"fused_kernels"``.
+            ``"fused_kernels"``: a list of rows, or ``{"error": ...}`` (the ImportError's text)
+            when the compiled module is missing or stale.
     """
     import torch
 
@@ -104,8 +105,10 @@ def config(kernels: bool = False) -> Dict[str, Any]:
 
 
 def _kernel_checks() -> Any:
-    from trainloom.optim import kernel_checks
-
+    try:
+        from trainloom.optim import kernel_checks
+    except ImportError as exc:  # trainloom.optim._fused missing or stale: the message says how to rebuild
+        return {"error": str(exc)}
     return kernel_checks()
 
 
@@ -175,5 +178,9 @@ def show_config(file: Optional[TextIO] = None, kernels: bool = True) -> None:
     ]
     if kernels:
         lines.append("fused optimizer kernels (bit-exact with torch's own step here?):")
-        lines += _kernel_lines(c["fused_kernels"])
+        fused = c["fused_kernels"]
+        if isinstance(fused, dict):
+            lines.append(f"  not checked (compiled module unusable: {fused['error'].splitlines()[0]})")
+        else:
+            lines += _kernel_lines(fused)
     print("\n".join(lines), file=out)

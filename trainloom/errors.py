@@ -24,6 +24,13 @@ class TrainloomError(Exception):
     """Base class of every exception trainloom raises on purpose."""
 
 
+def _state(exc: BaseException) -> dict[str, Any]:
+    """What a pickled error must carry besides its constructor arguments: ``args`` (which callers
+    may have rewritten, e.g. a communicator's note) and every attribute set after construction
+    (``communicator``, ``__notes__``, ...). ``BaseException.__setstate__`` sets each item back."""
+    return {**exc.__dict__, "args": exc.args}
+
+
 class CommError(TrainloomError, RuntimeError):
     """A collective failed: a peer died, the ranks disagree, or the engine reported an error."""
 
@@ -48,7 +55,7 @@ class NcclError(CommError):
         super().__init__(text)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.status, self.where, self.message))
+        return (type(self), (self.status, self.where, self.message), _state(self))
 
 
 class NcclUnavailableError(CommError):
@@ -70,7 +77,7 @@ class StoreError(TrainloomError):
         super().__init__(message)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.message, self.backend, self.key))
+        return (type(self), (self.message, self.backend, self.key), _state(self))
 
 
 class ConfigError(TrainloomError, ValueError):

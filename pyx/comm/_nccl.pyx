@@ -10,6 +10,8 @@ from libc.stdint cimport int64_t, intptr_t, uintptr_t
 from libc.string cimport memcpy
 from posix.dlfcn cimport RTLD_LOCAL, RTLD_NOW, dlclose, dlerror, dlopen, dlsym
 
+import os
+
 from trainloom.errors import NcclError, NcclUnavailableError
 
 
@@ -102,6 +104,12 @@ cdef str _dlerr():
     return e.decode(errors="replace") if e != NULL else "unknown dlopen error"
 
 
+cdef str _shown(name):
+    # A path for messages: os.fsdecode keeps undecodable bytes as lone surrogates, which printing
+    # (trainloom info) cannot encode; show them as U+FFFD, as dlerror() text is decoded.
+    return os.fsencode(name).decode("utf-8", "replace")
+
+
 def _try_open(list candidates):
     """(handle int, name) of the first candidate that loads, or (0, list of failure texts)."""
     cdef void* h = NULL
@@ -109,18 +117,20 @@ def _try_open(list candidates):
     failures = []
     # Pass 1: a copy already mapped into this process (torch's), without loading anything new.
     for name in candidates:
-        b = str(name).encode()
+        # os.fsencode, not str.encode(): a path from the environment may hold bytes that are not
+        # UTF-8 (os.environ keeps them as surrogates), which .encode() refuses.
+        b = os.fsencode(name)
         h = dlopen(b, RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD)
         if h != NULL:
             return <intptr_t>h, name
     dlerror()  # clear the NOLOAD misses: they are not failures worth reporting
     # Pass 2: load, in the documented order.
     for name in candidates:
-        b = str(name).encode()
+        b = os.fsencode(name)
         h = dlopen(b, RTLD_NOW | RTLD_LOCAL)
         if h != NULL:
             return <intptr_t>h, name
-        failures.append(f"{name}: {_dlerr()}")
+        failures.append(f"{_shown(name)}: {_dlerr()}")
     return 0, failures
 
 
@@ -132,7 +142,6 @@ cdef int _ensure_loaded() except -1:
     if _load_error is not None:
         raise NcclUnavailableError(_load_error)
     from trainloom._locate import NCCL_LIBRARY_ENV, nccl_candidates
-    import os
 
     explicit = os.environ.get(NCCL_LIBRARY_ENV)
     # An explicit choice is honoured exactly: never substitute another library for it silently.
@@ -164,7 +173,7 @@ cdef int _ensure_loaded() except -1:
     cdef int ver = 0
     if dlsym(h, b"ncclGetVersion") == NULL:
         dlclose(h)
-        _load_error = f"NCCL unavailable: {res} is not an NCCL library (it exports no ncclGetVersion)"
+        _load_error = f"NCCL unavailable: {_shown(res)} is not an NCCL library (it exports no ncclGetVersion)"
         raise NcclUnavailableError(_load_error)
     try:
         api.GetVersion = <F_GetVersion>_sym(h, b"ncclGetVersion")
@@ -192,10 +201,10 @@ cdef int _ensure_loaded() except -1:
         api.GroupEnd = <F_Void>_sym(h, b"ncclGroupEnd")
     except NcclUnavailableError as exc:
         dlclose(h)
-        _load_error = f"{res}: {exc}"
+        _load_error = f"{_shown(res)}: {exc}"
         raise NcclUnavailableError(_load_error) from None
     api.GetVersion(&ver)
-    path = str(res)
+    path = _shown(res)
     if dladdr(<void*>api.GetVersion, &info) != 0 and info.dli_fname != NULL:
         path = info.dli_fname.decode(errors="replace")
     global _api

@@ -57,8 +57,10 @@ def test_cache_info_accepts_the_cache_dir_holding_lmdb(tmp_path, capsys, monkeyp
 
 def test_cache_cli_errors(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("TRAINLOOM_CACHE_DIR", str(tmp_path / "none"))
-    assert main(["cache", "info"]) == 1
-    assert f"no LMDB cache at {tmp_path / 'none' / 'lmdb'}" in capsys.readouterr().out
+    # Errors go to stderr (they went to stdout), with nothing on stdout.
+    for cmd in (["info"], ["info", "--path", str(tmp_path / "none" / "lmdb")], ["clear", "--all"]):
+        assert main(["cache", *cmd]) == 1
+        assert capsys.readouterr() == ("", f"no LMDB cache at {tmp_path / 'none' / 'lmdb'}\n")
     assert main(["cache", "clear"]) == 2
     assert "name a --namespace, or pass --all" in capsys.readouterr().err
     CacheLoader(path=tmp_path, dataset_name="x").get(1, lambda k: k)
@@ -98,6 +100,28 @@ def test_cache_info_and_clear_redis(redis_server, capsys):
     assert main(["cache", "clear", "--redis", addr, *pw]) == 2
     assert main(["cache", "clear", "--redis", addr, *pw, "--namespace", "cli"]) == 0
     assert loader.num_keys() == 0
+
+
+@requires_redis
+def test_cache_clear_of_an_unknown_redis_namespace_fails_as_for_lmdb(own_redis, capsys):
+    # It said "cleared 0 entries" and exited 0; LMDB says the namespace is not found and exits 1.
+    srv = own_redis()  # a server of its own on 127.0.0.1 and a free port, stopped after the test
+    loader = CacheLoader("redis", "kept", hosts=[srv.address()])
+    for i in range(3):
+        loader.get(i, lambda k: k)
+    loader.flush()
+    addr = f"{srv.host}:{srv.port}"
+    pw = ["--password", srv.password]
+    assert main(["cache", "clear", "--redis", addr, *pw, "--namespace", "nonexist"]) == 1
+    assert capsys.readouterr() == (
+        "",
+        f"namespace 'nonexist' not found on redis {srv.host}:{srv.port} (have: ['kept'])\n",
+    )
+    assert loader.num_keys() == 3
+    assert main(["cache", "clear", "--redis", addr, *pw, "--namespace", "kept"]) == 0
+    assert capsys.readouterr() == ("cleared 3 entries of namespace 'kept' on " + addr + "\n", "")
+    assert loader.num_keys() == 0
+    loader.close()
 
 
 @requires_redis

@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from trainloom.errors import CommError, CommTimeoutError
+from trainloom.errors import CommError, CommTimeoutError, ConfigError
 
 logger = logging.getLogger("trainloom.comm")
 
@@ -120,8 +120,31 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8)
 
 
+#: TRAINLOOM_COMM_CHECK's spellings (stripped, any case) and the mode each one means.
+_CHECK_MODES = {
+    **dict.fromkeys(("0", "false", "no", "off"), "0"),
+    **dict.fromkeys(("", "1", "true", "yes", "on"), "1"),
+    "all": "all",
+}
+
+
+def comm_check_mode() -> str:
+    """``TRAINLOOM_COMM_CHECK`` as ``"0"`` (no cross-rank argument check), ``"1"`` (the default:
+    gloo headers, and CUDA operations checked through the shared-memory engine) or ``"all"`` (CUDA
+    operations checked through gloo too).
+
+    Raises:
+        ConfigError: any other value (a typo must not silently mean the default).
+    """
+    raw = os.environ.get("TRAINLOOM_COMM_CHECK", "1")
+    mode = _CHECK_MODES.get(raw.strip().lower())
+    if mode is None:
+        raise ConfigError(f"TRAINLOOM_COMM_CHECK={raw!r}: use 0, 1 or all")
+    return mode
+
+
 def _check_enabled() -> bool:
-    return os.environ.get("TRAINLOOM_COMM_CHECK", "1").strip().lower() not in ("0", "false", "no", "off")
+    return comm_check_mode() != "0"
 
 
 def make_header(

@@ -650,9 +650,14 @@ class Communicator:
         ``TRAINLOOM_COMM_CHECK``: ``1`` (default) checks when the CPU engine is the shared-memory
         engine (a few microseconds), ``all`` also through gloo (a network round trip per call),
         ``0`` never.
+
+        Raises:
+            ConfigError: TRAINLOOM_COMM_CHECK is none of these (init_process_group checks it first).
         """
-        mode = os.environ.get("TRAINLOOM_COMM_CHECK", "1").strip().lower()
-        if mode in ("0", "false", "no", "off"):
+        from trainloom.comm._gloo import comm_check_mode
+
+        mode = comm_check_mode()
+        if mode == "0":
             return False
         if mode == "all":
             return True
@@ -1001,6 +1006,9 @@ def init_process_group(
             "init_process_group() was already called; call destroy_process_group() first to re-initialize"
         )
     t = _seconds(timeout)
+    from trainloom.comm._gloo import comm_check_mode
+
+    comm_check_mode()  # a bad TRAINLOOM_COMM_CHECK fails here on every rank, before any rendezvous
     launch = read_launch_env(rank, world_size, local_world_size, need_master=store is None)
     td = datetime.timedelta(seconds=t)
     owns_torch = False

@@ -157,7 +157,7 @@ def _info(args: argparse.Namespace) -> int:
         return 0
     path = _lmdb_path(args)
     if not (path / "data.mdb").exists():
-        print(f"no LMDB cache at {path}")
+        print(f"no LMDB cache at {path}", file=sys.stderr)
         return 1
     names = _lmdb_namespaces(path)
     if args.namespace is not None:
@@ -191,9 +191,20 @@ def _clear(args: argparse.Namespace) -> int:
             )
             return 2
         store = _redis_store(args)
-        n = cached_values(store)
-        store.clear()
-        store.close()
+        try:
+            names = store.namespaces()
+            if args.namespace not in names:
+                # As for LMDB: a mistyped name must not read as a successful (empty) clear.
+                print(
+                    f"namespace {args.namespace!r} not found on redis {store.host}:{store.port} "
+                    f"(have: {list(names)})",
+                    file=sys.stderr,
+                )
+                return 1
+            n = cached_values(store)
+            store.clear()
+        finally:
+            store.close()
         print(f"cleared {n} entries of namespace {args.namespace!r} on {args.redis}")
         return 0
     if args.namespace is None and not args.all:
@@ -201,7 +212,7 @@ def _clear(args: argparse.Namespace) -> int:
         return 2
     path = _lmdb_path(args)
     if not (path / "data.mdb").exists():
-        print(f"no LMDB cache at {path}")
+        print(f"no LMDB cache at {path}", file=sys.stderr)
         return 1
     names = _lmdb_namespaces(path)
     targets = names if args.all else [args.namespace]
