@@ -4,21 +4,28 @@ Each ``tools/bench_NAME.py`` is run in its own process with ``--out DIR`` (and `
 given); its Markdown lands in ``DIR/NAME.md`` and its plots next to it. This script then writes
 ``DIR/report.md``: the machine, the command line of each benchmark, its table and its plots, and a
 line for any benchmark that failed (with the end of its output), so one broken benchmark does not
-hide the others.
+hide the others. Only tables and plots written by this run go into the report, never files an earlier
+run left in DIR. Each benchmark runs in its own process group: when it exceeds ``--timeout`` (or this
+script is interrupted) the whole group, the benchmark's worker processes included, gets SIGTERM and,
+5 seconds later, SIGKILL.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Dict, List, Optional, Tuple
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from benchutil import machine_line, out_dir, positive_float  # noqa: E402
+from benchutil import doc_summary, machine_line, out_dir, positive_float  # noqa: E402
 
 
 def known() -> list[str]:
@@ -37,9 +44,100 @@ def discover(only: list[str] | None = None) -> list[str]:
     return names
 
 
+#: Seconds a timed-out benchmark's processes get to exit after SIGTERM before they are SIGKILLed.
+STOP_GRACE_S = 5.0
+
+
+def _group_running(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` is still running.
+
+    Zombies do not count: no signal stops them, and where PID 1 does not reap orphans (some
+    containers) a worker whose parent died stays one.
+    """
+    proc_dir = Path("/proc")
+    if not (proc_dir / "self" / "stat").exists():  # not Linux: ask the kernel (zombies count there)
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    for entry in proc_dir.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # it exited meanwhile
+            continue
+        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses
+        state, _ppid, pgrp = stat[stat.rindex(")") + 2 :].split()[:3]
+        if int(pgrp) == pgid and state != "Z":
+            return True
+    return False
+
+
+def _stop_group(proc: subprocess.Popen, grace: float = STOP_GRACE_S) -> None:
+    """Stop every process of ``proc``'s process group: SIGTERM, ``grace`` seconds, then SIGKILL.
+
+    A benchmark starts workers of its own (bench_comm: one process per rank), which killing only
+    ``proc`` would leave running, still holding CPUs and the benchmark's shared memory.
+    """
+    pgid = proc.pid  # start_new_session=True: the benchmark leads its own group
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        proc.poll()  # reap the leader
+        if not _group_running(pgid):
+            return
+        time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+    proc.wait()
+
+
+def _run(cmd: List[str], timeout: float) -> Tuple[bool, str]:
+    """Run one benchmark in its own process group; (succeeded, the end of its output).
+
+    On a timeout, or when this script is interrupted, the whole group is stopped, not only the
+    benchmark's own process; so is anything it left running after exiting.
+    """
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _stop_group(proc)
+        try:  # what it printed before it was stopped (a process outside its group may hold the pipes)
+            out, err = proc.communicate(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            out, err = "", ""
+        said = (out + err)[-1500:].strip()
+        return False, f"timed out after {timeout:g}s; its processes were stopped" + (
+            f". Its output until then:\n{said}" if said else ""
+        )
+    finally:
+        # KeyboardInterrupt (its own session does not get the terminal's Ctrl-C) or workers left behind
+        _stop_group(proc, grace=1.0)
+    return proc.returncode == 0, (out + err)[-2000:]
+
+
+def _pngs(out: Path, name: str) -> Dict[Path, int]:
+    """The benchmark's plots in ``out`` (NAME.png, NAME_*.png) and their modification times."""
+    found = {}
+    for png in out.glob(f"{name}*.png"):
+        if png.stem == name or png.stem.startswith(name + "_"):
+            found[png] = png.stat().st_mtime_ns
+    return found
+
+
+def _mtime(path: Path) -> Optional[int]:
+    return path.stat().st_mtime_ns if path.exists() else None
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``trainloom bench all`` (each value checked as it is parsed)."""
-    ap = argparse.ArgumentParser(prog="trainloom bench all", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="trainloom bench all", description=doc_summary(__doc__))
     ap.add_argument(
         "--out", required=True, type=out_dir, help="directory for report.md, per-benchmark tables and plots"
     )
@@ -66,19 +164,25 @@ def main(argv: list[str] | None = None) -> int:
             cmd.append("--quick")
         shown = " ".join(["trainloom", "bench", name, *cmd[2:]])
         print(f"[bench all] {shown}", flush=True)
+        md = out / f"{name}.md"
+        # Files of earlier runs in --out belong to no benchmark of this run: only files this run
+        # wrote (new, or rewritten since) go into the report.
+        md_before, pngs_before = _mtime(md), _pngs(out, name)
         t0 = time.monotonic()
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-            ok, tail = proc.returncode == 0, (proc.stdout + proc.stderr)[-2000:]
-        except subprocess.TimeoutExpired:
-            ok, tail = False, f"timed out after {args.timeout:.0f}s"
+            ok, tail = _run(cmd, args.timeout)
+        except KeyboardInterrupt:  # _run stopped the benchmark's processes
+            print(f"[bench all] interrupted during {name}; no report written", file=sys.stderr)
+            return 130
         took = time.monotonic() - t0
         sections += [f"## {name}", "", f"`{shown}` ({took:.0f} s)", ""]
-        md = out / f"{name}.md"
-        if ok and md.exists():
-            sections.append(md.read_text().strip())
-            for png in sorted(out.glob(f"{name}*.png")):
-                sections += ["", f"![{png.stem}]({png.name})"]
+        written = md.exists() and _mtime(md) != md_before
+        if ok and written:
+            text = md.read_text().strip()
+            sections.append(text)
+            for png, mtime in sorted(_pngs(out, name).items()):
+                if pngs_before.get(png) != mtime and f"]({png.name})" not in text:  # new, not shown yet
+                    sections += ["", f"![{png.stem}]({png.name})"]
         else:
             failures += 1
             why = "no report written" if ok else "failed"

@@ -278,7 +278,9 @@ BACKENDS = ("shm", "gloo", "shm-zc", "shm-cma")
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``trainloom bench comm`` (each value checked as it is parsed)."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="trainloom bench comm")
+    ap = argparse.ArgumentParser(
+        description=benchutil.doc_summary(__doc__, paragraph=True), prog="trainloom bench comm"
+    )
     ap.add_argument(
         "--op",
         default=["allreduce"],

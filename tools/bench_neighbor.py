@@ -117,7 +117,7 @@ def _free_port() -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``trainloom bench neighbor`` (each value checked as it is parsed)."""
-    p = argparse.ArgumentParser(prog="trainloom bench neighbor", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="trainloom bench neighbor", description=benchutil.doc_summary(__doc__))
     p.add_argument("--nproc", type=benchutil.int_arg(2), default=4, help="ranks (>= 2)")
     p.add_argument(
         "--sizes",

@@ -25,6 +25,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from benchutil import (
     bench_lock,
+    doc_summary,
     machine_line,
     markdown_table,
     measure,
@@ -128,7 +129,7 @@ def time_variant(
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``trainloom bench optim`` (each value checked as it is parsed)."""
-    ap = argparse.ArgumentParser(prog="trainloom bench optim", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="trainloom bench optim", description=doc_summary(__doc__))
     ap.add_argument("--quick", action="store_true", help="tiny models, one round (a smoke test)")
     ap.add_argument("--out", type=out_dir, help="directory for optim.md and the plots")
     ap.add_argument("--models", nargs="+", default=["gpt2", "many", "mlp"], choices=["gpt2", "many", "mlp"])

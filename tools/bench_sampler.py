@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from benchutil import (
     bench_lock,
+    doc_summary,
     machine_line,
     markdown_table,
     measure,
@@ -272,7 +273,7 @@ def waste_by_length(lens: np.ndarray, world: int, budget: float) -> List[List[ob
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``trainloom bench sampler`` (each value checked as it is parsed)."""
-    ap = argparse.ArgumentParser(prog="trainloom bench sampler", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="trainloom bench sampler", description=doc_summary(__doc__))
     ap.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (smoke test)")
     ap.add_argument("--out", default=None, type=out_dir, help="write sampler.md and PNGs here")
     ap.add_argument(

@@ -66,6 +66,17 @@ def machine_line() -> str:
     )
 
 
+def doc_summary(doc: Optional[str], paragraph: bool = False) -> Optional[str]:
+    """A module docstring's first line (or first paragraph) for an argparse ``description=``.
+
+    None when there is no docstring: ``python -OO`` strips them, and ``--help`` must still work.
+    """
+    if not doc:
+        return None
+    text = doc.strip().split("\n\n", 1)[0] if paragraph else doc.strip().splitlines()[0]
+    return text or None
+
+
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A GitHub Markdown table; floats are printed with 3 significant digits."""
 

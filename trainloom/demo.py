@@ -28,13 +28,15 @@ import argparse
 import math
 import os
 import shutil
+import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import torch
@@ -349,6 +351,19 @@ def _run_epoch(
     )
 
 
+def _one_line(exc: BaseException) -> str:
+    """``Type: message`` on one line (a multi-line message's lines joined with "; ")."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return f"{type(exc).__name__}: {'; '.join(lines)}" if lines else type(exc).__name__
+
+
+def _interrupt_once(signum: int, frame: Any) -> None:
+    """A rank's SIGINT handler: one KeyboardInterrupt, then SIGINT is ignored. A Ctrl-C reaches a
+    rank twice (from the terminal and forwarded by the parent); the second must not interrupt its exit."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
 def _worker(rank: int, cfg: DemoConfig, port: int, queue: Any) -> None:
     os.environ.update(
         RANK=str(rank),
@@ -359,15 +374,23 @@ def _worker(rank: int, cfg: DemoConfig, port: int, queue: Any) -> None:
         MASTER_PORT=str(port),
     )
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.nproc))
+    signal.signal(signal.SIGINT, _interrupt_once)  # launch() started this rank ignoring SIGINT
     try:
         train = _train_trainloom if cfg.mode == "trainloom" else _train_torch
         result = train(cfg, rank, cfg.nproc)
-        queue.put((rank, "ok", result if rank == 0 else None))
-    except BaseException as exc:  # report every failure to the parent, which prints it and exits non-zero
-        import traceback
+    except KeyboardInterrupt:  # Ctrl-C: the parent says so, once
+        sys.exit(130)
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which prints it and exits 1
+        # Report the failure to the parent, which prints one line for the run, and exit non-zero
+        # without re-raising: a re-raised exception makes multiprocessing print a traceback per rank.
+        # A rank that failed only because a peer died (its connection closed) is marked as such, so
+        # that the parent names the rank that failed first.
+        import torch.distributed as dist
 
-        queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-        raise
+        peer_lost = isinstance(exc, dist.DistError)
+        queue.put((rank, "error", (_one_line(exc), peer_lost)))
+        sys.exit(1)
+    queue.put((rank, "ok", result if rank == 0 else None))
 
 
 def _free_port() -> int:
@@ -380,7 +403,8 @@ def launch(cfg: DemoConfig, timeout: float = 600.0) -> RunResult:
     """Run one training on ``cfg.nproc`` local processes and return rank 0's result.
 
     Raises:
-        RuntimeError: a rank failed (its traceback is in the message) or the run timed out.
+        RuntimeError: a rank failed, or the run timed out. The message is one line naming the rank
+            that failed first and its error (``the trainloom run failed on rank 0: StoreError: ...``).
     """
     import multiprocessing as mp
     import queue as queue_mod
@@ -389,43 +413,79 @@ def launch(cfg: DemoConfig, timeout: float = 600.0) -> RunResult:
     queue = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_worker, args=(r, cfg, port, queue), daemon=True) for r in range(cfg.nproc)]
-    for p in procs:
-        p.start()
-    result: Optional[RunResult] = None
-    errors: List[str] = []
-    deadline = time.monotonic() + timeout
-    done = 0
+    # When one rank fails, the others lose their connection to it, and torch's C++ side logs each lost
+    # connection as a warning with a stack dump. The failure is reported once, by the parent; the
+    # user's own TORCH_CPP_LOG_LEVEL wins. (Ranks are spawned: they read the variable at start.)
+    saved = os.environ.get("TORCH_CPP_LOG_LEVEL")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    # Ctrl-C is the parent's to report. The ranks start with SIGINT ignored (kept across exec), so a
+    # Ctrl-C while they import torch prints no traceback per rank; _worker takes SIGINT back once
+    # it can end quietly, and the parent forwards its own to them (see below).
+    own_sigint = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT)
+    if own_sigint:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        while done < cfg.nproc:
+        for p in procs:
+            p.start()
+    finally:
+        if saved is None:
+            os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
+        if own_sigint:
+            signal.signal(signal.SIGINT, own_sigint)
+    result: Optional[RunResult] = None
+    errors: List[Tuple[int, str, bool]] = []
+    reported: Set[int] = set()
+    deadline = time.monotonic() + timeout
+    finished = False
+    try:
+        while len(reported) < cfg.nproc:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise RuntimeError(f"trainloom demo: the {cfg.mode} run did not finish within {timeout:.0f}s")
+                if errors:  # only ranks that lost a peer reported: name the first of them
+                    break
+                raise RuntimeError(f"the {cfg.mode} run did not finish within {timeout:.0f}s")
             try:
                 rank, status, payload = queue.get(timeout=min(remaining, 1.0))
             except queue_mod.Empty:  # see whether a rank died without reporting
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in reported]
                 if dead and queue.empty():
                     time.sleep(0.5)
                     if queue.empty():
-                        codes = {r: procs[r].exitcode for r in dead}
-                        raise RuntimeError(f"trainloom demo: ranks died without a result: {codes}") from None
+                        if errors:
+                            break
+                        codes = ", ".join(f"rank {r} exit code {procs[r].exitcode}" for r in dead)
+                        raise RuntimeError(
+                            f"the {cfg.mode} run failed: ranks died without a report ({codes})"
+                        ) from None
                 continue
-            done += 1
+            reported.add(rank)
             if status == "error":
-                errors.append(f"rank {rank}: {payload}")
-                break
+                message, peer_lost = payload
+                errors.append((rank, message, peer_lost))
+                if not peer_lost:
+                    break
+                # this rank lost a peer: wait a little for the report of the rank that failed first
+                deadline = min(deadline, time.monotonic() + 5.0)
+                continue
             if rank == 0:
                 result = payload
+        finished = not errors
+    except BaseException:  # timed out, or interrupted: ask the ranks to stop (KeyboardInterrupt in them)
+        for p in procs:
+            if p.pid is not None and p.is_alive():
+                os.kill(p.pid, signal.SIGINT)
+        raise
     finally:
         for p in procs:
-            p.join(timeout=10 if not errors else 2)
+            p.join(timeout=10 if finished else 2)
             if p.is_alive():
                 p.kill()
                 p.join()
     if errors:
-        raise RuntimeError("trainloom demo failed:\n" + "\n".join(errors))
+        first = next((e for e in errors if not e[2]), errors[0])
+        raise RuntimeError(f"the {cfg.mode} run failed on rank {first[0]}: {first[1]}")
     if result is None:
-        raise RuntimeError("trainloom demo: rank 0 returned no result")
+        raise RuntimeError(f"the {cfg.mode} run: rank 0 returned no result")
     return result
 
 
@@ -454,7 +514,10 @@ def report(results: Sequence[RunResult]) -> str:
                 "engine": f"{r.mode} ({r.engine})",
                 "first epoch samples/s": f"{_rate(first):,.0f}",
                 "later epochs samples/s": f"{later_rate:,.0f}" if later else "n/a",
-                "cache hit rate (later epochs)": f"{hit_rate:.1%}" if r.mode == "trainloom" else "no cache",
+                # with one epoch there is no later epoch: every lookup filled the cache
+                "cache hit rate (later epochs)": (f"{hit_rate:.1%}" if later else "n/a")
+                if r.mode == "trainloom"
+                else "no cache",
                 "straggler ratio mean/p99": f"{np.mean([e.straggler_mean for e in r.epochs]):.3f} / "
                 f"{np.max([e.straggler_p99 for e in r.epochs]):.3f}",
                 "padding waste": f"{float(np.mean([e.padding_waste for e in r.epochs])):.1%}",
@@ -502,6 +565,43 @@ def _cache_root() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "trainloom"
 
 
+def _redis_problem() -> Optional[str]:
+    """Why ``--backend redis`` cannot run here (missing redis-py or redis-server), or None."""
+    import importlib.util
+
+    from trainloom._locate import REDIS_SERVER_ENV, find_redis_server
+
+    if importlib.util.find_spec("redis") is None:
+        return "--backend redis needs redis-py: pip install 'trainloom[redis]', or use --backend lmdb"
+    if find_redis_server() is not None:
+        return None
+    explicit = os.environ.get(REDIS_SERVER_ENV)
+    if explicit:
+        return (
+            f"--backend redis: {REDIS_SERVER_ENV}={explicit} is not an executable file; point it at a "
+            "redis-server binary or unset it, or use --backend lmdb"
+        )
+    return (
+        "--backend redis needs a redis-server binary: install one on PATH, set "
+        f"{REDIS_SERVER_ENV}, or pip install 'trainloom[redis]' (bundles one); or use --backend lmdb"
+    )
+
+
+def _cache_dir_problem(root: Path, exc: OSError) -> str:
+    """One line for a cache directory that could not be made under ``root``, and how to fix it."""
+    why = f"{exc.strerror}: {exc.filename}" if exc.strerror and exc.filename else str(exc)
+    for p in (root, *root.parents):  # the usual cause: part of the path is a file
+        if p.exists():
+            if not p.is_dir():
+                why = f"{p} is not a directory"
+            break
+    if os.environ.get("TRAINLOOM_CACHE_DIR"):
+        where, fix = f"TRAINLOOM_CACHE_DIR={root}", "set TRAINLOOM_CACHE_DIR to a writable directory"
+    else:
+        where, fix = str(root), "set TRAINLOOM_CACHE_DIR to a writable directory for it"
+    return f"cannot create the demo's cache directory in {where} ({why}); {fix}"
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the demo from parsed arguments; returns the exit code."""
     for name in ("epochs", "nproc", "samples", "budget"):
@@ -515,9 +615,18 @@ def run(args: argparse.Namespace) -> int:
         # inf would make every sample busy-wait forever (and nan never ends the wait either)
         print(f"trainloom demo: --cost-us must be a finite number >= 0, got {args.cost_us}", file=sys.stderr)
         return 2
+    if args.backend == "redis":
+        problem = _redis_problem()
+        if problem is not None:  # found before any rank starts, instead of a failure on every rank
+            print(f"trainloom demo: {problem}", file=sys.stderr)
+            return 1
     root = _cache_root()
-    root.mkdir(parents=True, exist_ok=True)
-    cache_dir = tempfile.mkdtemp(prefix="demo-", dir=root)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        cache_dir = tempfile.mkdtemp(prefix="demo-", dir=root)
+    except OSError as exc:
+        print(f"trainloom demo: {_cache_dir_problem(root, exc)}", file=sys.stderr)
+        return 1
     cfg = DemoConfig(
         epochs=args.epochs,
         nproc=args.nproc,
@@ -544,13 +653,28 @@ def run(args: argparse.Namespace) -> int:
         results.append(launch(cfg))
         if args.compare:
             results.append(launch(DemoConfig(**{**cfg.__dict__, "mode": "torch"})))
+    except (OSError, RuntimeError) as exc:  # a rank failed (launch names it), or processes could not start
+        print(f"trainloom demo: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("trainloom demo: interrupted", file=sys.stderr)
+        return 130
     finally:
         if not args.keep_cache:
             shutil.rmtree(cache_dir, ignore_errors=True)
     print(report(results), flush=True)
-    first, last = results[0].epochs[0].loss, results[0].epochs[-1].loss
-    print(f"\nloss went {'down' if last < first else 'UP'}: {first:.3f} -> {last:.3f}")
+    print(f"\n{_loss_trend(results[0].epochs)}")
     return 0
+
+
+def _loss_trend(epochs: Sequence[EpochStats]) -> str:
+    """The last line of the report: how the loss moved from the first epoch to the last."""
+    first, last = epochs[0].loss, epochs[-1].loss
+    if len(epochs) == 1:
+        return f"loss after 1 epoch: {first:.3f} (no trend from one epoch; run --epochs 2 or more)"
+    if f"{first:.3f}" == f"{last:.3f}":
+        return f"loss did not change over {len(epochs)} epochs: {first:.3f}"
+    return f"loss went {'down' if last < first else 'UP'}: {first:.3f} -> {last:.3f}"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
