@@ -82,6 +82,9 @@ def _stop_group(proc: subprocess.Popen, grace: float = STOP_GRACE_S) -> None:
     ``proc`` would leave running, still holding CPUs and the benchmark's shared memory.
     """
     pgid = proc.pid  # start_new_session=True: the benchmark leads its own group
+    proc.poll()  # reap the leader if it has exited
+    if not _group_running(pgid):
+        return  # nothing left: never signal a group id the system may have handed out again
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGTERM)
     deadline = time.monotonic() + grace

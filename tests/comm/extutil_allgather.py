@@ -81,6 +81,13 @@ def shape_mismatch(rank: int, ws: int, engine: str) -> Dict[str, Any]:
         "dtype": _err(nb.allgather, rows(rank, 2, dtype=torch.float64 if rank == 2 else torch.float32)),
         "ndim": _err(nb.neighbor_allgather, torch.zeros(2, 3, 1) if rank == 0 else torch.zeros(2, 3), "n"),
         "same_numel": _err(nb.allgather, torch.zeros((2, 3) if rank == 0 else (3, 2))),
+        # trailing shapes that collided under the header's old polynomial hash (uint8: small)
+        "collision": _err(
+            nb.allgather, torch.zeros((1, 1, 1000004) if rank == 0 else (1, 2, 1), dtype=torch.uint8)
+        ),
+        "collision_same_numel": _err(
+            nb.allgather, torch.zeros((1, 2, 1000003) if rank == 0 else (1, 1, 2000006), dtype=torch.uint8)
+        ),
     }
     # inputs no rank can send raise at the call, on the calling rank, before any exchange
     for key, t in (("uint16", torch.zeros(2, dtype=torch.uint16)), ("sparse", torch.zeros(2, 2).to_sparse())):

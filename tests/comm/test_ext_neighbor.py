@@ -368,6 +368,14 @@ def test_allgather_other_dimensions_and_dtype_must_match(engine):
         assert out["same_numel"] == _mismatch(
             "allgather", ["float32 (2, 3)", "float32 (3, 2)", "float32 (3, 2)"]
         )
+        # (1, 1000004) and (2, 1) hashed alike under the header's first hash (the engine's generic error
+        # came out), and (2, 1000003) against (1, 2000006) gathered silently into different shapes
+        assert out["collision"] == _mismatch(
+            "allgather", ["uint8 (1, 1, 1000004)", "uint8 (1, 2, 1)", "uint8 (1, 2, 1)"]
+        )
+        assert out["collision_same_numel"] == _mismatch(
+            "allgather", ["uint8 (1, 2, 1000003)", "uint8 (1, 1, 2000006)", "uint8 (1, 1, 2000006)"]
+        )
         a = _mismatch("neighbor_allgather(a)", ["float32 (2, 3)", "float32 (2, 4)", "float32 (2, 3)"])
         assert out["async_wait"] == a and out["async_again"] == a
         assert out["after"] == [0.0, 1.0, 2.0]

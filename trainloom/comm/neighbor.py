@@ -37,7 +37,9 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
 import math
+import struct
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union, cast
 
 import torch
@@ -377,23 +379,31 @@ def neighbor_allreduce(
     )
 
 
-# Trailing dimensions a gather header carries for the error message; a hash compares all of them.
+# Trailing dimensions a gather header carries for the error message; a digest compares all of them.
 _HDR_DIMS = 6
-_HASH_MOD = (1 << 61) - 1
+# Header fields before those dimensions: dtype code, ndim, first dimension, digest of the other
+# dimensions, elements per row, device kind.
+_HDR_FIXED = 6
 
 
 def _shape_header(src: torch.Tensor) -> torch.Tensor:
-    """``[dtype code, ndim, first dimension, hash of the other dimensions, those dimensions...]``."""
+    """``[dtype code, ndim, first dimension, digest of the other dimensions, elements per row, device
+    kind (0 CPU, 1 other), the first _HDR_DIMS other dimensions...]``. The digest is a truncated
+    blake2b (a polynomial hash let ``(1, 1000004)`` pass for ``(2, 1)``); the row size and the device
+    are compared too, so that no rank takes another path or another element count than the others."""
     from trainloom.comm._gloo import DTYPE_CODES  # (imported at first use, as group.cross_check does)
 
     shape = tuple(src.shape)
     rest = shape[1:]
-    h = 0
-    for d in rest:  # not hash(): the value must be the same in every process and Python version
-        h = (h * 1000003 + d + 1) % _HASH_MOD
+    packed = struct.pack(f"<{len(rest)}q", *rest)  # not hash(): the same in every process and version
+    digest = int.from_bytes(hashlib.blake2b(packed, digest_size=8).digest(), "little") >> 1
     dims = list(rest[:_HDR_DIMS]) + [-1] * (_HDR_DIMS - min(len(rest), _HDR_DIMS))
     first = shape[0] if shape else 1  # a 0-d tensor is one row
-    return torch.tensor([DTYPE_CODES.get(src.dtype, 0), len(shape), first, h, *dims], dtype=torch.int64)
+    row = math.prod(rest)
+    device = 0 if src.is_cpu else 1
+    return torch.tensor(
+        [DTYPE_CODES.get(src.dtype, 0), len(shape), first, digest, row, device, *dims], dtype=torch.int64
+    )
 
 
 def _describe(row: Sequence[int]) -> str:
@@ -404,7 +414,7 @@ def _describe(row: Sequence[int]) -> str:
     ndim = row[1]
     if ndim == 0:
         return f"{names.get(row[0], 'unsupported dtype')} ()"
-    dims = [row[2], *row[4 : 4 + min(ndim - 1, _HDR_DIMS)]]
+    dims = [row[2], *row[_HDR_FIXED : _HDR_FIXED + min(ndim - 1, _HDR_DIMS)]]
     inner = ", ".join(map(str, dims)) + (", ..." if ndim - 1 > _HDR_DIMS else "") + ("," if ndim == 1 else "")
     return f"{names.get(row[0], 'unsupported dtype')} ({inner})"
 
@@ -418,12 +428,17 @@ def _first_dims(c: Communicator, src: torch.Tensor) -> List[int]:
     rows_t = torch.empty(n * mine.numel(), dtype=torch.int64)
     _core.allgather(mine, rows_t, comm=c)
     rows = rows_t.view(n, -1).tolist()
-    key = rows[0][:2] + rows[0][3:4]  # dtype, ndim, other dimensions (their hash)
-    if any(row[:2] + row[3:4] != key for row in rows):
+
+    def key(row: List[int]) -> List[int]:  # everything but the first dimension
+        return row[:2] + row[3:]
+
+    if any(key(row) != key(rows[0]) for row in rows):
         each = "; ".join(f"rank {r} has {_describe(row)}" for r, row in enumerate(rows))
+        devices = {row[5] for row in rows}
+        where = " and the device kind (CPU or not)" if len(devices) > 1 else ""
         raise CommError(
             f"ranks disagree on the tensor: only the first dimension may differ between ranks, the "
-            f"dtype and the other dimensions must be the same ({each})"
+            f"dtype{where} and the other dimensions must be the same ({each})"
         )
     return [row[2] for row in rows]
 

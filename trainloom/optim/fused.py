@@ -1045,8 +1045,11 @@ def _with_step_hooks(
 
 
 def _torch_step(optimizer: torch.optim.Optimizer) -> None:
-    """torch's ``step()`` of the optimizer's class without the step hooks (fuse_step runs them)."""
-    step: Any = type(optimizer).step
+    """torch's ``step()`` of the optimizer's class without the step hooks (fuse_step runs them). For
+    an optimizer wrapped by trainloom.comm.optimizers, the wrapped class's: the wrapper's own step()
+    would communicate a second time (fuse_step already did, through ``_tl_before_step``)."""
+    cls = type(optimizer)
+    step: Any = getattr(cls, "_tl_base", cls).step
     if getattr(step, "hooked", False):  # torch's profile_hook_step wrapper (functools.wraps)
         step = step.__wrapped__
     step(optimizer)
