@@ -287,7 +287,9 @@ def test_flat_grad_slot_of_a_parameter_without_gradient_is_zero_for_the_collecti
     a0, b0 = ranks[0][0]
     assert a0.tolist() == [-2.0] * 3
     assert b0.tolist() == [-15.0] * 3  # -10 (step 0), then -(10 + 0) / 2
-    assert ranks[1][0][1].tolist() == [-10.0] * 3  # skipped in step 1, as torch skips grad None
+    # skipped in step 1, as torch skips grad None: this copy drifts (documented; DDP's reducer would
+    # have handed it the average)
+    assert ranks[1][0][1].tolist() == [-10.0] * 3
 
 
 @pytest.mark.parametrize("make", _TORCH_FUSED, ids=["sgd", "adam"])

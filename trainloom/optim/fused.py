@@ -239,8 +239,8 @@ def flat_buffers(optimizer: torch.optim.Optimizer, kind: str = "grad") -> List[t
     A fused parameter without a gradient (``p.grad`` None: ``zero_grad()`` ran and this backward did
     not reach it) has zeros in its slot of the ``"grad"`` buffers when this returns; the slot would
     otherwise still hold its last gradient, and a collective would mix that into the other ranks'
-    gradients. The average over ranks is then what DDP computes; ``fuse_step`` still skips the
-    parameter on a rank where its ``p.grad`` is None, as torch does.
+    gradients. ``fuse_step`` still skips the parameter on a rank where its ``p.grad`` is None, as
+    torch does, so that rank's copy drifts from the others' (docs/optim.md says how to avoid it).
 
     Returns:
         1-D tensors. Alignment padding between views is always zero in ``"grad"`` buffers.
