@@ -310,3 +310,22 @@ def test_fused_and_foreach_both_set_take_torchs_own_path(make: Callable) -> None
         opt_r.step()
         opt_f.fuse_step()
         assert_bitwise(list(ref.parameters()), list(fus.parameters()))
+
+
+def test_a_gradient_assigned_by_hand_goes_through_the_flat_buffer() -> None:
+    """``p.grad = t`` before flat_buffers: its slot used to keep the old gradient (the collective saw
+    that) and fuse_step then copied ``t`` over the reduced value."""
+    ps = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3))]
+    opt = fuse_optimizer(torch.optim.SGD(ps, lr=1.0))
+    (ps[0].sum() + 10 * ps[1].sum()).backward()
+    opt.fuse_step()  # b's slot now holds 10s
+    opt.zero_grad()
+    ps[0].sum().backward()
+    ps[1].grad = torch.full((3,), 4.0)  # e.g. the docs' zeros for an unused parameter, or a gradient
+    (flat,) = flat_buffers(opt, "grad")
+    assert sorted(flat.tolist()).count(4.0) == 3 and 10.0 not in flat.tolist()
+    flat.mul_(0.5)  # what a collective might leave there
+    assert ps[1].grad.tolist() == [2.0] * 3
+    opt.fuse_step()
+    assert ps[1].tolist() == [-10.0 - 2.0] * 3
+    assert ps[0].tolist() == [-1.0 - 0.5] * 3

@@ -241,6 +241,8 @@ def flat_buffers(optimizer: torch.optim.Optimizer, kind: str = "grad") -> List[t
     otherwise still hold its last gradient, and a collective would mix that into the other ranks'
     gradients. ``fuse_step`` still skips the parameter on a rank where its ``p.grad`` is None, as
     torch does, so that rank's copy drifts from the others' (docs/optim.md says how to avoid it).
+    A gradient assigned by hand (``p.grad = t``) is copied into its slot, and ``p.grad`` becomes the
+    slot, so the collective reaches it too.
 
     Returns:
         1-D tensors. Alignment padding between views is always zero in ``"grad"`` buffers.
@@ -264,6 +266,8 @@ def flat_buffers(optimizer: torch.optim.Optimizer, kind: str = "grad") -> List[t
         _scan(b, optimizer.state, light=True)
         for i in np.flatnonzero(b.status == 1):  # p.grad is None: its slot holds a stale gradient
             b.grad_views[i].zero_()
+        for i in np.flatnonzero(b.status == 2):  # a gradient set by hand (p.grad = ...): into the slot
+            _to_flat(b, int(i), b.params[i])
     return [b.flat_grad for b in info.buckets]
 
 
