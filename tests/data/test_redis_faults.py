@@ -126,7 +126,7 @@ def test_server_that_never_answers_is_stopped_within_startup_timeout(tmp_path):
         str(info.value),
     ), str(info.value)
     assert info.value.backend == "redis"
-    assert elapsed < 3.0  # redis-py's default retries made it ~9 s
+    assert elapsed < 6.0  # startup_timeout=1; redis-py's default retries made it ~9 s (loose: shared CI)
     assert srv.proc is None and srv not in _RUNNING
     assert _running(str(binary)) == []  # the child was killed
     assert _temp_dirs() - before == set()  # and its directory removed
