@@ -7,6 +7,9 @@ from __future__ import annotations
 import gc
 import logging
 import multiprocessing.util
+import subprocess
+import sys
+import textwrap
 import warnings
 import weakref
 
@@ -77,27 +80,42 @@ class DictStore(Store):
 
 
 def _exit_handlers() -> int:
-    """The loaders' exit handlers registered with multiprocessing.util (one per loader that buffered),
-    after a collection: a loader of an earlier test that only a reference cycle still holds would
-    otherwise drop its entry in the middle of a test (a flaky count)."""
-    gc.collect()
+    """The loaders' exit handlers registered with multiprocessing.util: one per loader that buffered and
+    was neither closed nor written since (a collected one keeps it until the next loader call)."""
     entries = list(multiprocessing.util._finalizer_registry.values())
     return sum(1 for f in entries if getattr(f, "_callback", None) is cache._flush_at_exit)
 
 
+def _settle() -> int:
+    """Collect what earlier tests left (a loader only a reference cycle holds would otherwise be freed
+    in the middle of a test), let a loader call write what they buffered, and count the exit handlers."""
+    gc.collect()
+    CacheLoader(DictStore(), "settle", flush_interval=None).close()
+    return _exit_handlers()
+
+
 def test_values_of_a_loader_collected_without_close_are_written(tmp_path):
-    before = _exit_handlers()
+    before = _settle()
+    other = CacheLoader(DictStore(), "other", flush_interval=None)
     loader = CacheLoader(path=tmp_path, dataset_name="gc", writer_buffer_size=10, flush_interval=None)
     for i in range(3):
         loader.get(i, lambda k: k * k)
     assert loader.stats()["buffered"] == 3
     assert _exit_handlers() == before + 1
     ref = weakref.ref(loader)
+    loader.me = loader  # a reference cycle: freed by the cyclic collector, at any allocation
     del loader
     gc.collect()
     assert ref() is None  # nothing (no exit handler) keeps the loader alive
-    # Written when it was collected, and its exit entry unregistered (not one entry per loader).
-    assert _exit_handlers() == before
+    # Not written inside the collector (see test_a_collection_inside_a_read_writes_nothing_then): the
+    # exit handler still holds the values, so they are written at exit at the latest.
+    raw = LmdbStore(tmp_path, namespace="gc")
+    assert raw.num_keys() == 0 and _exit_handlers() == before + 1
+    # The next call of any loader of the process writes them and unregisters the exit handler.
+    assert other.contains_many([1]) == [False]
+    assert raw.num_keys() == 3 and _exit_handlers() == before
+    raw.close()
+    other.close()
     with CacheLoader(path=tmp_path, dataset_name="gc") as again:
         assert again.num_keys() == 3
         assert again.get_many([0, 1, 2], lambda k: pytest.fail(f"recomputed {k}")) == [0, 1, 4]
@@ -105,7 +123,7 @@ def test_values_of_a_loader_collected_without_close_are_written(tmp_path):
 
 
 def test_dropped_and_closed_loaders_leave_no_exit_entries(tmp_path):
-    before = _exit_handlers()
+    before = _settle()
     for i in range(30):
         loader = CacheLoader(
             path=tmp_path, dataset_name=f"d{i % 3}", writer_buffer_size=5, flush_interval=None
@@ -113,25 +131,202 @@ def test_dropped_and_closed_loaders_leave_no_exit_entries(tmp_path):
         loader.get(i, lambda k: k)
         if i % 2:
             loader.close()
+        else:
+            loader.me = loader  # dropped in a reference cycle
         del loader
-    gc.collect()
+        gc.collect()
+        # Only the loader just dropped waits (the next loader's construction writes it): the registry
+        # does not grow with the number of loaders dropped.
+        assert _exit_handlers() <= before + 1
     assert _exit_handlers() == before
     assert sum(CacheLoader(path=tmp_path, dataset_name=f"d{j}").num_keys() for j in range(3)) == 30
 
 
 def test_a_collected_loader_that_cannot_write_logs_what_it_lost(caplog):
+    _settle()
+    other = CacheLoader(DictStore(), "other", flush_interval=None)
     loader = CacheLoader(DownStore(), "x", writer_buffer_size=10, flush_interval=None, on_error="bypass")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the bypass warning (tested elsewhere)
         assert loader.get(0, lambda k: 7) == 7
+    counters = loader._counters
     with caplog.at_level(logging.ERROR, logger="trainloom.data"):
         del loader
         gc.collect()
+        # Nothing is written (or tried) inside the collector.
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert other.get(1, lambda k: 2) == 2  # the next loader call tries, and does not raise
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR] == [
-        "CacheLoader('x'): could not write 1 of 1 buffered value(s) when the CacheLoader was "
-        "garbage-collected without close() (not cached; computed again when next read): key b'x_0': "
-        "server down"
+        "CacheLoader('x'): could not write 1 of 1 buffered value(s) left by a CacheLoader garbage-collected "
+        "without close() (not cached; computed again when next read): key b'x_0': server down"
     ]
+    s, _ = counters.total()
+    assert (s["dropped"], s["buffered"], s["buffered_bytes"]) == (1, 0, 0)
+    other.close()
+
+
+def test_a_collection_inside_a_read_writes_nothing_then(tmp_path, monkeypatch):
+    """The cyclic collector may free a dropped loader inside another loader's LMDB read transaction (at
+    any allocation there): a write then could grow the map under the reader's buffers (a segfault) or
+    nest a write transaction. Its values are written at the next loader call instead."""
+    from trainloom.data.stores import lmdb_store
+
+    _settle()
+    events = []
+    real_codec, real_mset = lmdb_store._codec, LmdbStore.mset
+
+    class CollectingCodec:
+        def __getattr__(self, name):
+            return getattr(real_codec, name)
+
+        def decode_many_get(self, get, keys, missing):  # runs inside the read transaction
+            events.append("read begins")
+            gc.collect()  # what an allocation crossing the collector's threshold does here
+            events.append(f"collected={ref() is None}")
+            out = real_codec.decode_many_get(get, keys, missing)
+            events.append("read ends")
+            return out
+
+    def mset(self, dictionary):
+        events.append(f"mset {self.namespace} {sorted(dictionary)}")
+        return real_mset(self, dictionary)
+
+    reader = CacheLoader(path=tmp_path, dataset_name="r", flush_interval=None)
+    reader.get(0, lambda k: "zero")
+    gc.disable()  # the collection happens where the test puts it
+    try:
+        dropped = CacheLoader(path=tmp_path, dataset_name="d", writer_buffer_size=10, flush_interval=None)
+        for i in range(3):
+            dropped.get(i, lambda k: k)
+        dropped.me = dropped
+        ref = weakref.ref(dropped)
+        del dropped
+        monkeypatch.setattr(LmdbStore, "mset", mset)
+        monkeypatch.setattr(lmdb_store, "_codec", CollectingCodec())
+        assert reader.get(0, lambda k: pytest.fail("recomputed")) == "zero"
+    finally:
+        gc.enable()
+    assert events == ["read begins", "collected=True", "read ends"]  # no write inside the read
+    monkeypatch.setattr(lmdb_store, "_codec", real_codec)
+    assert reader.get(1, lambda k: "one") == "one"
+    # Written at the start of the next call, before its own read and write.
+    assert events[3:] == ["mset d [b'd_0', b'd_1', b'd_2']", "mset r [b'r_1']"]
+    reader.close()
+    with CacheLoader(path=tmp_path, dataset_name="d") as again:
+        assert again.get_many([0, 1, 2], lambda k: pytest.fail(f"recomputed {k}")) == [0, 1, 2]
+
+
+def test_a_dropped_loaders_values_are_written_at_exit_without_another_call(tmp_path):
+    script = textwrap.dedent(
+        f"""
+        import gc
+        from trainloom.data import CacheLoader
+        from trainloom.data.stores import LmdbStore
+
+        loader = CacheLoader(path={str(tmp_path)!r}, dataset_name="exit", writer_buffer_size=10,
+                             flush_interval=None)
+        for i in range(3):
+            loader.get(i, lambda k: k * 10)
+        loader.me = loader
+        del loader
+        gc.collect()
+        # No loader call follows: only its exit handler can write the values.
+        print(LmdbStore({str(tmp_path)!r}, namespace="exit").num_keys())
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["0"]  # not written inside the collector
+    assert "could not write" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # reusing the entries of an earlier run (that script)
+        again = CacheLoader(path=tmp_path, dataset_name="exit")
+    assert again.get_many([0, 1, 2], lambda k: pytest.fail(f"recomputed {k}")) == [0, 10, 20]
+    again.close()
+
+
+class FlakyStore(DictStore):
+    """A Bagua-style store whose server can be taken down; counts the writes tried."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = False
+        self.msets = 0
+
+    def mset(self, dictionary):
+        self.msets += 1
+        if self.down:
+            raise StoreUnavailableError("server down", backend="store")
+        super().mset(dictionary)
+
+
+@pytest.mark.parametrize("on_error", ["raise", "bypass"])
+def test_a_live_loader_keeps_its_values_when_another_opens_while_the_store_is_down(on_error, caplog):
+    store = FlakyStore()
+    a = CacheLoader(
+        store,
+        "a",
+        writer_buffer_size=10,
+        flush_interval=None,
+        on_error=on_error,
+        retry_interval=60,
+        fingerprint=1,
+    )
+    for i in range(3):
+        a.get(i, lambda k: k + 100)
+    store.down = True
+    if on_error == "bypass":
+        with pytest.warns(RuntimeWarning, match="server down"):
+            a.flush()  # fails: the store is known down for retry_interval
+    tried = store.msets
+    with caplog.at_level(logging.ERROR, logger="trainloom.data"), pytest.raises(ConfigError):
+        CacheLoader(store, "a", fingerprint=2)  # a is still open and used: a conflict
+    s = a.stats()
+    assert (len(a._pending.buffer), s["buffered"], s["dropped"]) == (3, 3, 0)  # kept, as after flush()
+    if on_error == "bypass":
+        assert store.msets == tried  # not tried before retry_interval
+    else:
+        assert store.msets == tried + 1
+        assert [r.getMessage() for r in caplog.records] == [
+            "CacheLoader('a'): could not write its buffered values before another loader of this process "
+            "opened the namespace (3 still buffered): server down"
+        ]
+    store.down = False
+    a._down_until = 0.0  # (the retry time has come)
+    a.flush()
+    s = a.stats()
+    assert (s["writes"], s["dropped"], s["buffered"]) == (3, 0, 0)
+    assert a.get_many([0, 1, 2], lambda k: pytest.fail(f"recomputed {k}")) == [100, 101, 102]
+    a.close()
+
+
+class BuggyStore(DictStore):
+    """A Store subclass with a bug in mset."""
+
+    def mset(self, dictionary):
+        raise RuntimeError("bug in mset")
+
+
+def test_a_store_bug_writing_a_collected_loaders_values_is_logged_counted_and_not_raised(caplog):
+    _settle()
+    other = CacheLoader(DictStore(), "other", flush_interval=None)
+    loader = CacheLoader(BuggyStore(), "bug", writer_buffer_size=10, flush_interval=None)
+    loader.get(0, lambda k: 1)
+    loader.get(1, lambda k: 2)
+    counters = loader._counters
+    with caplog.at_level(logging.ERROR, logger="trainloom.data"):
+        del loader
+        gc.collect()
+        assert other.get(5, lambda k: 6) == 6  # not raised into the unrelated caller
+    [rec] = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert rec.getMessage() == (
+        "CacheLoader('bug'): could not write 2 buffered value(s) left by a CacheLoader garbage-collected "
+        "without close() (not cached; computed again when next read): the store raised an unexpected error"
+    )
+    assert rec.exc_info is not None and rec.exc_info[0] is RuntimeError  # logged with its traceback
+    s, _ = counters.total()
+    assert (s["dropped"], s["errors"], s["writes"], s["buffered"], s["buffered_bytes"]) == (2, 1, 0, 0, 0)
+    other.close()
 
 
 # -- 2: a value too large for LMDB's max_map_size ---------------------------------------------------
@@ -149,6 +344,7 @@ def test_lmdb_batch_at_the_cap_writes_the_values_that_fit(tmp_path):
         "values of the batch were written. Pass a larger max_map_size= to store values this large"
     )
     assert info.value.key == "big" and 3 << 20 < room < 4 << 20
+    assert (info.value.keys, info.value.others_written) == ((b"big",), True)
     assert s.mget(["s0", "s1", "s2", "big"]) == [*small.values(), None]
     s.close()
 
@@ -200,6 +396,92 @@ def test_bypass_drops_the_large_value_and_caches_the_rest_of_its_batch(tmp_path)
     assert loader.contains_many(range(8)) == [True, False] + [True] * 6
     assert loader.stats()["dropped"] == 1
     loader.close()
+
+
+def _one_too_large(k):
+    """Three values that fit at an 8 MiB cap together, then one that never does."""
+    return np.zeros(16 << 20 if k == 3 else (2 << 20) - 4096, np.uint8)
+
+
+def _count_msets(monkeypatch) -> list:
+    calls: list = []
+    real = LmdbStore.mset
+
+    def mset(self, dictionary):
+        calls.append(sorted(dictionary))
+        return real(self, dictionary)
+
+    monkeypatch.setattr(LmdbStore, "mset", mset)
+    return calls
+
+
+@pytest.mark.parametrize("on_error", ["raise", "bypass"])
+def test_values_lmdb_stored_before_refusing_one_count_as_written_and_are_not_rewritten(
+    tmp_path, monkeypatch, on_error
+):
+    calls = _count_msets(monkeypatch)
+    loader = CacheLoader(
+        path=tmp_path,
+        dataset_name="g",
+        writer_buffer_size=4,
+        on_error=on_error,
+        map_size=1 << 20,
+        max_map_size=8 << 20,
+        flush_interval=None,
+    )
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for i in range(3):
+            loader.get(i, _one_too_large)
+        if on_error == "raise":
+            with pytest.raises(StoreError) as info:
+                loader.get(3, _one_too_large)  # fills the buffer: one batch of 4
+            message = str(info.value)
+            assert info.value.key == "g_3"
+        else:
+            loader.get(3, _one_too_large)
+            [message] = [str(r.message) for r in rec if "refused" in str(r.message)]
+    assert calls == [[b"g_0", b"g_1", b"g_2", b"g_3"]]  # one batch; nothing written twice
+    assert message.startswith(
+        "CacheLoader('g'): the lmdb store refused 1 value(s), dropped (not cached; recomputed when next "
+        "read): key b'g_3': LmdbStore.mset on "
+    )
+    assert "The other 3 buffered value(s) were written." in message
+    s = loader.stats()
+    assert (s["writes"], s["dropped"], s["buffered"], s["flushes"]) == (3, 1, 0, 1)
+    assert loader.contains_many(range(4)) == [True, True, True, False]
+    loader.close()
+
+
+def test_a_collected_loaders_batch_at_the_lmdb_cap_loses_only_the_refused_value(
+    tmp_path, monkeypatch, caplog
+):
+    _settle()
+    calls = _count_msets(monkeypatch)
+    loader = CacheLoader(
+        path=tmp_path,
+        dataset_name="o",
+        writer_buffer_size=10,
+        map_size=1 << 20,
+        max_map_size=8 << 20,
+        flush_interval=None,
+    )
+    for i in range(4):
+        loader.get(i, _one_too_large)
+    counters = loader._counters
+    del loader
+    gc.collect()
+    with caplog.at_level(logging.ERROR, logger="trainloom.data"):
+        with CacheLoader(path=tmp_path, dataset_name="p") as other:  # a loader call: writes the orphan
+            other.contains_many([0])
+    assert calls == [[b"o_0", b"o_1", b"o_2", b"o_3"]]
+    [rec] = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert rec.getMessage().startswith(
+        "CacheLoader('o'): could not write 1 of 4 buffered value(s) left by a CacheLoader garbage-collected "
+        "without close() (not cached; computed again when next read): key b'o_3': "
+    )
+    s, _ = counters.total()
+    assert (s["writes"], s["dropped"], s["buffered"]) == (3, 1, 0)
 
 
 # -- 3: bypass in contains_many() and warmup() ------------------------------------------------------

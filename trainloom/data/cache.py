@@ -30,6 +30,7 @@ What is guaranteed:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import hashlib
@@ -46,7 +47,7 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar, cast
+from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar, cast
 
 import numpy as np
 import torch
@@ -103,13 +104,20 @@ _STORE_LOCK = threading.RLock()
 _NO_LOCK = contextlib.nullcontext()
 #: Background flush threads alive in this process whose store calls take _STORE_LOCK.
 _flushers = 0
+#: Buffers of loaders of this process garbage-collected without close(), waiting to be written by
+#: _write_orphans at the start of the next public call of a loader (or by their exit handler). The
+#: collector's finalizer only appends here (deque.append is atomic: no lock is taken inside the
+#: collector, which may run in a thread holding any lock).
+_ORPHANS: Deque[_Pending] = collections.deque()
 
 
 def _after_fork_in_child() -> None:
-    # The parent's flush threads do not exist in the child, and one of them may hold the lock.
+    # The parent's flush threads do not exist in the child, and one of them may hold the lock. The
+    # parent writes the buffers of its collected loaders itself (see _ORPHANS).
     global _STORE_LOCK, _flushers
     _STORE_LOCK = threading.RLock()
     _flushers = 0
+    _ORPHANS.clear()
 
 
 if hasattr(os, "register_at_fork"):
@@ -480,9 +488,9 @@ _STORE_WIDE = (StoreUnavailableError, StoreOutOfMemoryError, StoreFullError)
 
 class _Pending:
     """The values one loader buffered in one process, and what writing them needs (the store, the lock,
-    the counters), kept apart from the loader: the exit handler and the loader's own finalizer write
-    them without referencing the loader, so a loader dropped without :meth:`CacheLoader.close` is
-    collected, and its values written, then (flush_interval=None leaves no thread to keep it alive)."""
+    the counters), kept apart from the loader: the exit handler and :func:`_write_orphans` write them
+    without referencing the loader, so a loader dropped without :meth:`CacheLoader.close` is collected
+    (flush_interval=None leaves no thread to keep it alive) and its values are written afterwards."""
 
     __slots__ = (
         "buffer",
@@ -512,7 +520,7 @@ class _Pending:
         self.timer_error: Optional[Exception] = None
         #: multiprocessing.util.Finalize writing the buffer at exit (made by the first buffered value).
         self.at_exit: Optional[multiprocessing.util.Finalize] = None
-        #: weakref.finalize on the loader: writes the buffer when the loader is collected.
+        #: weakref.finalize on the loader: queues the buffer in _ORPHANS when the loader is collected.
         self.at_gc: Optional[weakref.finalize] = None
 
     def cancel(self) -> None:
@@ -525,41 +533,84 @@ class _Pending:
             at_gc.detach()
 
 
+def _known_refusal(exc: BaseException, items: Mapping[bytes, Any]) -> Optional[List[bytes]]:
+    """The keys of ``items`` the store refused, when ``exc`` names them all and says that every other
+    value of ``items`` was written (LmdbStore at max_map_size); else None (the caller then writes the
+    values one by one to find out)."""
+    if not isinstance(exc, StoreValueRefusedError) or exc.keys is None or not exc.others_written:
+        return None
+    keys = list(dict.fromkeys(exc.keys))
+    if not keys or any(k not in items for k in keys):
+        return None
+    return keys
+
+
+def _write_items(p: _Pending, items: Dict[bytes, bytes]) -> Tuple[List[bytes], Dict[bytes, Exception]]:
+    """Write ``items`` to ``p``'s store for :func:`_flush_pending`: the keys written, and the error of
+    each value that could not be. A batch that fails is written value by value, so one value the store
+    refuses loses only itself; a store that takes nothing now (unreachable, full, out of memory) is not
+    tried value by value."""
+    written: List[bytes] = []
+    failed: Dict[bytes, Exception] = {}
+    with _STORE_LOCK if p.serialized else _NO_LOCK:
+        try:
+            p.store.mset(cast(Mapping[Key, bytes], items))
+        except (StoreError, ConfigError) as exc:  # ConfigError: a key the store refuses
+            known = _known_refusal(exc, items)
+            if known is not None:  # the others are stored: writing them again could only fail
+                failed = dict.fromkeys(known, exc)
+                return [k for k in items if k not in failed], failed
+            wide: Optional[Exception] = exc if isinstance(exc, _STORE_WIDE) else None
+            for k, v in items.items():
+                if wide is not None:  # the store takes nothing now: do not try each value
+                    failed[k] = wide
+                    continue
+                try:
+                    p.store.mset({k: v})
+                except (StoreError, ConfigError) as one:
+                    failed[k] = one
+                    if isinstance(one, _STORE_WIDE):
+                        wide = one
+                else:
+                    written.append(k)
+            return written, failed
+    return list(items), failed
+
+
 def _flush_pending(p: _Pending, when: str) -> None:
-    """Write what ``p`` holds, without its loader (at exit, or when the loader was collected): nobody
-    is left to raise to, so failures are logged; values that cannot be written are dropped and
-    counted. A batch that fails is written value by value, so one value the store refuses loses
-    only itself."""
+    """Write what ``p`` holds, without its loader (at exit, or for a loader collected without close()):
+    nobody is left to raise to, so failures are logged; values that cannot be written are dropped and
+    counted, whatever the store raised (an exception that is not a StoreError, e.g. a bug in a Store
+    subclass, with its traceback)."""
     if p.pid != os.getpid():  # inherited through fork: the parent writes its own buffer
         return
     with p.lock:
         err, p.timer_error = p.timer_error, None
         if err is not None:
             log.error("CacheLoader(%r): a background flush failed: %s", p.name, err)
-        items, p.buffer, p.nbytes = p.buffer, {}, 0
-        if not items:
-            return
-        written: List[bytes] = []
-        failed: Dict[bytes, Exception] = {}
-        with _STORE_LOCK if p.serialized else _NO_LOCK:
-            try:
-                p.store.mset(cast(Mapping[Key, bytes], items))
-                written = list(items)
-            except (StoreError, ConfigError) as exc:  # ConfigError: a key the store refuses
-                wide: Optional[Exception] = exc if isinstance(exc, _STORE_WIDE) else None
-                for k, v in items.items():
-                    if wide is not None:  # the store takes nothing now: do not try each value
-                        failed[k] = wide
-                        continue
-                    try:
-                        p.store.mset({k: v})
-                    except (StoreError, ConfigError) as one:
-                        failed[k] = one
-                        if isinstance(one, _STORE_WIDE):
-                            wide = one
-                    else:
-                        written.append(k)
+        items = p.buffer
         stats = p.stats
+        if not items:
+            stats[_BUFFERED] = stats[_BUFFERED_BYTES] = 0
+            return
+        try:
+            written, failed = _write_items(p, items)
+        except Exception:  # noqa: BLE001 - nobody to raise to: logged with its traceback and counted
+            # (A BaseException such as KeyboardInterrupt leaves the buffer as it is: the exit handler,
+            # still registered, writes it.)
+            p.buffer, p.nbytes = {}, 0
+            stats[_BUFFERED] = stats[_BUFFERED_BYTES] = 0
+            stats[_DROPPED] += len(items)
+            stats[_ERRORS] += 1
+            log.exception(
+                "CacheLoader(%r): could not write %d buffered value(s) %s (not cached; computed again when "
+                "next read): the store raised an unexpected error",
+                p.name,
+                len(items),
+                when,
+            )
+            return
+        p.buffer, p.nbytes = {}, 0
         if written:
             stats[_WRITES] += len(written)
             stats[_BYTES_WRITTEN] += sum(len(items[k]) for k in written)
@@ -585,10 +636,33 @@ def _flush_at_exit(p: _Pending) -> None:
     _flush_pending(p, "at exit")
 
 
-def _flush_collected(p: _Pending) -> None:
-    try:
-        _flush_pending(p, "when the CacheLoader was garbage-collected without close()")
-    finally:
+def _orphaned(p: _Pending) -> None:
+    """The loader owning ``p`` was garbage-collected without close() (weakref.finalize).
+
+    No store I/O here: the cyclic collector runs at whatever allocation crosses its threshold, which
+    may be inside a store call of another loader of this thread (``_STORE_LOCK`` is reentrant, so it
+    does not keep that out): an LMDB write growing the map there would unmap the buffers of an open
+    read transaction (a segfault), and LMDB refuses a write transaction nested in another one. The
+    buffer is only queued; :func:`_write_orphans` writes it at the next safe point, and its exit handler
+    stays registered until then."""
+    p.at_gc = None
+    _ORPHANS.append(p)
+
+
+def _write_orphans() -> None:
+    """Write the buffers of this process's loaders garbage-collected without close() (:func:`_orphaned`)
+    and unregister their exit handlers.
+
+    Called at the start of the public calls of :class:`CacheLoader` and :class:`CachedDataset` (and at
+    construction), outside any store transaction and loader lock. Never raises into that caller, whose
+    loader is another one: each failure is logged (one line per buffer) and its values counted as
+    dropped in their own loader's counters."""
+    while True:
+        try:
+            p = _ORPHANS.popleft()
+        except IndexError:
+            return
+        _flush_pending(p, "left by a CacheLoader garbage-collected without close()")
         p.cancel()
 
 
@@ -743,6 +817,8 @@ class CacheLoader:
         self.retry_interval = float(retry_interval)
         #: Seconds a buffered value waits at most before a background write; None: no background writes.
         self.flush_interval: Optional[float] = float(flush_interval) if flush_interval else None
+        if _ORPHANS:  # (before this loader's fingerprint check may reset their namespace)
+            _write_orphans()
         self.store = make_store(backend, dataset_name, **store_kwargs)
         # Made here for this dataset_name (its namespace), or a Store instance the caller passed (whose
         # whole namespace this loader then owns, whatever its dataset_name).
@@ -807,6 +883,7 @@ class CacheLoader:
             found[0]._quiesce()
             found = None
             gc.collect()
+            _write_orphans()  # loaders this collection freed: written before the namespace is reset
             found = _live_other(self._location, digest, self.dataset_name)
         if found is not None:
             other, other_desc = found
@@ -894,11 +971,27 @@ class CacheLoader:
 
     def _quiesce(self) -> None:
         """Write this loader's buffered values and end its flush thread (another loader of this process
-        is about to reset the namespace; the thread no longer keeps this loader alive)."""
+        is about to reset the namespace; the thread no longer keeps this loader alive).
+
+        The loader is live, so its own flush applies: a store that is unreachable or full keeps the
+        values buffered, one found down in bypass mode is not tried before ``retry_interval``, and
+        refused values are dropped and counted. A failure is logged, not raised into the construction
+        of the other loader."""
         if self._pid != os.getpid() or self._closed:
             return
-        _flush_pending(self._pending, "before another loader reset the namespace")
-        self._stop_timer(join=True)
+        try:
+            if not self._is_down():
+                self._flush_now()
+        except StoreError as exc:
+            log.error(
+                "CacheLoader(%r): could not write its buffered values before another loader of this "
+                "process opened the namespace (%d still buffered): %s",
+                self.dataset_name,
+                len(self._pending.buffer),
+                exc,
+            )
+        finally:
+            self._stop_timer(join=True)
 
     # -- process-local state ----------------------------------------------------------------------
     def _reset_process_state(self) -> None:
@@ -928,6 +1021,10 @@ class CacheLoader:
         self._blocked = self._closed
 
     def _check_pid(self) -> None:
+        # Every public call starts here, outside any store transaction and lock: the safe point at
+        # which the buffers of collected loaders are written (see _orphaned).
+        if _ORPHANS:
+            _write_orphans()
         if self._blocked:
             self._raise_blocked()
         if self._pid != os.getpid():
@@ -985,8 +1082,9 @@ class CacheLoader:
             # with an exitpriority runs from multiprocessing's _exit_function in every worker kind
             # and, through atexit, in the main process. It holds the buffer, not the loader.
             p.at_exit = multiprocessing.util.Finalize(None, _flush_at_exit, args=(p,), exitpriority=10)
-            # A loader collected without close(): write its values then, and drop the exit entry.
-            p.at_gc = weakref.finalize(self, _flush_collected, p)
+            # A loader collected without close(): its values are written at the next call of a loader
+            # of this process (never inside the collector: see _orphaned), or at exit by the above.
+            p.at_gc = weakref.finalize(self, _orphaned, p)
             p.at_gc.atexit = False  # at exit, the Finalize above writes them (in every process kind)
 
     # -- background flush -------------------------------------------------------------------------
@@ -1535,24 +1633,34 @@ class CacheLoader:
         self._warn_once(what, message)
 
     def _flush_one_by_one(self, first: Exception) -> None:
-        """After a failed batch: write each buffered value alone; drop those the store refuses."""
+        """After a failed batch: write each buffered value alone; drop those the store refuses. When the
+        store named every value it refused and wrote all the others (LmdbStore at max_map_size), only
+        those are dropped, the others counted as written, and nothing is written again."""
         refused: Dict[bytes, Exception] = {}
         written = 0
+        buffer = self._pending.buffer
+        refusal = _known_refusal(first, buffer)
+        known = None if refusal is None else set(refusal)
         # A batch of one value the store refused already: not tried again.
-        alone = len(self._pending.buffer) == 1 and isinstance(first, (StoreValueRefusedError, ConfigError))
-        for k in list(self._pending.buffer):
-            v = self._pending.buffer[k]
-            if alone:
+        alone = len(buffer) == 1 and isinstance(first, (StoreValueRefusedError, ConfigError))
+        for k in list(buffer):
+            v = buffer[k]
+            if known is not None:
+                if k in known:
+                    refused[k] = first
+                    continue
+            elif alone:
                 refused[k] = first
                 continue
-            try:
-                self.store.mset({k: v})
-            except (StoreError, ConfigError) as exc:  # ConfigError: the key is invalid for this store
-                if self._store_wide_failure(exc):
-                    return
-                refused[k] = exc
-                continue
-            del self._pending.buffer[k]
+            else:
+                try:
+                    self.store.mset({k: v})
+                except (StoreError, ConfigError) as exc:  # ConfigError: the key is invalid for this store
+                    if self._store_wide_failure(exc):
+                        return
+                    refused[k] = exc
+                    continue
+            del buffer[k]
             self._pending.nbytes -= len(v)
             self._stats[_WRITES] += 1
             self._stats[_BYTES_WRITTEN] += len(v)
@@ -1644,6 +1752,8 @@ class CacheLoader:
         error of a failed background flush not raised yet is raised after closing."""
         if self._closed:
             return
+        if _ORPHANS:
+            _write_orphans()
         if self._pid != os.getpid():
             self._reset_process_state()
         pending = self._take_timer_error()

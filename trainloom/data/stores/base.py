@@ -48,7 +48,27 @@ class StoreValueRefusedError(StoreError):
     before anything is sent; the store is fine and other values can be written.
 
     The cache drops such a value (not cached, recomputed when next read) and writes the others.
+
+    Attributes:
+        keys: every refused key of the ``mset`` batch, as bytes (str keys UTF-8), or ``None`` when the
+            store names only the first one (:attr:`key`).
+        others_written: whether every other value of the batch was written (LMDB's value-by-value
+            write at ``max_map_size``); ``False`` when nothing was written (Redis checks sizes before
+            sending anything). With ``keys`` and ``others_written`` the cache drops exactly ``keys``
+            and counts the rest as written, without writing anything again.
     """
+
+    def __init__(
+        self,
+        message: str,
+        backend: Optional[str] = None,
+        key: Optional[str] = None,
+        keys: Optional[Sequence[bytes]] = None,
+        others_written: bool = False,
+    ) -> None:
+        super().__init__(message, backend, key)
+        self.keys: Optional[Tuple[bytes, ...]] = tuple(keys) if keys is not None else None
+        self.others_written = bool(others_written)
 
 
 def key_bytes(key: Key) -> bytes:

@@ -447,8 +447,9 @@ class LmdbStore(Store):
     ) -> None:
         """After a batch failed at ``max_map_size``: write its values one transaction each, so that one
         value too large for the room left does not keep the others out. Raises StoreValueRefusedError
-        (naming the first such key and its size) when only such values failed, StoreFullError when
-        the map has no room left for ordinary values."""
+        (naming the first such key and its size; ``keys``: every refused key, ``others_written``: the
+        rest of the batch is stored) when only such values failed, StoreFullError when the map has no
+        room left for ordinary values."""
         refused: List[Tuple[bytes, int, int]] = []  # (key, bytes, room left when it failed)
         for item in items:
             if len(items) > 1:  # (a batch of one value has just failed alone)
@@ -464,6 +465,9 @@ class LmdbStore(Store):
         if refused:
             k, size, room = refused[0]
             others = f" ({len(refused) - 1} other value(s) of the batch too)" if len(refused) > 1 else ""
+            # Every other value of the batch was written (a value that failed alone with the map
+            # full raised StoreFullError above): the caller drops exactly these keys and writes
+            # nothing again (a rewrite needs fresh pages, which the map at its cap may not have).
             raise StoreValueRefusedError(
                 f"LmdbStore.mset on {self.path} (namespace {self.namespace!r}): the value of key "
                 f"{k.decode('utf-8', 'replace')!r} ({size} bytes) does not fit in the {room} bytes left at "
@@ -472,6 +476,8 @@ class LmdbStore(Store):
                 + ". Pass a larger max_map_size= to store values this large",
                 backend="lmdb",
                 key=k.decode("utf-8", "replace"),
+                keys=[r[0] for r in refused],
+                others_written=True,
             )
 
     def _full_room(self) -> int:
