@@ -911,6 +911,8 @@ cdef object _reduce_tensor(object obj, list keep):
         if obj.dim() <= _max_ndim:
             return NotImplemented
         return (_rebuild_reshaped, (_flat_stored(obj, code), tuple(obj.shape)))
+    if cls in copyreg.dispatch_table:
+        return NotImplemented     # the user's copyreg.pickle(cls, reducer) decides, as in plain pickle
     if cls.__torch_dispatch__ is not _Tensor.__torch_dispatch__:
         # A wrapper subclass (DTensor, ...) has no storage of its own: its pickling stores its inner
         # plain tensors, which go raw.

@@ -49,6 +49,14 @@ class OwnReduce(torch.Tensor):
         return super().__reduce_ex__(proto)
 
 
+class Registered(torch.Tensor):
+    """A subclass whose pickling the user registered with copyreg."""
+
+
+def _registered_as_list(t: Registered):
+    return (list, (t.as_subclass(torch.Tensor).tolist(),))
+
+
 def plain(t: torch.Tensor) -> torch.Tensor:
     return t.as_subclass(torch.Tensor)
 
@@ -251,3 +259,14 @@ def test_a_subclass_state_only_its_own_setstate_could_read_is_refused_when_encod
         CodecError, match="cannot serialize a value of type OddState: its __getstate__ returned a list"
     ):
         encode(torch.zeros(3).as_subclass(OddState))
+
+
+def test_a_copyreg_registration_of_a_subclass_is_honoured(monkeypatch):
+    """pickle asks reducer_override before copyreg's dispatch_table: the codec's reduction of tensor
+    subclasses used to bypass the user's copyreg.pickle(cls, reducer)."""
+    import copyreg
+
+    monkeypatch.setitem(copyreg.dispatch_table, Registered, _registered_as_list)
+    x = torch.arange(6.0)[1:4].as_subclass(Registered)
+    assert decode(encode(x)) == [1.0, 2.0, 3.0]
+    assert decode(encode({"x": x, "n": 1})) == {"x": [1.0, 2.0, 3.0], "n": 1}
