@@ -111,6 +111,19 @@ print(state())
 )
 
 
+def _python_in_copy(copy: Path, code: str, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    """``python -c code args`` importing the package copy at ``copy`` (the stale check enabled)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRAINLOOM_ALLOW_STALE"}
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        cwd=copy,
+        env={**env, "PYTHONPATH": str(copy)},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def test_an_edited_header_makes_the_module_that_includes_it_stale(tmp_path):
     # _shm.pyx includes pyx/comm/_shm_kernels.h, but only the .pyx and the top-level pyx/*.pxd were
     # hashed: a changed header left the old kernels in use without a word.
@@ -118,15 +131,7 @@ def test_an_edited_header_makes_the_module_that_includes_it_stale(tmp_path):
         pytest.skip("installed without sources")
     pytest.importorskip("trainloom._build_info")
     _copy_package(tmp_path)
-    env = {k: v for k, v in os.environ.items() if k != "TRAINLOOM_ALLOW_STALE"}
-    out = subprocess.run(
-        [sys.executable, "-c", _STALE_STATES, str(tmp_path)],
-        cwd=tmp_path,
-        env={**env, "PYTHONPATH": str(tmp_path)},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = _python_in_copy(tmp_path, _STALE_STATES, str(tmp_path), timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     pyx = tmp_path / "pyx" / "comm" / "_shm.pyx"
     stale = (
@@ -159,15 +164,7 @@ def test_info_says_which_module_is_unusable_when_the_fused_kernels_are_stale_or_
             "could not be imported (No module named 'trainloom.optim._fused'). No compiled file "
             f"_fused.*.so in {tmp_path / 'trainloom' / 'optim'}. Its source is {src}."
         )
-    env = {k: v for k, v in os.environ.items() if k != "TRAINLOOM_ALLOW_STALE"}
-    out = subprocess.run(
-        [sys.executable, "-c", _INFO],
-        cwd=tmp_path,
-        env={**env, "PYTHONPATH": str(tmp_path)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = _python_in_copy(tmp_path, _INFO, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stderr == ""
     lines = out.stdout.splitlines()
