@@ -186,3 +186,22 @@ def test_loss_trend_line() -> None:
     rows = {ln[:31].strip(): ln[31:].strip() for ln in demo.report([one]).splitlines()[3:]}
     assert rows["cache hit rate (later epochs)"] == "n/a"
     assert rows["later epochs samples/s"] == "n/a"
+
+
+def test_a_rank_that_only_lost_its_peer_is_told_apart_from_the_failing_one() -> None:
+    """The parent waits for the failure that is not a lost peer, to name the rank that failed first.
+    A survivor under trainloom's engines raises CommError (not torch's DistError), and was taken for
+    the failing rank."""
+    import torch.distributed as dist
+
+    from trainloom.data.stores import StoreError
+    from trainloom.demo import _peer_lost
+    from trainloom.errors import CommError, CommTimeoutError
+
+    assert _peer_lost(
+        CommError("allreduce #3 (shm, rank 1 of 2): rank 0 (pid 7) died while this rank waited")
+    )
+    assert _peer_lost(CommTimeoutError("allreduce #3: timed out"))
+    assert _peer_lost(dist.DistNetworkError("Connection reset by peer"))
+    assert not _peer_lost(StoreError("redis-server (/bin/false) did not start", backend="redis"))
+    assert not _peer_lost(ValueError("a bad sample"))

@@ -383,14 +383,22 @@ def _worker(rank: int, cfg: DemoConfig, port: int, queue: Any) -> None:
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which prints it and exits 1
         # Report the failure to the parent, which prints one line for the run, and exit non-zero
         # without re-raising: a re-raised exception makes multiprocessing print a traceback per rank.
-        # A rank that failed only because a peer died (its connection closed) is marked as such, so
-        # that the parent names the rank that failed first.
-        import torch.distributed as dist
-
-        peer_lost = isinstance(exc, dist.DistError)
-        queue.put((rank, "error", (_one_line(exc), peer_lost)))
+        # A rank that failed only because a peer died is marked as such, so that the parent names
+        # the rank that failed first.
+        queue.put((rank, "error", (_one_line(exc), _peer_lost(exc))))
         sys.exit(1)
     queue.put((rank, "ok", result if rank == 0 else None))
+
+
+def _peer_lost(exc: BaseException) -> bool:
+    """Whether a rank's error only says that another rank is gone: torch's DistError (a closed
+    connection), or trainloom's CommError, which the demo's own calls raise only when a peer died or
+    left (they never disagree between ranks)."""
+    import torch.distributed as dist
+
+    from trainloom.errors import CommError
+
+    return isinstance(exc, (dist.DistError, CommError))
 
 
 def _free_port() -> int:
