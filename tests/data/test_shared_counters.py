@@ -7,12 +7,13 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
+import time
 
 import numpy as np
 import pytest
 
 from trainloom.data import _counters
-from trainloom.data.shared_counters import SharedCounters
+from trainloom.data.shared_counters import SharedCounters, _alive
 
 NAMES = ("hits", "misses")
 GAUGES = ("buffered",)
@@ -197,3 +198,34 @@ def test_a_child_counting_after_the_parent_dropped_the_table_writes_only_its_own
     assert p.exitcode == 0
     assert not any(np.frombuffer(mine, dtype=np.int64))
     assert fresh.total() == ({"hits": 0, "misses": 0, "buffered": 0}, 1)
+
+
+def _count_buffer_and_hang(counters: SharedCounters, ready) -> None:
+    _count(counters, 9, 1, buffered=5)
+    ready.set()
+    signal.pause()
+
+
+def test_gauges_of_a_killed_process_stop_counting_its_counters_stay():
+    """A SIGKILLed DataLoader worker's 'buffered' gauge (values it held, now lost) was summed into
+    stats() forever, so polling for buffered == 0 never ended. Also while the killed process is a
+    zombie (not reaped yet)."""
+    c = SharedCounters(NAMES, GAUGES, slots=4)
+    c.values[c.column("buffered")] = 2
+    for reaped, want in ((True, ({"hits": 9, "misses": 1, "buffered": 2}, 2)), (False, None)):
+        ready = FORK.Event()
+        p = FORK.Process(target=_count_buffer_and_hang, args=(c, ready))
+        p.start()
+        assert ready.wait(30)
+        before, n = c.total()
+        assert before["buffered"] == 7
+        os.kill(p.pid, signal.SIGKILL)
+        if reaped:
+            p.join(30)
+        else:  # wait until it is a zombie: killed, not yet reaped by join()
+            deadline = time.monotonic() + 30
+            while _alive(p.pid) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            want = ({"hits": 18, "misses": 2, "buffered": 2}, 3)
+        assert c.total() == want
+        p.join(30)

@@ -35,13 +35,18 @@ WIDTH = 16
 
 
 def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie, killed but not yet reaped, does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's process has the pid: alive
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
+    except (OSError, IndexError):  # no /proc (not Linux), or it exited meanwhile
+        return True
 
 
 def _shared_fd(size: int) -> int:
@@ -124,6 +129,12 @@ class SharedCounters:
                     return row
         return -1
 
+    def _retire_dead(self) -> None:
+        first = _counters.HEADER_ROWS
+        for i, pid in enumerate(self._table[first:, 0].tolist()):
+            if pid > 0 and pid != self._pid and not _alive(pid):
+                _counters.retire(self._table, first + i, pid, self.ncounters)  # no-op if taken meanwhile
+
     def retire(self) -> None:
         """Move this process's counts into the totals now (they stay counted; the slot is freed)."""
         if self._finalizer is not None:
@@ -147,7 +158,9 @@ class SharedCounters:
         """(counters and gauges summed over every process of the family, processes counted).
 
         Processes that exited are counted with their final values; a process that could not get a
-        slot is counted only by itself."""
+        slot is counted only by itself. The slot of a process that died without retiring (SIGKILL)
+        is retired here: its counters stay counted, its gauges (values it held) no longer are."""
+        self._retire_dead()
         sums, processes, consistent = _counters.total(self._table, self.ncounters)
         if not consistent and not self._warned_inconsistent:
             self._warned_inconsistent = True
