@@ -690,3 +690,45 @@ def test_second_dataset_name_over_one_store_instance_without_fingerprints(tmp_pa
 def test_clear_and_num_keys_document_the_store_instance_namespace():
     for doc in (CacheLoader.clear.__doc__, CacheLoader.num_keys.__doc__, CacheLoader.__doc__):
         assert "Store instance" in doc and "whole namespace" in " ".join(doc.split())
+
+
+# -- a key repeated within one batch ----------------------------------------------------------------
+
+
+class CountingDataset:
+    """Records every index it computes."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        self.calls.append(i)
+        return torch.tensor([i, 3 * i])
+
+
+class BatchedCountingDataset(CountingDataset):
+    """With torch's batched fetch, recorded per batch."""
+
+    def __getitems__(self, idx: list) -> list:
+        self.calls.append(tuple(idx))
+        return [torch.tensor([i, 3 * i]) for i in idx]
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_an_index_repeated_in_a_batch_is_computed_once(tmp_path, batched):
+    """A sampler drawing with replacement repeats indices within a batch: each used to be computed,
+    counted as a miss and written once per position."""
+    inner = BatchedCountingDataset() if batched else CountingDataset()
+    ds = CachedDataset(inner, path=tmp_path, dataset_name="rep")
+    out = ds.__getitems__([1, 1, 2, 1, 2, 3])
+    assert [x.tolist() for x in out] == [[1, 3], [1, 3], [2, 6], [1, 3], [2, 6], [3, 9]]
+    assert inner.calls == ([(1, 2, 3)] if batched else [1, 2, 3])
+    stats = ds.stats()
+    assert (stats["misses"], stats["hits"], stats["buffered"]) == (3, 0, 3)
+    out = ds.__getitems__([1, 1, 4])
+    assert [x.tolist() for x in out] == [[1, 3], [1, 3], [4, 12]]
+    assert (ds.stats()["misses"], ds.stats()["hits"]) == (4, 2)
+    ds.close()

@@ -1442,14 +1442,23 @@ class CacheLoader:
             if bad:
                 first = _short_repr(keys[bad[0]])
                 self._report_corrupt(len(bad), f"{len(bad)} stored value(s) ({what} {first} first)")
-            self._stats[_MISSES] += len(missing)
-            todo = [keys[i] for i in missing]
+            # A key repeated in the batch (a sampler drawing with replacement) is computed, counted
+            # and written once; its positions share the computed value.
+            first_at: Dict[bytes, int] = {}
+            for i in missing:
+                first_at.setdefault(ks[i], i)
+            once = list(first_at.values())
+            self._stats[_MISSES] += len(once)
+            todo = [keys[i] for i in once]
             computed = load_many(todo) if load_many is not None else [load_fn(k) for k in todo]
             if len(computed) != len(todo):
                 raise ValueError(f"load_many returned {len(computed)} values for {len(todo)} keys")
-            for i, value in zip(missing, computed):
-                vals[i] = value
+            value_of: Dict[bytes, Any] = {}
+            for i, value in zip(once, computed):
+                value_of[ks[i]] = value
                 self._put(ks[i], self._encode(value, f"the value for {what} {keys[i]!r}"))
+            for i in missing:
+                vals[i] = value_of[ks[i]]
         return vals
 
     def contains_many(self, keys: Sequence[Any]) -> List[bool]:
