@@ -458,3 +458,35 @@ def test_ctrl_c_while_waiting_for_a_late_rank_raises_now(tmp_path, mode, engine,
             p.wait()
     assert waiting.returncode != 0 and "returned" not in out
     assert err.rstrip().endswith("KeyboardInterrupt"), err[-2000:]
+
+
+def p2p_then_reinit(rank: int, ws: int, engine: str) -> list:
+    """Send/recv (core and classic, sync and async), destroy, init again: twice."""
+    import torch
+
+    import trainloom.comm as C
+    from trainloom.comm import classic
+
+    os.environ["TRAINLOOM_CPU_ENGINE"] = "auto" if engine == "shm" else engine
+    got = []
+    for cycle in range(3):
+        C.init_process_group(timeout=20)
+        t = torch.full((4,), float(rank + cycle))
+        if rank == 0:
+            C.send(t, 1)
+            classic.isend(t, 1).wait()
+        else:
+            C.recv(t, 0)
+            classic.irecv(t, 0).wait()
+        got.append(t.tolist())
+        C.destroy_process_group()
+    return got
+
+
+@pytest.mark.parametrize("engine", ["gloo", "shm"])
+def test_destroy_then_init_again_after_send_and_recv(engine):
+    """After a gloo send/recv, destroy_process_group() left rank 0's TCPStore server alive (the gloo
+    Work objects stayed referenced by the p2p waiter thread), so the next init_process_group() found
+    its port in use."""
+    res = run_ranks(p2p_then_reinit, 2, engine, timeout=120)
+    assert res[1] == [[float(c)] * 4 for c in range(3)]

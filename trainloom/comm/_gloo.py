@@ -258,14 +258,22 @@ class _P2PWaiter:
 
     def _serve(self) -> None:
         while True:
-            works, timeout, outcome, finished = self._jobs.get()
-            try:
-                for work in works:
-                    work.wait(datetime.timedelta(seconds=timeout))
-                outcome.append(None)
-            except Exception as exc:  # noqa: BLE001 -- handed to the waiting thread, which raises it
-                outcome.append(exc)
-            finished.set()
+            # One job per call: its locals (the gloo Work objects, which hold the gloo context and
+            # through it the store and rank 0's TCPStore server) die with the call, not when the next
+            # job arrives. Kept here, they outlived destroy_process_group(), and a second
+            # init_process_group() found the store's port still in use.
+            self._serve_one(self._jobs.get())
+
+    @staticmethod
+    def _serve_one(job: tuple) -> None:
+        works, timeout, outcome, finished = job
+        try:
+            for work in works:
+                work.wait(datetime.timedelta(seconds=timeout))
+            outcome.append(None)
+        except Exception as exc:  # noqa: BLE001 -- handed to the waiting thread, which raises it
+            outcome.append(exc)
+        finished.set()
 
 
 _WAITERS = threading.local()
