@@ -490,3 +490,34 @@ def test_destroy_then_init_again_after_send_and_recv(engine):
     its port in use."""
     res = run_ranks(p2p_then_reinit, 2, engine, timeout=120)
     assert res[1] == [[float(c)] * 4 for c in range(3)]
+
+
+def classic_groups_in_rotated_order(rank: int, ws: int, engine: str) -> list:
+    """torch.distributed code: three overlapping groups made in the same order everywhere, then
+    asynchronous all_reduces on this rank's two groups, in an order that differs between ranks."""
+    import datetime
+
+    import torch
+
+    from trainloom.comm import classic as dist
+
+    os.environ["TRAINLOOM_CPU_ENGINE"] = "auto" if engine == "shm" else engine
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+    groups = {"01": dist.new_group([0, 1]), "12": dist.new_group([1, 2]), "02": dist.new_group([0, 2])}
+    order = {0: ["01", "02"], 1: ["12", "01"], 2: ["02", "12"]}[rank]
+    ts = {k: torch.full((3,), float(rank + 1)) for k in order}
+    works = [dist.all_reduce(ts[k], group=groups[k], async_op=True) for k in order]
+    for w in works:
+        w.wait()
+    dist.destroy_process_group()
+    return [(k, ts[k].tolist()) for k in order]
+
+
+@pytest.mark.parametrize("engine", ["shm", "gloo"])
+def test_classic_groups_connect_when_made_as_in_torch(engine):
+    """The classic API connected a group at its first operation (the core API's rule), so the
+    rotated order above waited in a cycle until the timeout; torch.distributed runs it."""
+    res = run_ranks(classic_groups_in_rotated_order, 3, engine, timeout=120)
+    for r in res:
+        assert r == [(k, [float(sum(int(c) + 1 for c in k))] * 3) for k, _ in r]
+    assert [k for k, _ in res[0]] == ["01", "02"]

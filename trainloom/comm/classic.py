@@ -134,12 +134,16 @@ def init_process_group(
         store = _tdist.TCPStore(host, int(port), world_size, rank == 0, timeout=td)
     elif init_method != "env://":
         raise ConfigError(f"init_process_group: init_method {init_method!r}: use env:// or tcp://host:port")
-    _group.init_process_group(
+    pg = _group.init_process_group(
         store=store,
         timeout=timeout,
         rank=rank if rank >= 0 else None,
         world_size=world_size if world_size >= 1 else None,
     )
+    # torch.distributed connects a group when it is made; trainloom's core groups connect at their
+    # first operation (Bagua's rule), which deadlocks torch scripts that issue asynchronous operations
+    # on several groups in a different order on each rank. Here groups connect when made, as in torch.
+    pg.get_global_communicator()
 
 
 def destroy_process_group() -> None:
@@ -160,8 +164,11 @@ def is_initialized() -> bool:
 
 
 def new_group(ranks: Optional[Sequence[int]] = None) -> ProcessGroup:
-    """A group over ``ranks`` (every rank must call it, in the same order)."""
-    return _group.new_group(ranks)
+    """A group over ``ranks`` (every rank must call it, in the same order), connected now on its
+    members, as torch.distributed's (a group of the core API connects at its first operation)."""
+    pg = _group.new_group(ranks)
+    pg.get_global_communicator()
+    return pg
 
 
 def _comm(g: GroupArg, opname: str) -> Communicator:
