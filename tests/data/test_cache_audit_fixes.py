@@ -732,3 +732,48 @@ def test_an_index_repeated_in_a_batch_is_computed_once(tmp_path, batched):
     assert [x.tolist() for x in out] == [[1, 3], [1, 3], [4, 12]]
     assert (ds.stats()["misses"], ds.stats()["hits"]) == (4, 2)
     ds.close()
+
+
+# -- persistent DataLoader workers at the end of a script --------------------------------------------
+
+_PERSISTENT_RUN = """
+import sys, torch
+from torch.utils.data import DataLoader
+from trainloom.data import CachedDataset
+
+class D(torch.utils.data.Dataset):
+    def __len__(self): return 50
+    def __getitem__(self, i): return i
+
+if __name__ == "__main__":
+    ds = CachedDataset(D(), path=sys.argv[1], dataset_name="p", fingerprint=1)
+    dl = DataLoader(
+        ds, batch_size=4, num_workers=2, persistent_workers=True, multiprocessing_context=sys.argv[2]
+    )
+    for b in dl:
+        pass
+    ds.close()
+    print(ds.stats()["buffered"])
+"""
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_persistent_workers_write_what_they_hold_when_the_script_ends(tmp_path, method):
+    """With persistent workers the DataLoader iterator is alive at exit, so torch skips its worker
+    shutdown and multiprocessing terminates the workers (SIGTERM): what they computed in the last
+    flush_interval was lost (40 of 50 stored). The main process now gives their flush threads time."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "run.py"
+    script.write_text(_PERSISTENT_RUN)
+    out = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "cache"), method],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout.split()[-1]) > 0  # the workers still held values when the loop ended
+    with LmdbStore(tmp_path / "cache", namespace="p") as store:
+        assert cache.cached_values(store) == 50

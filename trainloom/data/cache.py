@@ -632,6 +632,49 @@ def _flush_pending(p: _Pending, when: str) -> None:
             )
 
 
+#: The counter tables of this process's live loaders (with their flush_interval): at exit, the
+#: workers they reach get time to write what they hold (_await_workers_flush).
+_AWAITED: weakref.WeakKeyDictionary[SharedCounters, float] = weakref.WeakKeyDictionary()
+_AWAIT_PID = 0
+
+
+def _await_at_exit(counters: SharedCounters, flush_interval: float) -> None:
+    global _AWAIT_PID
+    _AWAITED[counters] = flush_interval
+    if _AWAIT_PID != os.getpid():  # once per process (a forked child registers its own)
+        _AWAIT_PID = os.getpid()
+        # exitpriority 10: multiprocessing runs it before it terminates daemonic children.
+        multiprocessing.util.Finalize(None, _await_workers_flush, args=(_AWAIT_PID,), exitpriority=10)
+
+
+def _await_workers_flush(owner: int) -> None:
+    """At exit: wait (at most the longest ``flush_interval`` + 1 s) until the other live processes
+    of this process's loaders, their DataLoader workers, hold no buffered value. Their flush threads
+    write within ``flush_interval``; multiprocessing then terminates daemonic workers (persistent
+    ones, or any whose iterator is still referenced) with SIGTERM, which lost what they held."""
+    if os.getpid() != owner:
+        return
+    tables = list(_AWAITED.items())
+    if not tables:
+        return
+    deadline = time.monotonic() + max(f for _, f in tables) + 1.0
+    while True:
+        others = 0
+        for counters, _ in tables:
+            totals, _ = counters.total()
+            others += totals["buffered"] - counters.local()["buffered"]
+        if others <= 0:
+            return
+        if time.monotonic() >= deadline:
+            log.warning(
+                "%d value(s) buffered in DataLoader workers were not written before exit (not cached; "
+                "computed again next run)",
+                others,
+            )
+            return
+        time.sleep(0.02)
+
+
 def _flush_at_exit(p: _Pending) -> None:
     _flush_pending(p, "at exit")
 
@@ -836,6 +879,8 @@ class CacheLoader:
         self._closed = False
         # Counted by every process that uses this loader (its DataLoader workers too): stats().
         self._counters = SharedCounters(_STAT_NAMES, _GAUGE_NAMES)
+        if flush_interval is not None:
+            _await_at_exit(self._counters, float(flush_interval))
         self._reset_process_state()
         self._has_meta = False
         self._location = _store_location(self.store)
