@@ -11,6 +11,7 @@ import time
 from typing import Any, Callable, Dict, List
 
 import torch
+from test_ext_ranks import _engine, _expect
 
 import trainloom.comm as C
 from trainloom.comm import neighbor as nb
@@ -18,18 +19,9 @@ from trainloom.comm import topology as tp
 from trainloom.errors import CommError
 
 
-def _engine(engine: str) -> None:
-    os.environ["TRAINLOOM_CPU_ENGINE"] = "auto" if engine == "shm" else engine
-    torch.set_num_threads(1)  # 2 shared cores: no intra-op threads
-
-
 def _err(fn: Callable, *args: Any, **kwargs: Any) -> str:
     """``"<type>: <message>"`` of the CommError ``fn`` raises (or ``"no error"``)."""
-    try:
-        fn(*args, **kwargs)
-    except CommError as e:
-        return f"{type(e).__name__}: {e}"
-    return "no error"
+    return _expect(fn, CommError, *args, **kwargs)
 
 
 def rows(rank: int, first: int, cols: int = 3, dtype: torch.dtype = torch.float32) -> torch.Tensor:

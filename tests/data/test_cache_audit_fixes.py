@@ -16,6 +16,7 @@ import weakref
 import numpy as np
 import pytest
 import torch
+from test_stores import BaguaDictStore
 
 from trainloom.data import CachedDataset, CacheLoader, cache
 from trainloom.data.stores import LmdbStore, Store, StoreError, StoreUnavailableError, StoreValueRefusedError
@@ -54,26 +55,8 @@ class DownStore(Store):
         raise StoreUnavailableError("server down", backend="store")
 
 
-class DictStore(Store):
+class DictStore(BaguaDictStore):
     """A store written to Bagua's interface (no namespace of its own)."""
-
-    def __init__(self) -> None:
-        self.d: dict = {}
-
-    def mget(self, keys):
-        return [self.d.get(k) for k in keys]
-
-    def mset(self, dictionary):
-        self.d.update(dictionary)
-
-    def num_keys(self):
-        return len(self.d)
-
-    def clear(self):
-        self.d.clear()
-
-    def status(self):
-        return True
 
 
 # -- 1: a loader collected without close() ----------------------------------------------------------
