@@ -15,7 +15,8 @@ Environment switches:
 
 from __future__ import annotations
 
-import hashlib
+import functools
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -134,18 +135,21 @@ def _cythonize(exts: list[Extension]) -> list[Extension]:
     )
 
 
-#: Files a .pyx may cimport or include; keep in step with trainloom/_build_check.py's source_hash().
-_DEP_SUFFIXES = (".pxd", ".pxi", ".h")
+@functools.cache
+def _build_check() -> object:
+    """trainloom/_build_check.py (standard library only), loaded by path: setup.py records the
+    hashes with the same function that compares them at import, so the two can never disagree."""
+    path = ROOT / "trainloom" / "_build_check.py"
+    spec = importlib.util.spec_from_file_location("_trainloom_build_check", path)
+    if spec is None or spec.loader is None:
+        sys.exit(f"trainloom: cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _source_hash(src: str) -> str:
-    # The .pyx, then every .pxd/.pxi/.h under pyx/ (path and contents, in path order): a header a
-    # module includes (comm/_shm_kernels.h) changes the build as much as the .pyx does.
-    h = hashlib.sha256((ROOT / src).read_bytes())
-    for dep in sorted(p for p in PYX.rglob("*") if p.suffix in _DEP_SUFFIXES and p.is_file()):
-        h.update(dep.relative_to(PYX).as_posix().encode())
-        h.update(dep.read_bytes())
-    return h.hexdigest()
+    return str(_build_check().source_hash(ROOT / src))  # type: ignore[attr-defined]
 
 
 def _build_info() -> dict[str, object]:

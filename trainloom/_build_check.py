@@ -74,7 +74,7 @@ def import_compiled(name: str) -> ModuleType:
         raise ImportError(msg, name=name, path=os.fspath(pkg_dir)) from exc
 
 
-#: Files a .pyx may cimport or include; keep in step with setup.py's _source_hash().
+#: Files a .pyx may cimport or include (setup.py records its hashes with source_hash() below).
 _DEP_SUFFIXES = (".pxd", ".pxi", ".h")
 
 

@@ -1,4 +1,4 @@
-"""The check every numeric argument shares."""
+"""The checks every numeric argument shares."""
 
 from __future__ import annotations
 
@@ -13,3 +13,8 @@ def is_real(value: object) -> bool:
     attributes of the class being built.
     """
     return not isinstance(value, bool) and isinstance(value, numbers.Real)
+
+
+def is_integral(value: object) -> bool:
+    """Whether ``value`` is an integer (int, numpy integer...; not bool), as :func:`is_real`."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Integral)

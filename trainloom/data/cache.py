@@ -37,7 +37,6 @@ import hashlib
 import inspect
 import logging
 import multiprocessing.util
-import numbers
 import operator
 import os
 import shlex
@@ -54,7 +53,7 @@ import torch
 from torch.utils.data import Dataset
 
 from trainloom._build_check import import_compiled
-from trainloom._numbers import is_real
+from trainloom._numbers import is_integral, is_real
 from trainloom._warnings import log_if_configured, warn_at_caller
 from trainloom.data.codec import ChecksumError, CodecError
 from trainloom.data.shared_counters import SharedCounters
@@ -168,12 +167,6 @@ def cached_values(store: Store) -> int:
     CachedDataset and CacheLoader(fingerprint=...) keep there (one per shard of a Redis cluster)."""
     n = store.num_keys()
     return n - store.copies(META_KEY) if n else 0
-
-
-def _is_integral(value: object) -> bool:
-    """Whether ``value`` is an integer (int, numpy integer...; not bool). A function for the reason
-    :func:`trainloom._numbers.is_real` is one (mypy's narrowing by ``numbers.Integral``)."""
-    return not isinstance(value, bool) and isinstance(value, numbers.Integral)
 
 
 def _short_repr(key: Any, limit: int = 80) -> str:
@@ -823,7 +816,7 @@ class CacheLoader:
         if not isinstance(dataset_name, str):
             raise TypeError(f"dataset_name must be a str, got {type(dataset_name).__name__}")
         # Integers and reals of any kind (numpy scalars too), never bool.
-        if not _is_integral(writer_buffer_size) or int(writer_buffer_size) < 0:
+        if not is_integral(writer_buffer_size) or int(writer_buffer_size) < 0:
             raise ValueError(
                 f"writer_buffer_size must be an int >= 0 (0 writes every value at once, as 1 does), "
                 f"got {writer_buffer_size!r}"
@@ -831,7 +824,7 @@ class CacheLoader:
         writer_buffer_size = max(1, int(writer_buffer_size))  # Bagua's BatchFetcher reads 0 as 1 too
         if on_error not in ("raise", "bypass"):
             raise ValueError(f"on_error must be 'raise' or 'bypass', got {on_error!r}")
-        if not _is_integral(max_buffer_bytes) or int(max_buffer_bytes) < 0:
+        if not is_integral(max_buffer_bytes) or int(max_buffer_bytes) < 0:
             raise ValueError(f"max_buffer_bytes must be an int >= 0, got {max_buffer_bytes!r}")
         max_buffer_bytes = int(max_buffer_bytes)
         if not is_real(retry_interval) or not float(retry_interval) >= 0:
@@ -1498,12 +1491,12 @@ class CacheLoader:
             computed = load_many(todo) if load_many is not None else [load_fn(k) for k in todo]
             if len(computed) != len(todo):
                 raise ValueError(f"load_many returned {len(computed)} values for {len(todo)} keys")
-            value_of: Dict[bytes, Any] = {}
             for i, value in zip(once, computed):
-                value_of[ks[i]] = value
+                vals[i] = value
                 self._put(ks[i], self._encode(value, f"the value for {what} {keys[i]!r}"))
-            for i in missing:
-                vals[i] = value_of[ks[i]]
+            if len(once) != len(missing):
+                for i in missing:
+                    vals[i] = vals[first_at[ks[i]]]
         return vals
 
     def contains_many(self, keys: Sequence[Any]) -> List[bool]:

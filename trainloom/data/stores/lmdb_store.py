@@ -9,13 +9,13 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import logging
-import numbers
 import os
 import shutil
 import threading
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union
 
+from trainloom._numbers import is_integral
 from trainloom.data.codec import _codec
 from trainloom.data.stores.base import (
     Key,
@@ -183,7 +183,7 @@ class LmdbStore(Store):
         _import_lmdb()
         for name, v in (("map_size", map_size), ("max_map_size", max_map_size), ("max_readers", max_readers)):
             # Any integer (numpy's too), not bool.
-            if not isinstance(v, numbers.Integral) or isinstance(v, bool) or int(v) <= 0:
+            if not is_integral(v) or int(v) <= 0:
                 raise ValueError(f"LmdbStore: {name} must be a positive int, got {v!r}")
         if max_map_size < map_size:
             raise ValueError(
