@@ -437,19 +437,23 @@ def mismatches(rank: int, ws: int, engine: str) -> Dict[str, str]:
 
 
 def late_rank(rank: int, ws: int, engine: str) -> Dict[str, Any]:
-    """Rank 1 never calls the second allreduce and rank 2 calls it 1.2 s after rank 0: the others
-    time out naming the op and rank 1 only."""
+    """Rank 1 calls the second allreduce only after the others gave up on it, and rank 2 calls it
+    1.2 s after rank 0: the others time out naming the op and rank 1 only; rank 1 hears that they
+    timed out (not that a peer died)."""
     os.environ["TRAINLOOM_CPU_ENGINE"] = "auto" if engine == "shm" else engine
     C.init_process_group(timeout=2)
     C.allreduce_inplace(torch.ones(2))
     res: Dict[str, Any] = {}
+    store = C.group._STATE.store  # every rank waits (through the store) until the others gave up
     if rank == 2:
         time.sleep(1.2)
     if rank != 1:
         t0 = time.monotonic()
         res["error"] = _expect(C.allreduce_inplace, CommError, torch.ones(2))
         res["seconds"] = time.monotonic() - t0
-    store = C.group._STATE.store  # every rank waits (through the store) until the others gave up
+    else:
+        store.wait(["late_done/0", "late_done/2"], datetime.timedelta(seconds=30))
+        res["late"] = _expect(C.allreduce_inplace, CommError, torch.ones(2))
     store.set(f"late_done/{rank}", "1")  # (rank 0 hosts the store: it must not exit first)
     store.wait([f"late_done/{r}" for r in range(ws)], datetime.timedelta(seconds=30))
     C.destroy_process_group()
@@ -1366,10 +1370,10 @@ def store_port_in_use(rank: int, ws: int) -> str:
         return _expect(C.init_process_group, CommError, timeout=30)
 
 
-def store_host_gone(rank: int, ws: int) -> Dict[str, Any]:
+def store_host_gone(rank: int, ws: int, engine: str) -> Dict[str, Any]:
     """Rank 0 (the store host) is not in group [1, 2] and exits; 1 and 2 then ask for (which
     connects it) and use the group's communicator."""
-    os.environ["TRAINLOOM_CPU_ENGINE"] = "gloo"
+    os.environ["TRAINLOOM_CPU_ENGINE"] = engine
     C.init_process_group(timeout=20)
     pg = C.new_group([1, 2])
     if rank == 0:

@@ -122,13 +122,19 @@ def test_store_port_in_use_is_reported_at_once_and_as_such():
     assert "within" not in err
 
 
-def test_group_connecting_after_the_store_host_exited_says_so():
-    res = run_ranks(store_host_gone, 3, timeout=120)
+@pytest.mark.parametrize("engine", ["gloo", "shm"])
+def test_group_connecting_after_the_store_host_exited_says_so(engine):
+    res = run_ranks(store_host_gone, 3, engine, timeout=120)
     assert res[0] == {}
     for rank in (1, 2):
         err = res[rank]["error"]
-        assert err.startswith("CommError: gloo communicator tl/1/g"), err
-        assert f"/global/gloo (rank {rank - 1} of 2): could not connect because the store is gone (" in err
+        gone = "could not connect because the store is gone ("
+        if engine == "gloo":
+            assert err.startswith("CommError: gloo communicator tl/1/g"), err
+            assert f"/global/gloo (rank {rank - 1} of 2): {gone}" in err
+        else:  # (it was torch's DistNetworkError, unexplained)
+            assert err.startswith("CommError: ShmCommunicator(prefix='tl/1/g"), err
+            assert f"/global/shm') rank {rank - 1} of 2: {gone}" in err
         assert "rank 0 must stay alive until every group has been used once" in err
         assert err.endswith("[communicator " + err.split("[communicator ")[1])
         assert "its ranks are global ranks 0->1, 1->2]" in err

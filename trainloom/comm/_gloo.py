@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from trainloom.comm.env import STORE_GONE_HINT
 from trainloom.errors import CommError, CommTimeoutError, ConfigError
 
 logger = logging.getLogger("trainloom.comm")
@@ -100,6 +101,7 @@ _HDR = 16
 #: After a timeout, how long (at most; the timeout if shorter) to wait for the other ranks' timeouts
 #: before naming the ranks that did not arrive.
 _CENSUS_S = 5.0
+_LATE_GRACE_S = 1.0  # after a pair closed: how long to wait for a peer's "timed out here" key
 _MAX_DIMS = 6
 _NO = -1  # header field that does not apply to this operation
 # send/recv header tags, one per direction (data goes with tag 0): a send to a peer and a receive
@@ -378,10 +380,7 @@ class GlooEngine:
             detail = f"{str(first).splitlines()[0][:160]}; then asking the store: {detail}"
         return CommError(
             f"gloo communicator {self._prefix} (rank {self.rank} of {self.world_size}): could not connect "
-            f"because the store is gone ({detail}). Under a plain launch global rank 0 hosts the "
-            "TCPStore and communicators connect at their first collective, so rank 0 must stay alive "
-            "until every group has been used once: call barrier() on the default group before rank 0 "
-            "exits (or destroys the process group), or launch with torchrun, whose agent hosts the store"
+            f"because the store is gone ({detail}). {STORE_GONE_HINT}"
         )
 
     # ----------------------------------------------------------------- plumbing
@@ -515,6 +514,15 @@ class GlooEngine:
             raise err from None
         self._broken = f"{opname} #{seq} failed: {text.splitlines()[0][:200]}"
         if "closed" in low or "reset" in low or "broken pipe" in low or "connection" in low:
+            late = [] if opname in ("send", "recv") else self._timed_out_peers(seq)
+            if late:
+                # gloo closes a pair when a wait on it times out: the peer is alive, this rank was late
+                raise CommError(
+                    f"{opname} #{seq} (gloo, rank {self.rank} of {self.world_size}): ranks {late} timed "
+                    "out in this operation before this rank reached it, and closed their connections. "
+                    "Check that every rank calls the same collectives in the same order, or raise the "
+                    f"timeout ({text.splitlines()[0][:160]})"
+                ) from None
             raise CommError(
                 f"{opname} #{seq} (gloo, rank {self.rank}): a peer died or left the job ({text[:200]})"
             ) from None
@@ -542,6 +550,23 @@ class GlooEngine:
             return missing
         except RuntimeError as exc:  # the store itself is gone (rank 0 died): report what we know
             logger.warning("could not ask the store which ranks are missing: %s", exc)
+            return []
+
+    def _timed_out_peers(self, seq: int) -> List[int]:
+        """After a connection closed during collective ``seq``: the ranks that say (in the store, see
+        :meth:`_missing_ranks`) that they timed out in it. gloo closes the pairs before the rank that
+        timed out writes its key, so the key is waited for, at most ``_LATE_GRACE_S``; a rank that
+        died writes none (and with rank 0 the store is gone: no wait)."""
+        keys = {r: f"{self._prefix}/late/{seq}/{r}" for r in range(self.world_size) if r != self.rank}
+        deadline = time.monotonic() + _LATE_GRACE_S
+        try:
+            while True:
+                late = [r for r, k in keys.items() if self._store.check([k])]
+                if late or time.monotonic() >= deadline:
+                    return late
+                time.sleep(0.05)
+        except RuntimeError as exc:  # the store is gone (its host, rank 0, died)
+            logger.debug("could not ask the store which peers timed out: %s", exc)
             return []
 
     def _exchange(

@@ -41,6 +41,14 @@ def as_int(value: object) -> Optional[int]:
 #: The variables torchrun sets, in the order they are reported.
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
+#: What a communicator that finds the store gone while connecting tells the user.
+STORE_GONE_HINT = (
+    "Under a plain launch global rank 0 hosts the TCPStore and communicators connect at their first "
+    "collective, so rank 0 must stay alive until every group has been used once: call barrier() on the "
+    "default group before rank 0 exits (or destroys the process group), or launch with torchrun, whose "
+    "agent hosts the store"
+)
+
 #: Bagua's default bucket size (10 MiB); override with TRAINLOOM_DEFAULT_BUCKET_SIZE (or Bagua's
 #: BAGUA_DEFAULT_BUCKET_SIZE).
 DEFAULT_BUCKET_SIZE = 10 * 1024 * 1024

@@ -30,9 +30,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from trainloom._build_check import import_compiled
-from trainloom.comm.env import as_int
+from trainloom.comm.env import STORE_GONE_HINT, as_int
 from trainloom.comm.ops import OP_NAMES, ReduceOp
-from trainloom.errors import CommError, CommTimeoutError
+from trainloom.errors import CommError, CommTimeoutError, ConfigError
 
 _shm = import_compiled("trainloom.comm._shm")
 
@@ -347,12 +347,17 @@ class ShmCommunicator:
         self._heap_lock = threading.Lock()
         self._saved_affinity: Optional[set] = None
         pair = max(4096, min(slot // 4, _PAIR_BUDGET // (2 * world_size * world_size)) // 4096 * 4096)
-        self._engine = self._rendezvous(store, slot, pair, heap_bytes)
+        try:
+            self._engine = self._rendezvous(store, slot, pair, heap_bytes)
+        except RuntimeError as exc:
+            raise self._store_gone(exc) from None
         self._closed = False
         try:
             self._setup_cma(store, cma, cma_thr)
-        except BaseException:
+        except BaseException as exc:
             self.close()
+            if isinstance(exc, RuntimeError):
+                raise self._store_gone(exc) from None
             raise
         self._heap_bytes = heap_bytes
         self._heap_base = self._engine.heap_address(rank) if heap_bytes else 0
@@ -490,6 +495,17 @@ class ShmCommunicator:
                     r,
                 )
         return eng
+
+    def _store_gone(self, exc: RuntimeError) -> RuntimeError:
+        """``exc`` itself if it is trainloom's; else (the store raised: torch's DistNetworkError
+        and the like) the error for a store that went away while this communicator connected."""
+        if isinstance(exc, (CommError, ConfigError)):
+            return exc
+        detail = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+        return CommError(
+            f"ShmCommunicator(prefix={self.prefix!r}) rank {self.rank} of {self.world_size}: could not "
+            f"connect because the store is gone ({detail}). {STORE_GONE_HINT}"
+        )
 
     @staticmethod
     def _pid_visible(pid: int) -> bool:
