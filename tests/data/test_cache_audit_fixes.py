@@ -148,6 +148,48 @@ def test_a_collected_loader_that_cannot_write_logs_what_it_lost(caplog):
     other.close()
 
 
+class RefusingStore(DictStore):
+    """Refuses every value larger than 64 bytes (as Redis's proto-max-bulk-len does) and counts mset calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.msets = 0
+
+    def mset(self, dictionary):
+        self.msets += 1
+        big = [k for k, v in dictionary.items() if len(v) > 64]
+        if big:
+            raise StoreValueRefusedError(f"value of {len(dictionary[big[0]])} bytes over 64", backend="store")
+        super().mset(dictionary)
+
+
+@pytest.mark.parametrize("collected", [False, True])
+def test_a_refused_batch_is_written_value_by_value_once_by_both_write_paths(collected, caplog):
+    """The loader's flush and the writer of a collected loader's buffer share one loop: the other
+    values of a refused batch are written, the refused one dropped, and a batch of that one value
+    alone is not sent twice (the collected loader's writer sent it again)."""
+    _settle()
+    other = CacheLoader(DictStore(), "other", flush_interval=None)
+    for values in ({0: 1, 1: "x" * 100, 2: 3}, {1: "x" * 100}):
+        store = RefusingStore()
+        loader = CacheLoader(store, "r", writer_buffer_size=10, flush_interval=None, on_error="bypass")
+        for k, v in values.items():
+            loader.get(k, lambda _, v=v: v)
+        with caplog.at_level(logging.ERROR, logger="trainloom.data"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the loader's "refused" warning
+            if collected:
+                del loader
+                gc.collect()
+                other.get(9, lambda k: 9)  # a loader call: writes the collected loader's buffer
+            else:
+                loader.flush()
+                loader.close()
+        # one batch, then each value alone (none for a single value)
+        assert store.msets == (1 + len(values) if len(values) > 1 else 1)
+        assert sorted(store.d) == [f"r_{k}".encode() for k in values if k != 1]
+    other.close()
+
+
 def test_a_collection_inside_a_read_writes_nothing_then(tmp_path, monkeypatch):
     """The cyclic collector may free a dropped loader inside another loader's LMDB read transaction (at
     any allocation there): a write then could grow the map under the reader's buffers (a segfault) or

@@ -538,36 +538,53 @@ def _known_refusal(exc: BaseException, items: Mapping[bytes, Any]) -> Optional[L
     return keys
 
 
+def _write_each(
+    store: Store, items: Mapping[bytes, bytes], first: Exception
+) -> Tuple[List[bytes], Dict[bytes, Exception], Optional[Exception]]:
+    """After ``store.mset(items)`` raised ``first``: write what can be written, value by value, so
+    that one value the store refuses loses only itself. The caller holds the store lock.
+
+    Returns the keys written, the error of each value the store refused, and the store-wide error
+    (unreachable, full, out of memory) that stopped the writing, if one did: the keys after it are in
+    neither. When ``first`` names every refused value and says all the others were written
+    (LmdbStore at max_map_size), nothing is written again; a store-wide ``first`` stops at once; a
+    batch of one value that the store refused is not tried again."""
+    known = _known_refusal(first, items)
+    if known is not None:
+        refused = dict.fromkeys(known, first)
+        return [k for k in items if k not in refused], refused, None
+    if isinstance(first, _STORE_WIDE):
+        return [], {}, first
+    if len(items) == 1 and isinstance(first, (StoreValueRefusedError, ConfigError)):
+        return [], dict.fromkeys(items, first), None
+    written: List[bytes] = []
+    refused = {}
+    for k, v in items.items():
+        try:
+            store.mset({k: v})
+        except (StoreError, ConfigError) as exc:  # ConfigError: a key the store refuses
+            if isinstance(exc, _STORE_WIDE):
+                return written, refused, exc
+            refused[k] = exc
+        else:
+            written.append(k)
+    return written, refused, None
+
+
 def _write_items(p: _Pending, items: Dict[bytes, bytes]) -> Tuple[List[bytes], Dict[bytes, Exception]]:
     """Write ``items`` to ``p``'s store for :func:`_flush_pending`: the keys written, and the error of
-    each value that could not be. A batch that fails is written value by value, so one value the store
-    refuses loses only itself; a store that takes nothing now (unreachable, full, out of memory) is not
-    tried value by value."""
-    written: List[bytes] = []
-    failed: Dict[bytes, Exception] = {}
+    each value that could not be (:func:`_write_each`; after a store-wide failure, that error for
+    every value not written)."""
     with _STORE_LOCK if p.serialized else _NO_LOCK:
         try:
             p.store.mset(cast(Mapping[Key, bytes], items))
         except (StoreError, ConfigError) as exc:  # ConfigError: a key the store refuses
-            known = _known_refusal(exc, items)
-            if known is not None:  # the others are stored: writing them again could only fail
-                failed = dict.fromkeys(known, exc)
-                return [k for k in items if k not in failed], failed
-            wide: Optional[Exception] = exc if isinstance(exc, _STORE_WIDE) else None
-            for k, v in items.items():
-                if wide is not None:  # the store takes nothing now: do not try each value
-                    failed[k] = wide
-                    continue
-                try:
-                    p.store.mset({k: v})
-                except (StoreError, ConfigError) as one:
-                    failed[k] = one
-                    if isinstance(one, _STORE_WIDE):
-                        wide = one
-                else:
-                    written.append(k)
+            written, failed, wide = _write_each(p.store, items, exc)
+            if wide is not None:
+                done = set(written)
+                failed.update((k, wide) for k in items if k not in done and k not in failed)
             return written, failed
-    return list(items), failed
+    return list(items), {}
 
 
 def _flush_pending(p: _Pending, when: str) -> None:
@@ -1578,8 +1595,7 @@ class CacheLoader:
             try:
                 self.store.mset(cast(Mapping[Key, bytes], items))  # (Mapping's key type is invariant)
             except (StoreError, ConfigError) as exc:
-                if not self._store_wide_failure(exc):
-                    self._flush_one_by_one(exc)
+                self._flush_one_by_one(exc)
                 return
             self._stats[_WRITES] += len(items)
             self._stats[_BYTES_WRITTEN] += self._pending.nbytes
@@ -1630,21 +1646,17 @@ class CacheLoader:
             )
         return self._evicted
 
-    def _store_wide_failure(self, exc: Exception) -> bool:
-        """Handle a write failure of the whole store (out of memory: this process stops writing;
-        unreachable or full: the buffer is trimmed and the failure reported). False when the store
-        refused these values only (a bad key, a value over its limit)."""
+    def _store_wide_failure(self, exc: Exception) -> None:
+        """Handle a write failure of the whole store (one of ``_STORE_WIDE``): out of memory, or full
+        in bypass mode: this process stops writing; unreachable, or full with on_error='raise': the
+        buffer is trimmed and the failure reported (raised, or the store bypassed for a while)."""
         if isinstance(exc, StoreOutOfMemoryError):
             self._out_of_memory(exc)
-            return True
-        if isinstance(exc, StoreFullError) and self.on_error == "bypass":
+        elif isinstance(exc, StoreFullError) and self.on_error == "bypass":
             self._full(exc)
-            return True
-        if isinstance(exc, (StoreUnavailableError, StoreFullError)):
+        else:
             self._trim_buffer()
-            self._store_failed(exc, "a write")
-            return True
-        return False
+            self._store_failed(cast(StoreError, exc), "a write")
 
     def _full(self, exc: StoreFullError) -> None:
         """Bypass mode, store full (disk or LMDB map cap): stop writing, keep serving what is cached
@@ -1680,41 +1692,23 @@ class CacheLoader:
         self._warn_once(what, message)
 
     def _flush_one_by_one(self, first: Exception) -> None:
-        """After a failed batch: write each buffered value alone; drop those the store refuses. When the
-        store named every value it refused and wrote all the others (LmdbStore at max_map_size), only
-        those are dropped, the others counted as written, and nothing is written again."""
-        refused: Dict[bytes, Exception] = {}
-        written = 0
+        """After a failed batch: write what can be written (:func:`_write_each`); drop the values the
+        store refuses. A store-wide failure is handled as one of the batch (the values not written
+        stay buffered, or are dropped when writing stops)."""
         buffer = self._pending.buffer
-        refusal = _known_refusal(first, buffer)
-        known = None if refusal is None else set(refusal)
-        # A batch of one value the store refused already: not tried again.
-        alone = len(buffer) == 1 and isinstance(first, (StoreValueRefusedError, ConfigError))
-        for k in list(buffer):
-            v = buffer[k]
-            if known is not None:
-                if k in known:
-                    refused[k] = first
-                    continue
-            elif alone:
-                refused[k] = first
-                continue
-            else:
-                try:
-                    self.store.mset({k: v})
-                except (StoreError, ConfigError) as exc:  # ConfigError: the key is invalid for this store
-                    if self._store_wide_failure(exc):
-                        return
-                    refused[k] = exc
-                    continue
-            del buffer[k]
+        done, refused, wide = _write_each(self.store, buffer, first)
+        for k in done:
+            v = buffer.pop(k)
             self._pending.nbytes -= len(v)
             self._stats[_WRITES] += 1
             self._stats[_BYTES_WRITTEN] += len(v)
-            written += 1
+        written = len(done)
         if written:
             self._stats[_FLUSHES] += 1
             self._down_until = 0.0
+        if wide is not None:
+            self._store_wide_failure(wide)
+            return
         item_specific = {
             k: e
             for k, e in refused.items()
