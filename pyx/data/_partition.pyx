@@ -960,9 +960,14 @@ def key_runs(const double[::1] keys, const int64_t[::1] order=None):
 cdef inline int64_t _take(double c, double target, double budget, int64_t remaining) noexcept nogil:
     """How many items of cost ``c`` (the longest of the batch) to put in a batch aiming at target."""
     cdef int64_t k
+    cdef double q
     if c <= 0.0:
         return remaining  # zero-cost items pad to nothing: one batch takes them all
-    k = <int64_t>(target / c)
+    q = target / c
+    if not q < <double>remaining:
+        k = remaining  # all that are left fit the target (casting a q >= 2^63 would be undefined)
+    else:
+        k = <int64_t>q
     if k < 1:
         k = 1
     # One more item if it lands closer to the step's target and stays under the hard cap.
@@ -1043,8 +1048,8 @@ def padded_steps(const double[::1] run_costs, const int64_t[::1] run_ends, int64
         while p < n:
             r = _run_of(re, r, p)
             c0 = rc[r]
-            if c0 <= 0.0:
-                target = budget
+            if c0 <= 0.0 or not budget / c0 < <double>(n - p):
+                target = budget  # all that are left fit (and a quotient >= 2^63 must not be cast)
             else:
                 k = <int64_t>(budget / c0)
                 if k < 1:
@@ -1123,8 +1128,12 @@ def greedy_cut(const double[::1] run_costs, const int64_t[::1] run_ends, int64_t
 
 def lowest_target_cut(const double[::1] run_costs, const int64_t[::1] run_ends, int64_t p, int64_t q,
                       double budget, int64_t want, int64_t[::1] ends):
-    """greedy_cut of [p, q) at the smallest target (bisected, 60 halvings of [0, budget]) that
-    needs at most ``want`` batches: the most even batches that fill ``want`` slots or fewer.
+    """greedy_cut of [p, q) at the smallest target (bisected, 60 halvings of [0, hi]) that needs
+    at most ``want`` batches: the most even batches that fill ``want`` slots or fewer. hi is the
+    budget or, when smaller, the padded cost of the whole range as one batch ((q - p) times the
+    cost of its first item), above which every target cuts the same: the search keeps its
+    relative precision under budgets far beyond the items' costs (over [0, budget], a budget of
+    2^62 and 10 items of cost 1 were bisected to within 4 only, and cut into 8 + 2).
 
     One validation and one call for the whole search (the tail of a padded plan), instead of 61
     calls of greedy_cut that each re-check the run table.
@@ -1138,12 +1147,15 @@ def lowest_target_cut(const double[::1] run_costs, const int64_t[::1] run_ends, 
         return 0
     if want == 0:
         return 1  # as greedy_cut: more batches than allowed
-    cdef double lo = 0.0, hi = budget, mid
+    cdef double lo = 0.0, hi = budget, mid, whole
     cdef int it
     cdef int64_t k
     cdef const double* rc = &run_costs[0]
     cdef const int64_t* re = &run_ends[0]
+    whole = (q - p) * rc[_run_of(re, 0, p)]
     with nogil:  # the batch count falls as the target rises
+        if whole < hi and _greedy(rc, re, p, q, whole, budget, &ends[0], want) <= want:
+            hi = whole  # (checked: rounding in _take must not leave the range's last item out)
         for it in range(60):
             mid = 0.5 * (lo + hi)
             if _greedy(rc, re, p, q, mid, budget, &ends[0], want) <= want:

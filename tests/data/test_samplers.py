@@ -87,8 +87,12 @@ def test_sort_desc_runs_gives_the_order_and_its_run_table(kind):
 
 
 def _lowest_target_oracle(rc, re, p, q, budget, want, ends):
-    """The bisection the tail cut used to run in Python, one greedy_cut per halving."""
+    """The bisection the tail cut used to run in Python, one greedy_cut per halving, over [0, hi]:
+    hi the budget, or the padded cost of the whole range when smaller and enough."""
     lo, hi = 0.0, budget
+    whole = (q - p) * rc[np.searchsorted(re, p, side="right")]
+    if whole < hi and P.greedy_cut(rc, re, p, q, whole, budget, ends, want) <= want:
+        hi = whole
     for _ in range(60):
         mid = 0.5 * (lo + hi)
         if P.greedy_cut(rc, re, p, q, mid, budget, ends, want) <= want:
@@ -119,6 +123,22 @@ def test_lowest_target_cut_matches_the_bisection_over_greedy_cut(seed):
         P.lowest_target_cut(rc, re, 0, 5, budget, 9, np.empty(3, dtype=np.int64))
     with pytest.raises(ValueError, match="lowest_target_cut: run 0 has cost -1.0"):
         P.lowest_target_cut(np.array([-1.0]), np.array([2]), 0, 2, budget, 3, ends)
+
+
+@pytest.mark.parametrize("budget", [1e18, 2.0**62, 1e19, 1e300])
+def test_budgets_far_beyond_the_items_cut_evenly(budget):
+    # 1e19 / 1.0 was cast to int64 (undefined; it gave 1 item per batch), and the tail's bisection
+    # of [0, 2^62] in 60 halvings stopped 4 wide of the even target (batches of 8 and 2).
+    rc, re = np.array([1.0]), np.array([10], dtype=np.int64)
+    ends = np.empty(10, dtype=np.int64)
+    assert P.greedy_cut(rc, re, 0, 10, budget, budget, ends, 10) == 1 and ends[0] == 10
+    assert P.lowest_target_cut(rc, re, 0, 10, budget, 2, ends) == 2 and ends[:2].tolist() == [5, 10]
+    assert P.padded_steps(rc, re, 2, budget, ends) == (0, 0)  # one batch takes all: the tail's job
+    out = [
+        [len(b) for b in _batch_ranks([1.0] * 10, 2, max_complexity=budget, skw={"shuffle": False})[r]]
+        for r in range(2)
+    ]
+    assert out == [[5], [5]]
 
 
 def test_run_tables_are_checked():
@@ -864,6 +884,50 @@ def test_budget_mode_hard_cap_and_exact_coverage(mode):
     assert st["straggler_mean"] >= 1.0 and st["max_batch_cost"] >= 5000
 
 
+def _over_budget_steps(outs, lens, budget):
+    """Per step: how many ranks hold an item over the budget."""
+    return [sum(int(lens[b].max() > budget) for b in step) for step in zip(*outs)]
+
+
+def test_packed_gives_items_over_the_budget_steps_of_their_own():
+    # 1 % of the items over the budget used to be dealt one per step, each holding up a step of
+    # ordinary items (31 of 32 steps): straggler mean 2.08 where padded mode has 1.004.
+    lens = np.random.default_rng(0).integers(1, 200, 4000)
+    lens[:40] = 5000
+    bss = _batch_ranks(lens, 8, max_complexity=2000, mode="packed")
+    st = bss[0].plan_stats()
+    assert st["straggler_mean"] <= 1.01
+    assert st["duplicates"] == st["dropped"] == st["empty_rank_steps"] == 0
+    outs = [list(b) for b in bss]
+    assert sorted(i for o in outs for b in o for i in b) == list(range(4000))
+    assert sorted(x for x in _over_budget_steps(outs, lens, 2000) if x) == [8] * 5  # 40 in 5 steps
+    assert all(len(b) == 1 for o in outs for b in o if lens[b].max() > 2000)
+    # Ties among them are grouped afresh each epoch (the steps are W of one cost here).
+    groups = []
+    for epoch in (1, 2):
+        for bs in bss:
+            bs.set_epoch(epoch)
+        groups.append({frozenset(b[0] for b in step if lens[b[0]] > 2000) for step in zip(*map(list, bss))})
+    assert groups[0] != groups[1]
+
+
+def test_packed_fills_the_free_ranks_of_the_last_over_budget_step():
+    lens = np.random.default_rng(1).integers(1, 200, 3000)
+    lens[:43] = np.repeat([9000, 7000, 5000], [16, 24, 3])  # 5 steps of 8, then 3 with 5 free ranks
+    bss = _batch_ranks(lens, 8, max_complexity=2000, mode="packed")
+    outs = [list(b) for b in bss]
+    assert sorted(i for o in outs for b in o for i in b) == list(range(3000))
+    per_step = _over_budget_steps(outs, lens, 2000)
+    assert sorted(x for x in per_step if x) == [3, 8, 8, 8, 8, 8]
+    last = list(zip(*outs))[per_step.index(3)]
+    free = [lens[b].sum() for b in last if lens[b].max() <= 2000]
+    assert len(free) == 5 and all(2000 - 200 < f <= 2000 for f in free)  # filled up to the budget
+    # neighbours in cost share a step (here each step's are of one cost)
+    for step in zip(*outs):
+        assert len({int(lens[b].max()) for b in step if lens[b].max() > 2000}) <= 1
+    assert bss[0].plan_stats()["straggler_mean"] <= 1.05
+
+
 def test_packed_balances_the_quadratic_cost_model():
     lens = _lens(20000, 10, hi=500).astype(float)
     bs = _batch_ranks(lens, 8, max_complexity=4e6, mode="packed", cost=(0.0, 1.0))[0]
@@ -1129,6 +1193,86 @@ def test_bad_num_replicas_and_arguments():
         LoadBalancingDistributedSampler(None, complexities=["a"])
 
 
+def test_number_arguments_take_0d_tensors_and_refuse_bools_alike():
+    # random_level and num_replicas refused 0-d tensors that seed= and max_complexity= take;
+    # complexities=[1, True] was read as [1, 1] while [True, True] and complexity_fn's True were
+    # refused.
+    s = LoadBalancingDistributedSampler(
+        None,
+        complexities=[3, 1, 2],
+        num_replicas=torch.tensor(2),
+        rank=np.int64(1),
+        random_level=torch.tensor(0.5),
+    )
+    assert (s.num_replicas, s.rank, s.random_level) == (2, 1, 0.5)
+    assert type(s.num_replicas) is int and type(s.rank) is int
+    assert (
+        LoadBalancingDistributedSampler(None, complexities=[1], random_level=np.array(0.25)).random_level
+        == 0.25
+    )
+    for level in (torch.tensor(True), torch.tensor(1.5)):
+        with pytest.raises(ConfigError) as info:
+            LoadBalancingDistributedSampler(None, complexities=[1], random_level=level)
+        assert (
+            str(info.value)
+            == f"LoadBalancingDistributedSampler: random_level must be in [0, 1], got {level!r}"
+        )
+    with pytest.raises(ConfigError) as info:
+        LoadBalancingDistributedSampler(None, complexities=[1], num_replicas=torch.tensor(True), rank=0)
+    assert str(info.value) == (
+        "LoadBalancingDistributedSampler: num_replicas must be an integer >= 1, got tensor(True)"
+    )
+    with pytest.raises(ConfigError) as info:
+        LoadBalancingDistributedSampler(None, complexities=[1], seed=torch.tensor(True))
+    assert str(info.value) == "LoadBalancingDistributedSampler: seed must be an integer, got tensor(True)"
+    for values, i in (([1, True], 1), ((2.5, 4, False), 2)):
+        with pytest.raises(ConfigError) as info:
+            LoadBalancingDistributedSampler(None, complexities=values)
+        assert str(info.value) == (
+            f"LoadBalancingDistributedSampler: complexities[{i}] is bool; complexities must be real numbers"
+        )
+
+
+def test_cost_and_mode_arguments_are_checked():
+    s = LoadBalancingDistributedSampler(None, complexities=[1, 2, 3])
+    who = "LoadBalancingDistributedBatchSampler"
+    for cost in ("12", b"12", (True, 0), (1, "2"), np.array(1.0)):  # "12" was read as (1.0, 2.0)
+        with pytest.raises(ConfigError) as info:
+            LoadBalancingDistributedBatchSampler(s, max_complexity=3, cost=cost)
+        assert str(info.value) == f"{who}: cost must be a pair (a, b) of numbers, got {cost!r}"
+    b = LoadBalancingDistributedBatchSampler(s, max_complexity=3, cost=(torch.tensor(0.5), np.float32(2)))
+    assert b.cost == (0.5, 2.0)
+    # mode= and cost= with batch_fn were ignored without a word; their defaults pass.
+    for kw, given in (
+        ({"mode": "packed", "cost": (0, 1)}, "mode='packed', cost=(0, 1)"),
+        ({"mode": "packed"}, "mode='packed'"),
+        ({"cost": [2.0, 0.0]}, "cost=[2.0, 0.0]"),
+    ):
+        with pytest.raises(ConfigError) as info:
+            LoadBalancingDistributedBatchSampler(s, batch_fn=_threes, **kw)
+        assert str(info.value) == (
+            f"{who}: {given} given with batch_fn; mode= and cost= are for budget mode (max_complexity=), "
+            "batch_fn makes its own batches"
+        )
+    b = LoadBalancingDistributedBatchSampler(s, _threes, False, None, "padded", (1, 0))  # Bagua's order
+    assert b.mode == "batch_fn" and sorted(i for x in b for i in x) == [0, 1, 2]
+
+
+def test_a_state_whose_cost_is_a_tuple_loads():
+    # state_dict() saves cost as a list; a tuple (a state built or kept as Python objects) was
+    # refused as "saved with cost=(1.0, 0.0), this batch sampler has [1.0, 0.0]".
+    bs = _batch_ranks(_lens(100, 47), 4, max_complexity=500)[0]
+    state = dict(bs.state_dict(consumed=2), cost=(1.0, 0.0))
+    bs.load_state_dict(state)
+    assert len(bs) == len(_batch_ranks(_lens(100, 47), 4, max_complexity=500)[0]) - 2
+    with pytest.raises(ConfigError) as info:
+        bs.load_state_dict(dict(state, cost=(0.0, 1.0)))
+    assert str(info.value) == (
+        "load_state_dict: the state was saved with cost=(0.0, 1.0), this batch sampler has [1.0, 0.0]; "
+        "the resumed batches would differ"
+    )
+
+
 def test_bad_batch_sampler_arguments():
     s = LoadBalancingDistributedSampler(None, complexities=[1, 2, 3])
     with pytest.raises(ConfigError, match="pass max_complexity= .budget per rank per step. or batch_fn="):
@@ -1191,7 +1335,30 @@ def test_load_state_dict_rejects_other_world_dataset_or_config():
         _batch_ranks(lens, 4, max_complexity=500)[0].state_dict(consumed=999)
 
 
-def test_defaults_come_from_an_initialized_process_group(tmp_path):
+def test_a_launcher_world_without_an_initialized_group_raises(monkeypatch):
+    # Under torchrun, a sampler built before init_process_group used to plan as rank 0 of 1 in
+    # every process: each rank trained on the whole dataset.
+    assert not torch.distributed.is_initialized()
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    msg = (
+        "LoadBalancingDistributedSampler: torch.distributed is not initialized while WORLD_SIZE=4 is set "
+        "(a launcher started this process); call torch.distributed.init_process_group() before building "
+        "the sampler, or pass num_replicas= and rank="
+    )
+    for kw in ({}, {"num_replicas": 4}, {"rank": 1}):
+        with pytest.raises(ConfigError) as info:
+            LoadBalancingDistributedSampler(None, complexities=[3, 1, 2], **kw)
+        assert str(info.value) == msg
+    s = LoadBalancingDistributedSampler(None, complexities=[3, 1, 2], num_replicas=4, rank=1)
+    assert (s.num_replicas, s.rank) == (4, 1)
+    for value in ("1", "", "x"):  # one process, or no launcher: the documented 1 and 0
+        monkeypatch.setenv("WORLD_SIZE", value)
+        s = LoadBalancingDistributedSampler(None, complexities=[3, 1, 2])
+        assert (s.num_replicas, s.rank) == (1, 0)
+
+
+def test_defaults_come_from_an_initialized_process_group(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")  # what a launcher of one process sets
     store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
     torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
@@ -1290,17 +1457,85 @@ def test_load_state_dict_names_a_missing_key(batch, key):
 
 
 @pytest.mark.parametrize("batch", [False, True])
-@pytest.mark.parametrize("key, value", [("epoch", "abc"), ("consumed", None), ("seed", 1.5)])
-def test_load_state_dict_rejects_non_integer_counters(batch, key, value):
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("epoch", "abc"),
+        ("consumed", None),
+        ("seed", 1.5),
+        # These were compared as they were: num_replicas="4" gave "the state was saved with
+        # num_replicas=4, this sampler has num_replicas=4".
+        ("num_replicas", "2"),
+        ("num_replicas", 2.0),
+        ("dataset_size", "50"),
+        ("seed", torch.tensor(True)),
+    ],
+)
+def test_load_state_dict_rejects_fields_of_the_wrong_type_as_malformed(batch, key, value):
     lens = _lens(50, 45)
     obj = _batch_ranks(lens, 2, max_complexity=500)[0] if batch else _ranks(lens, 2)[0]
     state = obj.state_dict()
     state[key] = value
     with pytest.raises(
         ConfigError,
-        match=re.escape(f"load_state_dict: the state's {key} must be an integer, got {value!r}") + "$",
+        match=re.escape(
+            f"load_state_dict: the state is malformed: its {key} must be an integer, got {value!r}"
+        )
+        + "$",
     ):
         obj.load_state_dict(state)
+    state[key] = np.int64(obj.state_dict()[key])  # numpy integers (a state kept in an array) load
+    obj.load_state_dict(state)
+
+
+def _threes(indices):
+    return [indices[i : i + 3] for i in range(0, len(indices), 3)]
+
+
+@pytest.mark.parametrize(
+    "key, saved, mine, message",
+    [
+        ("random_level", 0.0, 1.0, "random_level=0.0, the wrapped sampler has 1.0"),
+        ("drop_last", False, True, "sampler_drop_last=False, the wrapped sampler has True"),
+    ],
+)
+def test_batch_fn_state_checks_the_wrapped_samplers_configuration(key, saved, mine, message):
+    # batch_fn is given the wrapped sampler's streams: another random_level or drop_last there
+    # resumed into other batches without a word.
+    lens = list(range(1, 101))
+    bs = _batch_ranks(lens, 4, skw={key: saved}, batch_fn=_threes)[0]
+    bs.set_epoch(1)
+    it = iter(bs)
+    next(it), next(it)
+    state = bs.state_dict()
+    other = _batch_ranks(lens, 4, skw={key: mine}, batch_fn=_threes)[0]
+    with pytest.raises(ConfigError) as info:
+        other.load_state_dict(state)
+    assert str(info.value) == (
+        f"load_state_dict: the state was saved with {message}; the resumed order would differ"
+    )
+    same = _batch_ranks(lens, 4, skw={key: saved}, batch_fn=_threes)[0]
+    same.load_state_dict(state)
+    assert list(same) == list(it)
+    del state["sampler_drop_last"]
+    with pytest.raises(ConfigError) as info:
+        same.load_state_dict(state)
+    assert str(info.value) == (
+        "load_state_dict: the state lacks ['sampler_drop_last']; pass what state_dict() returned"
+    )
+
+
+@pytest.mark.parametrize("sampler_drop_last", [False, True])
+def test_batch_fn_plan_stats_count_the_wrapped_samplers_padding_and_drops(sampler_drop_last):
+    # 5 samples on 2 ranks: the wrapped sampler repeats one (or leaves one out), which
+    # plan_stats() used to leave out of duplicates (dropped).
+    lens = [5, 1, 9, 3, 7]
+    bss = _batch_ranks(lens, 2, skw={"drop_last": sampler_drop_last}, batch_fn=lambda ix: [[i] for i in ix])
+    yielded = [i for bs in bss for b in bs for i in b]
+    st = bss[0].plan_stats()
+    assert (st["duplicates"], st["dropped"]) == ((0, 1) if sampler_drop_last else (1, 0))
+    assert len(yielded) == 5 + st["duplicates"] - st["dropped"]
+    assert len(set(yielded)) == 5 - st["dropped"]
 
 
 def test_a_batch_state_loaded_into_a_plain_sampler_names_the_kind():

@@ -256,3 +256,27 @@ def test_plain_track_on_a_budget_batch_sampler_points_to_the_batch_sampler():
     )
     b = LoadBalancingDistributedBatchSampler(bs.sampler, max_complexity=torch.tensor(400), mode="packed")
     assert b.max_complexity == 400.0 and len(b) == len(bs)
+
+
+class WholeBatches(Tokens):
+    """A dataset that fetches a whole batch per ``__getitem__`` (as Hugging Face datasets do)."""
+
+    def __getitem__(self, idx):
+        return [int(i) for i in idx]
+
+
+def test_batch_sampler_track_counts_a_loader_that_draws_it_as_its_sampler():
+    # DataLoader(sampler=batch_sampler, batch_size=None) draws whole batches from it: track()
+    # used to refuse it ("does not draw its indices from this LoadBalancingDistributedBatchSampler").
+    bs = make()
+    loader = DataLoader(WholeBatches(LENS), sampler=bs, batch_size=None)
+    got = list(itertools.islice(bs.track(loader), 4))
+    assert got == list(make())[:4]
+    assert bs.state_dict()["consumed"] == 4
+    # Batching its batches again (batch_size=2) is not a stream of this sampler's batches.
+    with pytest.raises(ConfigError) as e:
+        bs.track(DataLoader(WholeBatches(LENS), sampler=bs, batch_size=2, collate_fn=list))
+    assert str(e.value) == (
+        "track: the DataLoader does not draw its indices from this LoadBalancingDistributedBatchSampler; "
+        "pass the loader that was built with it"
+    )

@@ -22,8 +22,8 @@ import collections.abc
 import hashlib
 import logging
 import math
-import numbers
 import operator
+import os
 import struct
 import warnings
 from dataclasses import dataclass
@@ -107,34 +107,73 @@ def _seed64(*parts: object) -> int:
     return struct.unpack("<Q", h.digest())[0]
 
 
+def _index(value: Any) -> Optional[int]:
+    """``value`` as an int (int, numpy integer, 0-d integer tensor or array), or None for anything
+    else: bool (also a bool tensor or array), float, str, None."""
+    if isinstance(value, (bool, np.bool_)) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def _as_int(value: Any, what: str, minimum: Optional[int] = None) -> int:
     """An integer argument (int, numpy integer, 0-d integer tensor; not bool or float), else ConfigError."""
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        out = operator.index(value)
-    except TypeError:
-        raise ConfigError(f"{what} must be an integer, got {value!r}") from None
+    out = _index(value)
+    if out is None:
+        raise ConfigError(f"{what} must be an integer, got {value!r}")
     if minimum is not None and out < minimum:
         raise ConfigError(f"{what} must be >= {minimum}, got {out}")
     return out
 
 
-def _world(num_replicas: Optional[int], rank: Optional[int], who: str) -> Tuple[int, int]:
-    """num_replicas and rank, defaulting to torch.distributed's, or 1 and 0 when not initialized."""
+def _scalar(value: Any) -> Any:
+    """A 0-d tensor or array as its Python number (as seed=, set_epoch and max_complexity take
+    them); anything else as it is. A bool tensor or array gives a bool, which is_real refuses."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_complex():
+        return value.item()
+    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "biuf":
+        return value.item()
+    return value
+
+
+def _launcher_world_size() -> Optional[int]:
+    """WORLD_SIZE as set by a launcher (torchrun, torch.distributed.launch, SLURM scripts), or None."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "").strip())
+    except ValueError:
+        return None
+
+
+def _world(num_replicas: Any, rank: Any, who: str) -> Tuple[int, int]:
+    """num_replicas and rank, defaulting to torch.distributed's, or 1 and 0 when not initialized
+    and no launcher set WORLD_SIZE > 1."""
     initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if not initialized and (num_replicas is None or rank is None):
+        env = _launcher_world_size()
+        if env is not None and env > 1:
+            # Under torchrun, a sampler built before init_process_group would plan as rank 0 of 1:
+            # every process the whole dataset (torch's DistributedSampler raises here too).
+            raise ConfigError(
+                f"{who}: torch.distributed is not initialized while WORLD_SIZE={env} is set (a "
+                "launcher started this process); call torch.distributed.init_process_group() before "
+                "building the sampler, or pass num_replicas= and rank="
+            )
     if num_replicas is None:
         num_replicas = torch.distributed.get_world_size() if initialized else 1
     if rank is None:
         rank = torch.distributed.get_rank() if initialized else 0
-    if isinstance(num_replicas, bool) or not isinstance(num_replicas, numbers.Integral) or num_replicas < 1:
+    w = _index(num_replicas)
+    if w is None or w < 1:
         raise ConfigError(f"{who}: num_replicas must be an integer >= 1, got {num_replicas!r}")
-    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not 0 <= rank < num_replicas:
+    r = _index(rank)
+    if r is None or not 0 <= r < w:
         raise ConfigError(
-            f"{who}: rank {rank!r} is outside [0, {num_replicas}) for num_replicas={num_replicas}; "
+            f"{who}: rank {rank!r} is outside [0, {w}) for num_replicas={w}; "
             "pass the process's rank in the distributed group"
         )
-    return int(num_replicas), int(rank)
+    return w, r
 
 
 def _check_finite(c: np.ndarray, who: str) -> None:
@@ -161,6 +200,15 @@ def _as_complexities(values: Any, n_expected: Optional[int], who: str) -> Tuple[
             f"{who}: complexities must be a sequence or an array with one number per sample, got the "
             f"iterator {type(values).__name__}; pass list(...) of it"
         )
+    if isinstance(values, (list, tuple)):
+        # numpy reads [1, True] as the ints [1, 1]: refuse a bool among numbers, as an all-bool
+        # list (dtype bool) and a bool from complexity_fn are refused (one C-level pass over types).
+        kinds = set(map(type, values))
+        if (bool in kinds or np.bool_ in kinds) and not kinds <= {bool, np.bool_}:
+            i = next(i for i, v in enumerate(values) if isinstance(v, (bool, np.bool_)))
+            raise ConfigError(
+                f"{who}: complexities[{i}] is {type(values[i]).__name__}; complexities must be real numbers"
+            )
     try:
         arr = np.asarray(values)
     except (TypeError, ValueError) as exc:
@@ -354,20 +402,26 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
             None then).
         complexity_fn: Bagua's way: called once per sample as ``complexity_fn(dataset[i])``; the
             results are kept. Reads every sample: prefer ``complexities``.
-        num_replicas: number of ranks; default torch.distributed's world size, or 1.
-        rank: this process's rank; default torch.distributed's rank, or 0.
+        num_replicas: number of ranks; default torch.distributed's world size, or 1 when it is not
+            initialized and no launcher set ``WORLD_SIZE`` > 1 (then a ConfigError: call
+            ``init_process_group`` first, or pass ``num_replicas`` and ``rank``).
+        rank: this process's rank; default torch.distributed's rank, or 0 (as num_replicas).
         shuffle: shuffle the chunk order and ties (seeded by ``seed`` and the epoch).
         seed: random seed, identical on every rank.
         drop_last: drop, instead of duplicate, samples to make the dataset divisible by ranks.
-        random_level: 0 (best balance) to 1 (close to random): noise added to the sort key.
-        complexities: per-sample numbers (array, list or tensor): the fast path, no sample read.
+        random_level: 0 (best balance) to 1 (close to random): noise added to the sort key (a
+            number, or a 0-d tensor or array; not a bool).
+        complexities: per-sample numbers (array, list or tensor; not bools): the fast path, no
+            sample read.
             Sorted here; int32 / int64 values are not copied (nor read again), others are copied
             to float64. ``sampler.complexities`` gives them back as a read-only float64 array.
 
     Raises:
         ConfigError: empty dataset, NaN/infinite complexities (naming the first index), a
             complexity_fn that raises or returns a non-number (naming index and type), a rank
-            outside ``[0, num_replicas)``, more replicas than samples with ``drop_last=True``.
+            outside ``[0, num_replicas)``, more replicas than samples with ``drop_last=True``,
+            num_replicas or rank left out under a launcher (``WORLD_SIZE`` > 1) before
+            torch.distributed is initialized.
 
     Example::
 
@@ -407,7 +461,8 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
             )
         if c.shape[0] == 0:
             raise ConfigError(f"{who}: the dataset is empty (0 samples); there is nothing to sample")
-        if not is_real(random_level) or not 0 <= float(random_level) <= 1:
+        level = _scalar(random_level)  # a 0-d tensor or array counts as its number
+        if not is_real(level) or not 0 <= float(level) <= 1:
             raise ConfigError(f"{who}: random_level must be in [0, 1], got {random_level!r}")
         n = int(c.shape[0])
         if drop_last and n < self.num_replicas:
@@ -428,7 +483,7 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
         self.shuffle = bool(shuffle)
         self.seed = _as_int(seed, f"{who}: seed")
         self.drop_last = bool(drop_last)
-        self.random_level = float(random_level)
+        self.random_level = float(level)
         w = self.num_replicas
         self.num_samples = n // w if self.drop_last else -(-n // w)
         self.total_size = self.num_samples * w
@@ -731,6 +786,23 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
         }
 
 
+def _as_cost(cost: Any, who: str) -> Tuple[float, float]:
+    """The budget mode's cost=(a, b): two real numbers (0-d tensors and arrays too; not bools or
+    strings, not a string of two digits), finite, >= 0, not both 0."""
+    pair = None
+    if not isinstance(cost, (str, bytes)) and isinstance(cost, Iterable):
+        try:
+            pair = [_scalar(x) for x in cost]
+        except TypeError:
+            pair = None
+    if pair is None or len(pair) != 2 or not all(is_real(x) for x in pair):
+        raise ConfigError(f"{who}: cost must be a pair (a, b) of numbers, got {cost!r}")
+    a, b = float(pair[0]), float(pair[1])
+    if not (math.isfinite(a) and math.isfinite(b)) or a < 0 or b < 0 or a == b == 0:
+        raise ConfigError(f"{who}: cost=(a, b) needs finite a >= 0 and b >= 0, not both 0; got {cost!r}")
+    return a, b
+
+
 def _check_state(
     state: Dict[str, Any],
     kind: str,
@@ -753,8 +825,13 @@ def _check_state(
             f"load_state_dict: the state has version {state['version']}; this trainloom reads version "
             f"{_STATE_VERSION} only (save it again with this version's state_dict())"
         )
-    for key in ("epoch", "seed", "consumed"):
-        _as_int(state[key], f"load_state_dict: the state's {key}")
+    # Types before values: a field of the wrong type (a str "4" from a hand-edited or re-encoded
+    # state) is a malformed state, not a mismatch ("saved with num_replicas=4, this sampler has 4").
+    for key in ("epoch", "seed", "consumed", "num_replicas", "dataset_size"):
+        if _index(state[key]) is None:
+            raise ConfigError(
+                f"load_state_dict: the state is malformed: its {key} must be an integer, got {state[key]!r}"
+            )
     if state["num_replicas"] != world:
         raise ConfigError(
             f"load_state_dict: the state was saved with num_replicas={state['num_replicas']}, this sampler "
@@ -783,7 +860,10 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
       - ``mode="padded"``: each batch is a run of similar lengths, padded to its longest item:
         its cost is ``count * cost(longest)``. The batches of a step cost the same.
       - ``mode="packed"``: for models that do not pad: a batch costs ``sum(cost(len))``; each step's
-        items are dealt longest first to the least-loaded rank.
+        items are dealt longest first to the least-loaded rank. Items that alone cost more than
+        B get steps of their own, ``num_replicas`` of similar cost per step (the free ranks of
+        the last such step take the next items up to B each), so they do not each hold up a
+        step of ordinary ones.
 
       Every sample appears exactly once per epoch, except at the tail: when the last step has fewer
       items than ranks, ``drop_last=False`` gives the empty ranks one duplicated item each (at
@@ -797,12 +877,14 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         batch_fn: Bagua's batch function (exclusive with ``max_complexity``).
         drop_last: see above.
         max_complexity: the budget B per rank per step.
-        mode: ``"padded"`` (default) or ``"packed"``.
-        cost: ``(a, b)`` of the cost model, both >= 0, not both 0. Default ``(1, 0)``: the length.
+        mode: ``"padded"`` (default) or ``"packed"`` (budget mode only).
+        cost: ``(a, b)`` of the cost model, both >= 0, not both 0 (numbers or 0-d tensors; not a
+            str). Default ``(1, 0)``: the length (budget mode only).
 
     Raises:
         ConfigError: bad arguments, negative complexities in budget mode, a batch_fn returning an
-            empty batch or an index it was not given.
+            empty batch or an index it was not given, ``mode`` or ``cost`` other than the
+            defaults given with ``batch_fn``.
 
     Example::
 
@@ -835,16 +917,19 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
             raise ConfigError(f"{who}: batch_fn must be callable, got {type(batch_fn).__name__}")
         if mode not in _MODES:
             raise ConfigError(f"{who}: mode must be one of {_MODES}, got {mode!r}")
-        try:
-            a, b = (float(x) for x in cost)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"{who}: cost must be a pair (a, b) of numbers, got {cost!r}") from exc
-        if not (math.isfinite(a) and math.isfinite(b)) or a < 0 or b < 0 or a == b == 0:
-            raise ConfigError(f"{who}: cost=(a, b) needs finite a >= 0 and b >= 0, not both 0; got {cost!r}")
+        a, b = _as_cost(cost, who)
+        if batch_fn is not None and (mode != "padded" or (a, b) != (1.0, 0.0)):
+            # Budget-mode settings that batch_fn mode would ignore. (Their defaults pass: an
+            # explicit None is still refused as a cost, so the defaults stay values, not None.)
+            given = [f"mode={mode!r}"] if mode != "padded" else []
+            given += [f"cost={cost!r}"] if (a, b) != (1.0, 0.0) else []
+            raise ConfigError(
+                f"{who}: {', '.join(given)} given with batch_fn; mode= and cost= are for budget mode "
+                "(max_complexity=), batch_fn makes its own batches"
+            )
         n = sampler._n
         if max_complexity is not None:
-            if isinstance(max_complexity, torch.Tensor) and max_complexity.dim() == 0:
-                max_complexity = max_complexity.item()  # a 0-d tensor, as seed=/epoch= accept
+            max_complexity = _scalar(max_complexity)  # a 0-d tensor or array, as seed=/epoch= accept
             if not is_real(max_complexity):
                 raise ConfigError(
                     f"{who}: max_complexity must be a number, got {type(max_complexity).__name__}"
@@ -1088,21 +1173,13 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         w = self.num_replicas
         budget = float(self.max_complexity)  # type: ignore[arg-type]
         rc, re = self._cost_runs()
-        n = int(re[-1])
-        # sum(min(cost, budget)) over the items, from the run table.
-        eff = float(np.minimum(rc, budget) @ np.diff(re, prepend=0))
-        # Plan each step a little under W * budget: about half an average item of slack per rank,
-        # so the longest-first deal rarely leaves an item that fits no rank.
-        # (eff / n, not eff: the mean can round to 0.0 when eff is a subnormal; per_bin >= 1, as
-        # every item counts at most the budget.)
-        per_bin = budget / (eff / n) if eff / n > 0 else float(n)
-        fill = min(0.999, max(0.5, 1.0 - 0.5 / per_bin))
-        nsteps = max(1, math.ceil(eff / (w * budget * fill))) if eff > 0 else 1
-        nsteps = min(nsteps, max(1, n // w))  # a step needs >= w items, or a rank goes empty
         seed = _seed64(s.seed, s.epoch, "stream") if s.shuffle else None
         # Positions, not ids: mapping all 2M positions is a random gather, and a rank only needs
         # to map its own share (done per batch in __iter__).
-        items, bounds, steps = _P.packed_plan(rc, re, w, budget, nsteps, seed)
+        if rc[0] > budget:
+            items, bounds = self._packed_over_budget(rc, re, budget, seed)
+        else:
+            items, bounds, _ = _P.packed_plan(rc, re, w, budget, _packed_steps(rc, re, w, budget), seed)
         items, bounds, duplicates, dropped = _fix_empty(items, bounds, w, self.drop_last)
         steps = (bounds.shape[0] - 1) // w
         if steps == 0:
@@ -1111,6 +1188,60 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
             )
         step_order, rot = self._step_order(steps)
         return _Plan(items, bounds, step_order, rot, w, duplicates, dropped, ids=s._desc_order())
+
+    def _packed_over_budget(
+        self, rc: np.ndarray, re: np.ndarray, budget: float, seed: Optional[int]
+    ) -> Tuple[np.ndarray, np.ndarray]:
+        """Packed mode's (positions, bounds) when some items alone cost more than the budget.
+
+        Those items (the first positions of the longest-first order) cannot share a bin, and
+        dealt among the others each would make one step wait for it alone (a plan with 1 % of
+        its items over the budget had a straggler mean of 2.1). They get steps of their own
+        instead, W neighbours in cost per step, as padded mode groups its batches by cost (ties
+        shuffled with the epoch). When their count is not a multiple of W, the free ranks of
+        their last step take the next items, longest first, each up to the budget: that step
+        lasts as long as its over-budget items anyway. The other items are dealt as usual.
+        """
+        s = self.sampler
+        w = self.num_replicas
+        n = int(re[-1])
+        if n > _INT32_MAX:
+            raise ValueError(f"packed_plan: {n} items; packed mode plans at most {_INT32_MAX}")
+        r1 = int(np.count_nonzero(rc > budget))  # costs are non-increasing: a prefix of the runs
+        m = int(re[r1 - 1])
+        over = np.arange(m, dtype=np.int64)
+        if s.shuffle:
+            _P.shuffle_runs_at(over, np.ascontiguousarray(re[:r1]), _seed64(s.seed, s.epoch, "over"))
+        head = [np.arange(m + 1, dtype=np.int64)]  # one over-budget item per slot
+        p, r = m, r1
+        if m % w:
+            fill: List[int] = []
+            while len(fill) < w - m % w and p < n:  # a free rank: items from p while they fit
+                load = 0.0
+                while p < n:
+                    while re[r] <= p:
+                        r += 1
+                    c, avail = float(rc[r]), int(re[r]) - p
+                    take = avail if c <= 0.0 or (budget - load) / c >= avail else int((budget - load) // c)
+                    while take > 0 and load + take * c > budget:
+                        take -= 1
+                    load += take * c
+                    p += take
+                    if take < avail:
+                        break  # the next item does not fit this rank
+                fill.append(p)
+            # Ranks still free (no items left) stay empty here: _fix_empty then fills or drops the step.
+            head.append(np.asarray(fill + [p] * (w - m % w - len(fill)), dtype=np.int64))
+        parts = [over.astype(np.int32), np.arange(m, p, dtype=np.int32)]
+        if p < n:
+            r0 = int(np.searchsorted(re, p, side="right"))  # the run holding position p
+            sub_rc, sub_re = rc[r0:], re[r0:] - p
+            rest, rest_bounds, _ = _P.packed_plan(
+                sub_rc, sub_re, w, budget, _packed_steps(sub_rc, sub_re, w, budget), seed
+            )
+            parts.append(rest + np.int32(p))
+            head.append(rest_bounds[1:] + p)
+        return np.concatenate(parts), np.concatenate(head)
 
     def _plan_batch_fn(self) -> _Plan:
         s = self.sampler
@@ -1169,7 +1300,10 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
             per_rank.append(batches)
         counts = [len(b) for b in per_rank]
         steps = min(counts) if self.drop_last else max(counts)
-        duplicates = dropped = 0
+        # The wrapped sampler's own padding (samples its ranks' streams repeat) and drop_last
+        # (samples none of them holds), then this sampler's repeated and cut batches.
+        duplicates = max(0, s.total_size - n)
+        dropped = max(0, n - s.total_size)
         slots: List[np.ndarray] = []
         for i in range(steps):
             for r in range(w):
@@ -1245,8 +1379,13 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         A DataLoader with workers draws batches from this sampler ahead of the loop (prefetch);
         with ``track``, :meth:`state_dict` counts the batches the loop actually received.
 
+        Args:
+            loader: a DataLoader built with ``batch_sampler=`` this sampler, or with ``sampler=``
+                it and ``batch_size=None`` (a dataset whose ``__getitem__`` takes a whole batch of
+                indices), or any iterable that draws from it in order.
+
         Raises:
-            ConfigError: a DataLoader that draws from another batch sampler, or that delivers out
+            ConfigError: a DataLoader that draws from another (batch) sampler, or that delivers out
                 of order (``in_order=False``).
 
         Example::
@@ -1256,7 +1395,12 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
             ...     if time_to_checkpoint:
             ...         save(batch_sampler.state_dict())
         """
-        self._check_tracked_loader(loader, getattr(loader, "batch_sampler", None) is self)
+        # DataLoader(batch_sampler=self), or DataLoader(sampler=self, batch_size=None): each index
+        # the loader draws is then one of these batches (a dataset that fetches a batch at once).
+        draws = getattr(loader, "batch_sampler", None) is self or (
+            getattr(loader, "sampler", None) is self and getattr(loader, "batch_size", 0) is None
+        )
+        self._check_tracked_loader(loader, draws)
         return self._track(loader)
 
     def _track(self, loader: Iterable[Any]) -> Iterator[Any]:
@@ -1279,7 +1423,9 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
             :meth:`track` (or pass ``consumed=``) or the resumed run skips the prefetched batches.
 
         Returns:
-            dict: epoch, seed, consumed, num_replicas, rank, dataset size and digest, mode, budget.
+            dict: epoch, seed, consumed, num_replicas, rank, dataset size and digest, mode, budget;
+            in batch_fn mode also the wrapped sampler's ``random_level`` and ``drop_last``
+            (``sampler_drop_last``), which decide the indices batch_fn is given.
         """
         s = self.sampler
         if consumed is not None:
@@ -1308,7 +1454,16 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
             "cost": list(self.cost),
             "drop_last": self.drop_last,
             "shuffle": s.shuffle,
+            **self._sampler_config(),
         }
+
+    def _sampler_config(self) -> Dict[str, Any]:
+        """The wrapped sampler's settings that decide this one's batches beyond those above: in
+        batch_fn mode its streams (random_level, its own drop_last) are what batch_fn is given;
+        budget mode plans from the complexities alone and uses neither."""
+        if self.mode != "batch_fn":
+            return {}
+        return {"random_level": self.sampler.random_level, "sampler_drop_last": self.sampler.drop_last}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Resume: the next iteration continues the saved epoch after its consumed batches.
@@ -1317,14 +1472,6 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
             ConfigError: the state comes from another world size, dataset or configuration.
         """
         s = self.sampler
-        _check_state(
-            state,
-            type(self).__name__,
-            self.num_replicas,
-            s._n,
-            s.digest,
-            ("mode", "max_complexity", "cost", "drop_last", "shuffle"),
-        )
         mine = {
             "mode": self.mode,
             "max_complexity": self.max_complexity,
@@ -1332,11 +1479,27 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
             "drop_last": self.drop_last,
             "shuffle": s.shuffle,
         }
+        _check_state(state, type(self).__name__, self.num_replicas, s._n, s.digest, tuple(mine))
         for key, value in mine.items():
-            if state.get(key) != value:
+            saved = state[key]
+            if key == "cost" and isinstance(saved, tuple):
+                saved = list(saved)  # a state kept as Python objects, or re-made by hand
+            if saved != value:
                 raise ConfigError(
-                    f"load_state_dict: the state was saved with {key}={state.get(key)!r}, this batch sampler "
+                    f"load_state_dict: the state was saved with {key}={state[key]!r}, this batch sampler "
                     f"has {value!r}; the resumed batches would differ"
+                )
+        # After the mode: a budget-mode state lacks batch_fn mode's keys of the wrapped sampler,
+        # and the mismatch of modes is the error to report.
+        sampler_config = self._sampler_config()
+        missing = [k for k in sampler_config if k not in state]
+        if missing:
+            raise ConfigError(f"load_state_dict: the state lacks {missing}; pass what state_dict() returned")
+        for key, value in sampler_config.items():
+            if state[key] != value:
+                raise ConfigError(
+                    f"load_state_dict: the state was saved with {key}={state[key]!r}, the wrapped sampler "
+                    f"has {value!r}; the resumed order would differ"
                 )
         seed, epoch = int(state["seed"]), int(state["epoch"])
         # The saved epoch's step count, planned without changing the sampler: a state rejected here
@@ -1369,7 +1532,8 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
             (``straggler_len2_*``); ``padding_waste`` (share of a padded batch that is padding; in
             packed mode what padding would waste, for comparison: packed models do not pad);
             ``max_batch_cost`` and ``max_batch_cost_ratio`` (to the budget); ``duplicates``,
-            ``dropped`` and ``empty_rank_steps``.
+            ``dropped`` (in batch_fn mode these include the wrapped sampler's padding and
+            drop_last) and ``empty_rank_steps``.
         """
         plan = self._plan()
         w = self.num_replicas
@@ -1417,6 +1581,21 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
             "dropped": plan.dropped,
             "empty_rank_steps": int((~nonempty).sum()),
         }
+
+
+def _packed_steps(rc: np.ndarray, re: np.ndarray, world: int, budget: float) -> int:
+    """Steps to plan packed mode's deal of a run table in (the deal adds a few for left-overs)."""
+    n = int(re[-1])
+    # sum(min(cost, budget)) over the items, from the run table.
+    eff = float(np.minimum(rc, budget) @ np.diff(re, prepend=0))
+    # Plan each step a little under W * budget: about half an average item of slack per rank,
+    # so the longest-first deal rarely leaves an item that fits no rank.
+    # (eff / n, not eff: the mean can round to 0.0 when eff is a subnormal; per_bin >= 1, as
+    # every item counts at most the budget.)
+    per_bin = budget / (eff / n) if eff / n > 0 else float(n)
+    fill = min(0.999, max(0.5, 1.0 - 0.5 / per_bin))
+    nsteps = max(1, math.ceil(eff / (world * budget * fill))) if eff > 0 else 1
+    return min(nsteps, max(1, n // world))  # a step needs >= world items, or a rank goes empty
 
 
 def _run_cost_at(rc: np.ndarray, re: np.ndarray, positions: np.ndarray) -> np.ndarray:
