@@ -63,6 +63,9 @@ cdef enum:
 
 cdef bytes MAGIC = b"TLC\x01"
 
+#: The nesting depth the codec encodes (cache.py's tensor-state walks go as deep).
+CODEC_MAX_DEPTH = MAX_DEPTH
+
 cdef extern from "Python.h":
     # Without Cython's exception check: NULL (UnicodeEncodeError set) for a str holding a lone
     # surrogate, which encode() then pickles instead (pickle writes such strings with surrogatepass).

@@ -297,10 +297,10 @@ _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 
 
-#: How deep the codec encodes nested containers: MAX_DEPTH in pyx/data/_codec.pyx (not exported; keep
-#: the two equal). The tensor-state walks below go as deep, so a Parameter or a tensor with attributes
-#: the codec stores is also kept on hits; anything deeper fails to encode anyway (CodecError).
-_CODEC_MAX_DEPTH = 200
+#: How deep the codec encodes nested containers (MAX_DEPTH in pyx/data/_codec.pyx). The tensor-state
+#: walks below go as deep, so a Parameter or a tensor with attributes the codec stores is also kept on
+#: hits; anything deeper fails to encode anyway (CodecError).
+_CODEC_MAX_DEPTH: int = _codec.CODEC_MAX_DEPTH
 #: The types the tensor-state walk looks into (anything else is a leaf without tensor state).
 _STATE_LOOK = frozenset((_Tensor, _Parameter, tuple, list, dict))
 
