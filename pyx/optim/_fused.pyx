@@ -23,6 +23,7 @@
 # buffers larger than 2**31 elements are addressed correctly.
 
 from cython.parallel cimport prange
+from libc.math cimport fabs, fabsf
 from libc.stdint cimport int64_t, intptr_t, uint8_t
 
 cimport cython
@@ -42,7 +43,7 @@ cdef extern from *:
        caller exactly where torch rounds them (float(...) casts of double scalars). */
     typedef struct {
         double w;          /* lerp weight, 1 - beta1 (as the kernel's dtype) */
-        double lerp_small; /* 1.0 when |w| < 0.5 (torch's lerp branch), else 0.0 */
+        double lerp_small; /* 1.0 when |w| < 0.5 in the kernel's dtype (torch's lerp branch), else 0.0 */
         double b2, c2;     /* beta2, 1 - beta2 */
         double bc2s;       /* sqrt(bias_correction2) */
         double eps;
@@ -61,10 +62,39 @@ cdef extern from *:
         int tail_alt;      /* tail momentum formula: 0 fma(g, 1-d, buf*m), 1 fma(buf, m, g*(1-d)) */
     } tl_sgd_args;
 
-    /* NaN-propagating maximum, as torch.maximum. */
-    #define TL_MAX(a, b) (((a) != (a)) ? (a) : (((b) != (b)) ? (b) : ((a) < (b) ? (b) : (a))))
+    /* AMSGrad's maximum(max_exp_avg_sq, exp_avg_sq) as ATen computes it, NaN bit patterns included
+       (a is max_exp_avg_sq, b exp_avg_sq, in torch's operand order):
+       tl_vmax_*: ATen's AVX2 Vectorized maximum, _mm256_max(a, b) | unordered(a, b): a NaN in
+                  either input gives the all-ones NaN. The vector loop of torch.maximum (for-loop and
+                  foreach AMSGrad) and fused=True's vector body.
+       tl_smax_*: the scalar tail of torch.maximum's loop (cpu_kernel_vec's basic loop): the quiet
+                  NaN std::numeric_limits<T>::quiet_NaN() if either input is NaN, else std::max(a, b).
+       tl_fmax_*: fused=True's scalar tail, a bare std::max(a, b) = (a < b) ? b : a: a NaN maximum
+                  stays, a NaN exp_avg_sq is dropped.
+       Where each applies is the caller's "body" (see tl_adam_*, tl_mom_*). */
+    static inline float tl_vmax_f32(float a, float b) {
+        if (a != a || b != b) { const uint32_t u = 0xffffffffu; float r; memcpy(&r, &u, sizeof r); return r; }
+        return a > b ? a : b;
+    }
+    static inline double tl_vmax_f64(double a, double b) {
+        if (a != a || b != b) { const uint64_t u = 0xffffffffffffffffull; double r; memcpy(&r, &u, sizeof r); return r; }
+        return a > b ? a : b;
+    }
+    static inline float tl_smax_f32(float a, float b) {
+        if (a != a || b != b) { const uint32_t u = 0x7fc00000u; float r; memcpy(&r, &u, sizeof r); return r; }
+        return a < b ? b : a;
+    }
+    static inline double tl_smax_f64(double a, double b) {
+        if (a != a || b != b) { const uint64_t u = 0x7ff8000000000000ull; double r; memcpy(&r, &u, sizeof r); return r; }
+        return a < b ? b : a;
+    }
+    static inline float tl_fmax_f32(float a, float b) { return a < b ? b : a; }
+    static inline double tl_fmax_f64(double a, double b) { return a < b ? b : a; }
 
-    #define TL_ADAM_SCALAR(T, FMA, SQRT, VALT)                                               \\
+    /* TAIL: fused=True's scalar tail, p - (step_size * m) / den as torch writes it there: the same
+       bits as p + (-step_size * m) / den, but a NaN p keeps its own NaN, as in torch (an addition
+       leaves the compiler free to swap its operands, and with them which of two NaNs comes out). */
+    #define TL_ADAM_SCALAR(T, FMA, SQRT, VALT, MAXF, TAIL)                                   \\
         {                                                                                  \\
             T gv = g[i];                                                                   \\
             T pv = p[i];                                                                   \\
@@ -77,14 +107,14 @@ cdef extern from *:
             vv = (VALT) ? FMA(vv, b2, (c2 * gv) * gv) : FMA(c2 * gv, gv, vv * b2);         \\
             m[i] = mv;                                                                     \\
             v[i] = vv;                                                                     \\
-            if (a->amsgrad) { T mx = vmax[i]; mx = TL_MAX(mx, vv); vmax[i] = mx; vv = mx; } \\
+            if (a->amsgrad) { T mx = vmax[i]; mx = MAXF(mx, vv); vmax[i] = mx; vv = mx; }  \\
             T den = SQRT(vv) / bc2s + eps;                                                 \\
-            p[i] = pv + (nss * mv) / den;                                                  \\
+            p[i] = (TAIL) ? pv - (ss * mv) / den : pv + (nss * mv) / den;                  \\
         }
 
     #define TL_ADAM_LOCALS(T)                                                              \\
         const T w = (T)a->w, wm1 = (T)a->w - (T)1, b2 = (T)a->b2, c2 = (T)a->c2;           \\
-        const T bc2s = (T)a->bc2s, eps = (T)a->eps, nss = (T)a->nss;                       \\
+        const T bc2s = (T)a->bc2s, eps = (T)a->eps, nss = (T)a->nss, ss = -nss;            \\
         const T wd = (T)a->wd, decay = (T)a->decay;                                        \\
         const int small = a->lerp_small != 0.0;                                            \\
         /* flags in locals: with -fno-strict-aliasing every store to the arrays could change */ \\
@@ -100,19 +130,19 @@ cdef extern from *:
                                    int64_t body, int64_t n, const tl_adam_args *a) {
         TL_ADAM_LOCALS(float)
         int64_t i;
-        for (i = 0; i < body; i++) TL_ADAM_SCALAR(float, fmaf, sqrtf, a->body_v_alt)
-        for (; i < n; i++) TL_ADAM_SCALAR(float, fmaf, sqrtf, a->tail_v_alt)
+        for (i = 0; i < body; i++) TL_ADAM_SCALAR(float, fmaf, sqrtf, a->body_v_alt, tl_vmax_f32, 0)
+        for (; i < n; i++) TL_ADAM_SCALAR(float, fmaf, sqrtf, a->tail_v_alt, tl_fmax_f32, 1)
     }
     static void tl_adam_f64_scalar(double *p, const double *g, double *m, double *v, double *vmax,
                                    int64_t body, int64_t n, const tl_adam_args *a) {
         TL_ADAM_LOCALS(double)
         int64_t i;
-        for (i = 0; i < body; i++) TL_ADAM_SCALAR(double, fma, sqrt, a->body_v_alt)
-        for (; i < n; i++) TL_ADAM_SCALAR(double, fma, sqrt, a->tail_v_alt)
+        for (i = 0; i < body; i++) TL_ADAM_SCALAR(double, fma, sqrt, a->body_v_alt, tl_vmax_f64, 0)
+        for (; i < n; i++) TL_ADAM_SCALAR(double, fma, sqrt, a->tail_v_alt, tl_fmax_f64, 1)
     }
 
     /* Two halves of the for-loop/foreach Adam, around torch's own sqrt (see adam_moments). */
-    #define TL_MOM_SCALAR(T, FMA)                                                          \
+    #define TL_MOM_SCALAR(T, FMA, MAXF)                                                    \
         {                                                                                  \
             T gv = g[i];                                                                   \
             if (a->maximize) gv = -gv;                                                     \
@@ -121,7 +151,7 @@ cdef extern from *:
             m[i] = small ? FMA(w, gv - mv, mv) : FMA(wm1, gv - mv, gv);                    \
             T vv = FMA(c2 * gv, gv, v[i] * b2);                                            \
             v[i] = vv;                                                                     \
-            if (a->amsgrad) { T mx = vmax[i]; vmax[i] = TL_MAX(mx, vv); }                  \
+            if (a->amsgrad) { T mx = vmax[i]; vmax[i] = MAXF(mx, vv); }                    \
         }
     #define TL_APPLY_SCALAR(T)                                                             \
         {                                                                                  \
@@ -130,28 +160,34 @@ cdef extern from *:
             T den = sq[i] / bc2s + eps;                                                    \
             p[i] = pv + (nss * m[i]) / den;                                                \
         }
+    /* body: the first elements, those torch.maximum computes in its vector loop (AMSGrad's NaN
+       bits; the other elements are its scalar tail). */
     static void tl_mom_f32_scalar(const float *p, const float *g, float *m, float *v, float *vmax,
-                                  int64_t n, const tl_adam_args *a) {
+                                  int64_t body, int64_t n, const tl_adam_args *a) {
         TL_ADAM_LOCALS(float)
-        (void)bc2s; (void)eps; (void)nss; (void)decay;
-        for (int64_t i = 0; i < n; i++) TL_MOM_SCALAR(float, fmaf)
+        (void)bc2s; (void)eps; (void)nss; (void)ss; (void)decay;
+        int64_t i = 0;
+        for (; i < body; i++) TL_MOM_SCALAR(float, fmaf, tl_vmax_f32)
+        for (; i < n; i++) TL_MOM_SCALAR(float, fmaf, tl_smax_f32)
     }
     static void tl_mom_f64_scalar(const double *p, const double *g, double *m, double *v,
-                                  double *vmax, int64_t n, const tl_adam_args *a) {
+                                  double *vmax, int64_t body, int64_t n, const tl_adam_args *a) {
         TL_ADAM_LOCALS(double)
-        (void)bc2s; (void)eps; (void)nss; (void)decay;
-        for (int64_t i = 0; i < n; i++) TL_MOM_SCALAR(double, fma)
+        (void)bc2s; (void)eps; (void)nss; (void)ss; (void)decay;
+        int64_t i = 0;
+        for (; i < body; i++) TL_MOM_SCALAR(double, fma, tl_vmax_f64)
+        for (; i < n; i++) TL_MOM_SCALAR(double, fma, tl_smax_f64)
     }
     static void tl_apply_f32_scalar(float *p, const float *m, const float *sq, int64_t n,
                                     const tl_adam_args *a) {
         TL_ADAM_LOCALS(float)
-        (void)w; (void)wm1; (void)b2; (void)c2; (void)wd; (void)small;
+        (void)w; (void)wm1; (void)b2; (void)c2; (void)wd; (void)small; (void)ss;
         for (int64_t i = 0; i < n; i++) TL_APPLY_SCALAR(float)
     }
     static void tl_apply_f64_scalar(double *p, const double *m, const double *sq, int64_t n,
                                     const tl_adam_args *a) {
         TL_ADAM_LOCALS(double)
-        (void)w; (void)wm1; (void)b2; (void)c2; (void)wd; (void)small;
+        (void)w; (void)wm1; (void)b2; (void)c2; (void)wd; (void)small; (void)ss;
         for (int64_t i = 0; i < n; i++) TL_APPLY_SCALAR(double)
     }
 
@@ -211,11 +247,10 @@ cdef extern from *:
             _mm256_storeu_##SUF(m + i, mv);                                                \\
             _mm256_storeu_##SUF(v + i, vv);                                                \\
             if (AMS) {                                                                     \\
-                /* torch.maximum: NaN wins; otherwise the larger value. */                 \\
+                /* ATen's maximum(max, v): the larger value; the all-ones NaN for any NaN */ \\
                 V mx = _mm256_loadu_##SUF(vmax + i);                                       \\
-                V r = _mm256_max_##SUF(vv, mx);                                            \\
-                r = _mm256_blendv_##SUF(r, vv, _mm256_cmp_##SUF(vv, vv, _CMP_UNORD_Q));    \\
-                r = _mm256_blendv_##SUF(r, mx, _mm256_cmp_##SUF(mx, mx, _CMP_UNORD_Q));    \\
+                V r = _mm256_or_##SUF(_mm256_max_##SUF(mx, vv),                            \\
+                                      _mm256_cmp_##SUF(mx, vv, _CMP_UNORD_Q));             \\
                 _mm256_storeu_##SUF(vmax + i, r);                                          \\
                 vv = r;                                                                    \\
             }                                                                              \\
@@ -248,8 +283,8 @@ cdef extern from *:
         int64_t i = 0;
         const int64_t vend = body - body % 8;
         TL_ADAM_VSWITCH(__m256, ps, 8)
-        for (; i < body; i++) TL_ADAM_SCALAR(float, fmaf, sqrtf, a->body_v_alt)
-        for (; i < n; i++) TL_ADAM_SCALAR(float, fmaf, sqrtf, a->tail_v_alt)
+        for (; i < body; i++) TL_ADAM_SCALAR(float, fmaf, sqrtf, a->body_v_alt, tl_vmax_f32, 0)
+        for (; i < n; i++) TL_ADAM_SCALAR(float, fmaf, sqrtf, a->tail_v_alt, tl_fmax_f32, 1)
     }
     __attribute__((target("avx2,fma")))
     static void tl_adam_f64_avx2(double *p, const double *g, double *m, double *v, double *vmax,
@@ -264,8 +299,8 @@ cdef extern from *:
         int64_t i = 0;
         const int64_t vend = body - body % 4;
         TL_ADAM_VSWITCH(__m256d, pd, 4)
-        for (; i < body; i++) TL_ADAM_SCALAR(double, fma, sqrt, a->body_v_alt)
-        for (; i < n; i++) TL_ADAM_SCALAR(double, fma, sqrt, a->tail_v_alt)
+        for (; i < body; i++) TL_ADAM_SCALAR(double, fma, sqrt, a->body_v_alt, tl_vmax_f64, 0)
+        for (; i < n; i++) TL_ADAM_SCALAR(double, fma, sqrt, a->tail_v_alt, tl_fmax_f64, 1)
     }
     __attribute__((target("avx2,fma")))
     static void tl_sgd_f32_avx2(float *p, const float *g, float *buf, int64_t body, int64_t n,
@@ -319,14 +354,16 @@ cdef extern from *:
         for (; i < n; i++) TL_SGD_SCALAR(double, fma, a->tail_alt)
     }
     /* The vector versions of the two Adam halves: one generic body per element type. */
-    #define TL_MOM_AVX(T, V, SUF, VL, FMA)                                                 \
+    #define TL_MOM_AVX(T, V, SUF, VL, FMA, VMAX, SMAX)                                     \
         TL_ADAM_LOCALS(T)                                                                  \
-        (void)bc2s; (void)eps; (void)nss; (void)decay;                                     \
+        (void)bc2s; (void)eps; (void)nss; (void)ss; (void)decay;                           \
         const V W = _mm256_set1_##SUF(small ? w : wm1), B2 = _mm256_set1_##SUF(b2);        \
         const V C2 = _mm256_set1_##SUF(c2), WD = _mm256_set1_##SUF(wd);                    \
         const V NEG = _mm256_set1_##SUF(-0.0);                                             \
         int64_t i = 0;                                                                     \
-        const int64_t vend = n - n % VL;                                                   \
+        /* AMSGrad: the vector loop stops where torch.maximum's vector loop does */         \
+        const int64_t vlim = f_ams ? body : n;                                             \
+        const int64_t vend = vlim - vlim % VL;                                             \
         for (; i < vend; i += VL) {                                                        \
             V gv = _mm256_loadu_##SUF(g + i);                                              \
             if (a->maximize) gv = _mm256_xor_##SUF(gv, NEG);                               \
@@ -339,16 +376,16 @@ cdef extern from *:
             _mm256_storeu_##SUF(v + i, vv);                                                \
             if (f_ams) {                                                                   \
                 V mx = _mm256_loadu_##SUF(vmax + i);                                       \
-                V r = _mm256_max_##SUF(vv, mx);                                            \
-                r = _mm256_blendv_##SUF(r, vv, _mm256_cmp_##SUF(vv, vv, _CMP_UNORD_Q));    \
-                r = _mm256_blendv_##SUF(r, mx, _mm256_cmp_##SUF(mx, mx, _CMP_UNORD_Q));    \
+                V r = _mm256_or_##SUF(_mm256_max_##SUF(mx, vv),                            \
+                                      _mm256_cmp_##SUF(mx, vv, _CMP_UNORD_Q));             \
                 _mm256_storeu_##SUF(vmax + i, r);                                          \
             }                                                                              \
         }                                                                                  \
-        for (; i < n; i++) TL_MOM_SCALAR(T, FMA)
+        for (; i < body; i++) TL_MOM_SCALAR(T, FMA, VMAX)                                  \
+        for (; i < n; i++) TL_MOM_SCALAR(T, FMA, SMAX)
     #define TL_APPLY_AVX(T, V, SUF, VL)                                                    \
         TL_ADAM_LOCALS(T)                                                                  \
-        (void)w; (void)wm1; (void)b2; (void)c2; (void)wd; (void)small;                     \
+        (void)w; (void)wm1; (void)b2; (void)c2; (void)wd; (void)small; (void)ss;           \
         const V BC = _mm256_set1_##SUF(bc2s), EPS = _mm256_set1_##SUF(eps);                \
         const V NSS = _mm256_set1_##SUF(nss), DEC = _mm256_set1_##SUF(decay);              \
         int64_t i = 0;                                                                     \
@@ -364,11 +401,12 @@ cdef extern from *:
 
     __attribute__((target("avx2,fma")))
     static void tl_mom_f32_avx2(const float *p, const float *g, float *m, float *v, float *vmax,
-                                int64_t n, const tl_adam_args *a) { TL_MOM_AVX(float, __m256, ps, 8, fmaf) }
+                                int64_t body, int64_t n, const tl_adam_args *a) {
+        TL_MOM_AVX(float, __m256, ps, 8, fmaf, tl_vmax_f32, tl_smax_f32) }
     __attribute__((target("avx2,fma")))
     static void tl_mom_f64_avx2(const double *p, const double *g, double *m, double *v,
-                                double *vmax, int64_t n, const tl_adam_args *a) {
-        TL_MOM_AVX(double, __m256d, pd, 4, fma) }
+                                double *vmax, int64_t body, int64_t n, const tl_adam_args *a) {
+        TL_MOM_AVX(double, __m256d, pd, 4, fma, tl_vmax_f64, tl_smax_f64) }
     __attribute__((target("avx2,fma")))
     static void tl_apply_f32_avx2(float *p, const float *m, const float *sq, int64_t n,
                                   const tl_adam_args *a) { TL_APPLY_AVX(float, __m256, ps, 8) }
@@ -402,28 +440,30 @@ cdef extern from *:
     typedef void (*tl_vml_f32)(int, const float *, float *, long long);
     typedef void (*tl_vml_f64)(int, const double *, double *, long long);
     static void tl_adam_loop_f32(float *p, const float *g, float *m, float *v, float *vmax,
-                                 int64_t n, const tl_adam_args *a, tl_vml_f32 sq, long long mode,
-                                 int avx) {
+                                 int64_t body, int64_t n, const tl_adam_args *a, tl_vml_f32 sq,
+                                 long long mode, int avx) {
         float tmp[TL_BLK];
         for (int64_t s = 0; s < n; s += TL_BLK) {
             const int64_t k = (n - s) < TL_BLK ? (n - s) : TL_BLK;
             float *vm = a->amsgrad ? vmax + s : NULL;
-            if (avx) tl_mom_f32_avx2(p + s, g + s, m + s, v + s, vm, k, a);
-            else tl_mom_f32_scalar(p + s, g + s, m + s, v + s, vm, k, a);
+            const int64_t kb = body - s < 0 ? 0 : (body - s > k ? k : body - s);
+            if (avx) tl_mom_f32_avx2(p + s, g + s, m + s, v + s, vm, kb, k, a);
+            else tl_mom_f32_scalar(p + s, g + s, m + s, v + s, vm, kb, k, a);
             sq((int)k, a->amsgrad ? vm : v + s, tmp, mode);
             if (avx) tl_apply_f32_avx2(p + s, m + s, tmp, k, a);
             else tl_apply_f32_scalar(p + s, m + s, tmp, k, a);
         }
     }
     static void tl_adam_loop_f64(double *p, const double *g, double *m, double *v, double *vmax,
-                                 int64_t n, const tl_adam_args *a, tl_vml_f64 sq, long long mode,
-                                 int avx) {
+                                 int64_t body, int64_t n, const tl_adam_args *a, tl_vml_f64 sq,
+                                 long long mode, int avx) {
         double tmp[TL_BLK];
         for (int64_t s = 0; s < n; s += TL_BLK) {
             const int64_t k = (n - s) < TL_BLK ? (n - s) : TL_BLK;
             double *vm = a->amsgrad ? vmax + s : NULL;
-            if (avx) tl_mom_f64_avx2(p + s, g + s, m + s, v + s, vm, k, a);
-            else tl_mom_f64_scalar(p + s, g + s, m + s, v + s, vm, k, a);
+            const int64_t kb = body - s < 0 ? 0 : (body - s > k ? k : body - s);
+            if (avx) tl_mom_f64_avx2(p + s, g + s, m + s, v + s, vm, kb, k, a);
+            else tl_mom_f64_scalar(p + s, g + s, m + s, v + s, vm, kb, k, a);
             sq((int)k, a->amsgrad ? vm : v + s, tmp, mode);
             if (avx) tl_apply_f64_avx2(p + s, m + s, tmp, k, a);
             else tl_apply_f64_scalar(p + s, m + s, tmp, k, a);
@@ -445,13 +485,13 @@ cdef extern from *:
                           const tl_adam_args*) noexcept nogil
     void tl_adam_f64_avx2(double*, const double*, double*, double*, double*, int64_t, int64_t,
                           const tl_adam_args*) noexcept nogil
-    void tl_mom_f32_scalar(const float*, const float*, float*, float*, float*, int64_t,
+    void tl_mom_f32_scalar(const float*, const float*, float*, float*, float*, int64_t, int64_t,
                            const tl_adam_args*) noexcept nogil
-    void tl_mom_f64_scalar(const double*, const double*, double*, double*, double*, int64_t,
+    void tl_mom_f64_scalar(const double*, const double*, double*, double*, double*, int64_t, int64_t,
                            const tl_adam_args*) noexcept nogil
-    void tl_mom_f32_avx2(const float*, const float*, float*, float*, float*, int64_t,
+    void tl_mom_f32_avx2(const float*, const float*, float*, float*, float*, int64_t, int64_t,
                          const tl_adam_args*) noexcept nogil
-    void tl_mom_f64_avx2(const double*, const double*, double*, double*, double*, int64_t,
+    void tl_mom_f64_avx2(const double*, const double*, double*, double*, double*, int64_t, int64_t,
                          const tl_adam_args*) noexcept nogil
     void tl_apply_f32_scalar(float*, const float*, const float*, int64_t, const tl_adam_args*) noexcept nogil
     void tl_apply_f64_scalar(double*, const double*, const double*, int64_t, const tl_adam_args*) noexcept nogil
@@ -459,10 +499,10 @@ cdef extern from *:
     void tl_apply_f64_avx2(double*, const double*, const double*, int64_t, const tl_adam_args*) noexcept nogil
     ctypedef void (*tl_vml_f32)(int, const float*, float*, long long) noexcept nogil
     ctypedef void (*tl_vml_f64)(int, const double*, double*, long long) noexcept nogil
-    void tl_adam_loop_f32(float*, const float*, float*, float*, float*, int64_t, const tl_adam_args*,
-                          tl_vml_f32, long long, int) noexcept nogil
-    void tl_adam_loop_f64(double*, const double*, double*, double*, double*, int64_t, const tl_adam_args*,
-                          tl_vml_f64, long long, int) noexcept nogil
+    void tl_adam_loop_f32(float*, const float*, float*, float*, float*, int64_t, int64_t,
+                          const tl_adam_args*, tl_vml_f32, long long, int) noexcept nogil
+    void tl_adam_loop_f64(double*, const double*, double*, double*, double*, int64_t, int64_t,
+                          const tl_adam_args*, tl_vml_f64, long long, int) noexcept nogil
     void tl_sgd_f32_scalar(float*, const float*, float*, int64_t, int64_t, const tl_sgd_args*) noexcept nogil
     void tl_sgd_f64_scalar(double*, const double*, double*, int64_t, int64_t, const tl_sgd_args*) noexcept nogil
     void tl_sgd_f32_avx2(float*, const float*, float*, int64_t, int64_t, const tl_sgd_args*) noexcept nogil
@@ -524,24 +564,31 @@ def vml_sqrt(int dtype, intptr_t src, intptr_t dst, int n) -> None:
 
 
 cdef inline void _adam_loop_item(int dtype, bint avx, bint amsgrad, intptr_t p, intptr_t g, intptr_t m,
-                                 intptr_t v, intptr_t vmax, int64_t s, int64_t n, const tl_adam_args* a,
-                                 tl_vml_f32 fs, tl_vml_f64 fd, long long mode) noexcept nogil:
-    """One plan item of adam_loop_step: n elements from element offset s, in its dtype."""
+                                 intptr_t v, intptr_t vmax, int64_t s, int64_t body, int64_t n,
+                                 const tl_adam_args* a, tl_vml_f32 fs, tl_vml_f64 fd,
+                                 long long mode) noexcept nogil:
+    """One plan item of adam_loop_step: n elements from element offset s, in its dtype; the first
+    ``body`` of them are in torch.maximum's vector loop (AMSGrad's NaN bits)."""
+    body = 0 if body < 0 else (n if body > n else body)
     if dtype == DEF_F32:
         tl_adam_loop_f32(<float*>p + s, <const float*>g + s, <float*>m + s, <float*>v + s,
-                         (<float*>vmax + s) if amsgrad else NULL, n, a, fs, mode, avx)
+                         (<float*>vmax + s) if amsgrad else NULL, body, n, a, fs, mode, avx)
     else:
         tl_adam_loop_f64(<double*>p + s, <const double*>g + s, <double*>m + s, <double*>v + s,
-                         (<double*>vmax + s) if amsgrad else NULL, n, a, fd, mode, avx)
+                         (<double*>vmax + s) if amsgrad else NULL, body, n, a, fd, mode, avx)
 
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def adam_loop_step(int dtype, intptr_t p, intptr_t g, intptr_t m, intptr_t v, intptr_t vmax,
-                   const int64_t[::1] i_start, const int64_t[::1] i_len,
+                   const int64_t[::1] i_start, const int64_t[::1] i_len, const int64_t[::1] i_body,
                    double w, double b2, double c2, double bc2s, double eps, double nss, double wd,
                    double decay, bint amsgrad, bint maximize, bint l2, bint decoupled, int nthreads):
-    """torch's for-loop/foreach Adam/AdamW in one cache-blocked pass (needs set_vml_sqrt)."""
+    """torch's for-loop/foreach Adam/AdamW in one cache-blocked pass (needs set_vml_sqrt).
+
+    ``i_body``: per item, how many leading elements torch.maximum (AMSGrad) computes in its vector
+    loop; the rest are its scalar tail, which gives a NaN other bits (see tl_vmax_*, tl_smax_*).
+    """
     cdef tl_adam_args a
     cdef Py_ssize_t k, nitems = i_start.shape[0]
     cdef bint avx = _use_avx2
@@ -550,13 +597,13 @@ def adam_loop_step(int dtype, intptr_t p, intptr_t g, intptr_t m, intptr_t v, in
     cdef long long mode = _vml_mode
     if fs == NULL or fd == NULL:
         raise ValueError("adam_loop_step: no square root installed; call set_vml_sqrt first")
-    if i_len.shape[0] != nitems:
+    if i_len.shape[0] != nitems or i_body.shape[0] != nitems:
         raise ValueError("adam_loop_step: plan arrays differ in length")
     if dtype not in (DEF_F32, DEF_F64):
         raise ValueError(f"adam_loop_step: unsupported dtype code {dtype}")
     if p == 0 or g == 0 or m == 0 or v == 0 or (amsgrad and vmax == 0):
         raise ValueError("adam_loop_step: null buffer pointer")
-    _fill_args(&a, w, b2, c2, bc2s, eps, nss, wd, decay, amsgrad, maximize, l2, decoupled)
+    _fill_args(&a, dtype, w, b2, c2, bc2s, eps, nss, wd, decay, amsgrad, maximize, l2, decoupled)
     if nthreads < 1:
         nthreads = 1
     # GIL released: see adam_step. vmsSqrt/vmdSqrt are thread-safe and, on blocks this small,
@@ -566,12 +613,12 @@ def adam_loop_step(int dtype, intptr_t p, intptr_t g, intptr_t m, intptr_t v, in
             # no OpenMP region at all: inside even a one-thread region, MKL's square root
             # (adam_loop_step) would open a nested team per call, costing milliseconds
             for k in range(nitems):
-                _adam_loop_item(dtype, avx, amsgrad, p, g, m, v, vmax, i_start[k], i_len[k], &a, fs, fd,
-                                mode)
+                _adam_loop_item(dtype, avx, amsgrad, p, g, m, v, vmax, i_start[k], i_body[k], i_len[k], &a,
+                                fs, fd, mode)
         else:
             for k in prange(nitems, schedule="dynamic", num_threads=nthreads):
-                _adam_loop_item(dtype, avx, amsgrad, p, g, m, v, vmax, i_start[k], i_len[k], &a, fs, fd,
-                                mode)
+                _adam_loop_item(dtype, avx, amsgrad, p, g, m, v, vmax, i_start[k], i_body[k], i_len[k], &a,
+                                fs, fd, mode)
 
 
 def isa() -> str:
@@ -692,19 +739,7 @@ def adam_step(int dtype, intptr_t p, intptr_t g, intptr_t m, intptr_t v, intptr_
         raise ValueError(f"adam_step: unsupported dtype code {dtype}")
     if p == 0 or g == 0 or m == 0 or v == 0 or (amsgrad and vmax == 0):
         raise ValueError("adam_step: null buffer pointer")
-    a.w = w
-    a.lerp_small = 1.0 if abs(w) < 0.5 else 0.0
-    a.b2 = b2
-    a.c2 = c2
-    a.bc2s = bc2s
-    a.eps = eps
-    a.nss = nss
-    a.wd = wd
-    a.decay = decay
-    a.amsgrad = amsgrad
-    a.maximize = maximize
-    a.l2 = l2
-    a.decoupled = decoupled
+    _fill_args(&a, dtype, w, b2, c2, bc2s, eps, nss, wd, decay, amsgrad, maximize, l2, decoupled)
     a.body_v_alt = body_v_alt
     a.tail_v_alt = tail_v_alt
     if nthreads < 1:
@@ -721,11 +756,20 @@ def adam_step(int dtype, intptr_t p, intptr_t g, intptr_t m, intptr_t v, intptr_
             for k in prange(nitems, schedule="dynamic", num_threads=nthreads):
                 _adam_item(dtype, avx, amsgrad, p, g, m, v, vmax, i_start[k], i_body[k], i_len[k], &a)
 
-cdef int _fill_args(tl_adam_args* a, double w, double b2, double c2, double bc2s, double eps,
+cdef inline bint _lerp_small(int dtype, double w) noexcept nogil:
+    """Which formula exp_avg.lerp_(grad, w) takes: ATen tests |w| < 0.5 on the weight in the kernel's
+    type (at::native::is_lerp_weight_small on weight.to<scalar_t>(); fused=True: scalar_t(1 - beta1)).
+    For float32, the double rounded to float: 1 - 0.50000001 is below 0.5 in double, 0.5 in float."""
+    if dtype == DEF_F32:
+        return fabsf(<float>w) < 0.5
+    return fabs(w) < 0.5
+
+
+cdef int _fill_args(tl_adam_args* a, int dtype, double w, double b2, double c2, double bc2s, double eps,
                     double nss, double wd, double decay, bint amsgrad, bint maximize, bint l2,
                     bint decoupled) except -1:
     a.w = w
-    a.lerp_small = 1.0 if abs(w) < 0.5 else 0.0
+    a.lerp_small = 1.0 if _lerp_small(dtype, w) else 0.0
     a.b2 = b2
     a.c2 = c2
     a.bc2s = bc2s
@@ -743,23 +787,25 @@ cdef int _fill_args(tl_adam_args* a, double w, double b2, double c2, double bc2s
 
 
 cdef inline void _moments_item(int dtype, bint avx, bint amsgrad, intptr_t p, intptr_t g, intptr_t m,
-                               intptr_t v, intptr_t vmax, int64_t s, int64_t n,
+                               intptr_t v, intptr_t vmax, int64_t s, int64_t body, int64_t n,
                                const tl_adam_args* a) noexcept nogil:
-    """One plan item of adam_moments: n elements from element offset s, in its dtype and ISA."""
+    """One plan item of adam_moments: n elements from element offset s, in its dtype and ISA; the
+    first ``body`` of them are in torch.maximum's vector loop (AMSGrad's NaN bits)."""
+    body = 0 if body < 0 else (n if body > n else body)
     if dtype == DEF_F32:
         if avx:
             tl_mom_f32_avx2(<const float*>p + s, <const float*>g + s, <float*>m + s, <float*>v + s,
-                            (<float*>vmax + s) if amsgrad else NULL, n, a)
+                            (<float*>vmax + s) if amsgrad else NULL, body, n, a)
         else:
             tl_mom_f32_scalar(<const float*>p + s, <const float*>g + s, <float*>m + s, <float*>v + s,
-                              (<float*>vmax + s) if amsgrad else NULL, n, a)
+                              (<float*>vmax + s) if amsgrad else NULL, body, n, a)
     else:
         if avx:
             tl_mom_f64_avx2(<const double*>p + s, <const double*>g + s, <double*>m + s, <double*>v + s,
-                            (<double*>vmax + s) if amsgrad else NULL, n, a)
+                            (<double*>vmax + s) if amsgrad else NULL, body, n, a)
         else:
             tl_mom_f64_scalar(<const double*>p + s, <const double*>g + s, <double*>m + s, <double*>v + s,
-                              (<double*>vmax + s) if amsgrad else NULL, n, a)
+                              (<double*>vmax + s) if amsgrad else NULL, body, n, a)
 
 
 cdef inline void _apply_item(int dtype, bint avx, intptr_t p, intptr_t m, intptr_t sq, int64_t s, int64_t n,
@@ -780,7 +826,7 @@ cdef inline void _apply_item(int dtype, bint avx, intptr_t p, intptr_t m, intptr
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def adam_moments(int dtype, intptr_t p, intptr_t g, intptr_t m, intptr_t v, intptr_t vmax,
-                 const int64_t[::1] i_start, const int64_t[::1] i_len,
+                 const int64_t[::1] i_start, const int64_t[::1] i_len, const int64_t[::1] i_body,
                  double w, double b2, double c2, double wd, bint amsgrad, bint maximize, bint l2,
                  int nthreads):
     """First half of torch's for-loop/foreach Adam: exp_avg, exp_avg_sq (and max) in one pass.
@@ -789,17 +835,18 @@ def adam_moments(int dtype, intptr_t p, intptr_t g, intptr_t m, intptr_t v, intp
     builds), which is not correctly rounded and cannot be reproduced here; the caller runs
     ``torch.sqrt`` between :func:`adam_moments` and :func:`adam_apply`, so the result is
     bitwise equal to torch's while memory is walked three times instead of about ten.
+    ``i_body`` as for :func:`adam_loop_step`.
     """
     cdef tl_adam_args a
     cdef Py_ssize_t k, nitems = i_start.shape[0]
     cdef bint avx = _use_avx2
-    if i_len.shape[0] != nitems:
+    if i_len.shape[0] != nitems or i_body.shape[0] != nitems:
         raise ValueError("adam_moments: plan arrays differ in length")
     if dtype not in (DEF_F32, DEF_F64):
         raise ValueError(f"adam_moments: unsupported dtype code {dtype}")
     if p == 0 or g == 0 or m == 0 or v == 0 or (amsgrad and vmax == 0):
         raise ValueError("adam_moments: null buffer pointer")
-    _fill_args(&a, w, b2, c2, 1.0, 0.0, 0.0, wd, 1.0, amsgrad, maximize, l2, False)
+    _fill_args(&a, dtype, w, b2, c2, 1.0, 0.0, 0.0, wd, 1.0, amsgrad, maximize, l2, False)
     if nthreads < 1:
         nthreads = 1
     # GIL released: see adam_step.
@@ -808,10 +855,10 @@ def adam_moments(int dtype, intptr_t p, intptr_t g, intptr_t m, intptr_t v, intp
             # no OpenMP region at all: inside even a one-thread region, MKL's square root
             # (adam_loop_step) would open a nested team per call, costing milliseconds
             for k in range(nitems):
-                _moments_item(dtype, avx, amsgrad, p, g, m, v, vmax, i_start[k], i_len[k], &a)
+                _moments_item(dtype, avx, amsgrad, p, g, m, v, vmax, i_start[k], i_body[k], i_len[k], &a)
         else:
             for k in prange(nitems, schedule="dynamic", num_threads=nthreads):
-                _moments_item(dtype, avx, amsgrad, p, g, m, v, vmax, i_start[k], i_len[k], &a)
+                _moments_item(dtype, avx, amsgrad, p, g, m, v, vmax, i_start[k], i_body[k], i_len[k], &a)
 
 
 @cython.boundscheck(False)
@@ -832,7 +879,7 @@ def adam_apply(int dtype, intptr_t p, intptr_t m, intptr_t sq,
         raise ValueError(f"adam_apply: unsupported dtype code {dtype}")
     if p == 0 or m == 0 or sq == 0:
         raise ValueError("adam_apply: null buffer pointer")
-    _fill_args(&a, 0.0, 0.0, 0.0, bc2s, eps, nss, 0.0, decay, False, False, False, decoupled)
+    _fill_args(&a, dtype, 0.0, 0.0, 0.0, bc2s, eps, nss, 0.0, decay, False, False, False, decoupled)
     if nthreads < 1:
         nthreads = 1
     # GIL released: see adam_step.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import re
 import warnings
@@ -373,3 +374,91 @@ def test_pickled_fused_optimizer_loads_unfused_and_can_be_fused_again():
     lparams = loaded.param_groups[0]["params"]
     _advance(loaded, lparams, 3, 3, True)
     assert_bitwise(ref, lparams)
+
+
+@pytest.mark.parametrize("wrapped", ["torch's step", "the bare step"])
+def test_subclass_overriding_step_under_functools_wraps_is_refused(wrapped):
+    """functools.wraps sets __wrapped__: following it back to SGD.step took the override for SGD's own
+    step(), so fuse_step ran SGD's update and silently skipped the subclass's."""
+    base_step = torch.optim.SGD.step
+    if wrapped == "the bare step":  # under torch's profiling wrapper (Optimizer.profile_hook_step)
+        base_step = base_step.__wrapped__
+
+    class Halved(torch.optim.SGD):
+        @functools.wraps(base_step)
+        def step(self, closure=None):
+            for g in self.param_groups:
+                for p in g["params"]:
+                    if p.grad is not None:
+                        p.grad.mul_(0.5)
+            return super().step(closure)
+
+    msg = (
+        "fuse_optimizer: Halved overrides step() of SGD; its math may not be elementwise, so it cannot be "
+        "fused"
+    )
+    with pytest.raises(FuseError, match=_exactly(msg)):
+        fuse_optimizer(Halved(make_params(), lr=0.1))
+
+
+def test_subclass_made_before_its_base_is_fused(monkeypatch):
+    """torch wraps the step() an optimizer class resolves to in its profiling wrapper and stores the
+    wrapper on that class (Optimizer._patch_step_function). A subclass made before its base (SGD's
+    step still bare, as in a fresh process) holds a wrapper of SGD's step of its own: no override."""
+    from trainloom.optim import fused
+
+    bare = fused._peel_profiling(torch.optim.SGD.step)
+
+    class Plain(torch.optim.SGD):
+        pass
+
+    monkeypatch.setattr(torch.optim.SGD, "step", bare)  # as before the first SGD was made
+    opt = Plain(make_params(), lr=0.1)
+    monkeypatch.undo()
+    wrapper = Plain.__dict__["step"]
+    assert wrapper.hooked and wrapper.__wrapped__ is bare and wrapper is not torch.optim.SGD.step
+    assert is_fused_optimizer(fuse_optimizer(opt))
+
+
+@pytest.mark.parametrize("do_flatten", [True, False], ids=["flatten", "adjacent"])
+def test_a_sparse_parameter_stays_outside_the_flat_buffers_and_steps_as_torch(do_flatten):
+    """A sparse-layout parameter cannot be a view of a flat buffer; fusing used to raise
+    NotImplementedError ("Cannot access storage of SparseTensorImpl") on it."""
+
+    def run(fuse: bool) -> list:
+        dense = torch.nn.Parameter(torch.linspace(-1, 1, 6).reshape(2, 3))
+        sparse = torch.nn.Parameter(torch.tensor([0.0, 1.0, 0.0, 2.0]).to_sparse())
+        opt = torch.optim.SGD([dense, sparse], lr=0.1)
+        if fuse:
+            opt = fuse_optimizer(opt, do_flatten=do_flatten)
+        for s in range(3):
+            dense.grad = torch.full((2, 3), 0.25 * (s + 1))
+            sparse.grad = (torch.tensor([1.0, 1.0, 0.0, 0.0]) * (s + 1)).to_sparse()
+            opt.fuse_step() if fuse else opt.step()
+        if fuse and do_flatten:
+            (flat,) = flat_buffers(opt, "param")
+            assert dense.data_ptr() == flat.data_ptr()  # the dense parameter was fused
+        return [dense, sparse.to_dense()]
+
+    assert_bitwise(run(True), run(False))
+
+
+def test_stateless_sgd_with_a_tensor_lr_keeps_torchs_empty_state():
+    """SGD without momentum keeps no state; on the path for a Tensor lr fuse_step used to create an
+    empty state dict for every parameter (state_dict()["state"] was {0: {}, 1: {}, ...})."""
+
+    def run(fuse: bool):
+        params = make_params(gap=False)
+        opt = torch.optim.SGD(params, lr=torch.tensor(0.1))
+        if fuse:
+            opt = fuse_optimizer(opt)
+        for s in range(2):
+            set_grads(params, make_grads(params, s, none_every=0))
+            opt.fuse_step() if fuse else opt.step()
+        return params, opt
+
+    (want, opt_r), (got, opt_f) = run(False), run(True)
+    assert_bitwise(got, want)
+    assert opt_r.state_dict()["state"] == {}
+    assert opt_f.state_dict()["state"] == {}
+    assert len(opt_f.state) == 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import List
+
 import pytest
 import torch
 from optimutil import assert_bitwise, groups, require_kernel, run_pair
@@ -284,3 +286,79 @@ def test_exact_where_torch_runs_without_fma(tmp_path):
     # the loop and foreach kernels of both optimizers do not match torch there: the fallback ran
     for key in (("sgd", "loop"), ("adam", "loop"), ("adam", "foreach")):
         assert any(r[:2] == key for r in rejected), (key, rejected)
+
+
+_ADAM_FLAGS = {"loop": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+_ALL_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("flavour", list(_ADAM_FLAGS))
+@pytest.mark.parametrize("dtype", _ALL_DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+def test_adam_lerp_branch_is_chosen_on_the_weight_in_the_kernels_dtype(dtype, flavour):
+    """exp_avg.lerp_(grad, 1 - beta1) takes one formula for |weight| < 0.5 and the other otherwise,
+    testing the weight as ATen holds it: float for float32 (and for float16/bfloat16, whose math is
+    in float), double for float64. With beta1 = 0.50000001, 1 - beta1 is below 0.5 in double and
+    rounds to 0.5 in float; the kernels used to test the double for every dtype."""
+    flags = _ADAM_FLAGS[flavour]
+    make = lambda ps: optim.Adam(ps, lr=1e-2, betas=(0.50000001, 0.999), **flags)  # noqa: E731
+    ref, fus, opt_r, opt_f = run_pair(make, lambda o, s: o.fuse_step(), 4, dtype, gap=flavour != "fused")
+    assert_bitwise(ref, fus)
+    assert_bitwise(
+        [opt_r.state[p]["exp_avg"] for p in ref], [opt_f.state[p]["exp_avg"] for p in fus], "exp_avg"
+    )
+
+
+_NAN_SIZES = (1, 7, 8, 16, 17, 33, 32785)  # the last is split between threads by ATen's loops
+_PAYLOAD_NAN = {torch.float32: (torch.int32, 0x7FC00123), torch.float64: (torch.int64, 0x7FF8000000000123)}
+
+
+def _amsgrad_with_nans(flavour: str, dtype: torch.dtype, fuse: bool) -> List[torch.Tensor]:
+    ps = [torch.nn.Parameter(torch.linspace(-1, 1, n, dtype=dtype)) for n in _NAN_SIZES]
+    opt = optim.Adam(ps, lr=1e-2, amsgrad=True, **_ADAM_FLAGS[flavour.split("-")[0]])
+    if fuse:
+        from trainloom.optim import fuse_optimizer
+
+        opt = fuse_optimizer(opt)
+    ints, payload = _PAYLOAD_NAN[dtype]
+    g = torch.Generator().manual_seed(0)
+    for s in range(4):
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g, dtype=dtype)
+            if s == 2:
+                p.grad[1::3] = float("nan")  # NaN exp_avg_sq: in the second operand of the maximum
+        if s == 1:
+            for p in ps:  # a NaN maximum (first operand) with a payload of its own
+                opt.state[p]["max_exp_avg_sq"].view(ints)[::2] = payload
+        opt.fuse_step() if fuse else opt.step()
+    keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+    return [t.detach() for p in ps for t in [p] + [opt.state[p][k] for k in keys]]
+
+
+@pytest.mark.parametrize(
+    "flavour,threads",
+    # two threads: ATen splits the largest tensor into one chunk per thread, each with a tail
+    [("loop", 1), ("loop-three-pass", 1), ("foreach", 1), ("fused", 1), ("loop", 2)],
+    ids=["loop", "loop-three-pass", "foreach", "fused", "loop-2-threads"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_amsgrad_nan_bit_patterns_match_torch(dtype, flavour, threads, monkeypatch):
+    """torch.maximum (for-loop, foreach) gives the all-ones NaN in ATen's vector loop (the first
+    numel - numel % 16 float32 / % 8 float64 elements of each tensor, or of each thread's chunk of it)
+    and the quiet NaN 0x7fc00000 / 0x7ff8000000000000 in its scalar tail; fused=True's tail takes
+    std::max, which keeps a NaN maximum and drops a NaN exp_avg_sq. The kernels used to return the
+    input NaN everywhere (the audit: 0x7fc00000 where torch has 0xffffffff)."""
+    from trainloom.optim import _fused as K
+    from trainloom.optim import fused
+
+    torch.set_num_threads(threads)  # torch's chunks (what the plan must follow); the kernels run on one:
+    monkeypatch.setattr(fused, "_PARALLEL_MIN", 1 << 40)  # two OpenMP teams would spin against each other
+    if flavour == "loop-three-pass":
+        monkeypatch.setattr(fused, "_VML_STATE", [False])
+    want = _amsgrad_with_nans(flavour, dtype, False)
+    for isa in ["avx2", "scalar"] if K.cpu_has_avx2() else ["scalar"]:
+        K.set_isa(isa)
+        try:
+            got = _amsgrad_with_nans(flavour, dtype, True)
+        finally:
+            K.set_isa("avx2" if K.cpu_has_avx2() else "scalar")
+        assert_bitwise(got, want, f"{isa}: param, exp_avg, exp_avg_sq, max_exp_avg_sq")

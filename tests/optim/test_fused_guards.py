@@ -46,7 +46,7 @@ _FLAGS = dict(amsgrad=False, maximize=False, l2=False, decoupled=False)
 BASE = {
     K.vml_sqrt: dict(dtype=K.DTYPE_F64, src=P, dst=P, n=1),
     K.adam_loop_step: dict(
-        dtype=0, p=P, g=P, m=P, v=P, vmax=0, i_start=I1, i_len=I1, **_ADAM, **_FLAGS, nthreads=1
+        dtype=0, p=P, g=P, m=P, v=P, vmax=0, i_start=I1, i_len=I1, i_body=I1, **_ADAM, **_FLAGS, nthreads=1
     ),
     K.adam_step: dict(
         dtype=0,
@@ -73,6 +73,7 @@ BASE = {
         vmax=0,
         i_start=I1,
         i_len=I1,
+        i_body=I1,
         w=0.1,
         b2=0.999,
         c2=0.001,
@@ -178,6 +179,13 @@ GUARDS = [
         "adam_loop_step: plan arrays differ in length",
     ),
     (
+        "adam_loop_step-body",
+        True,
+        lambda: _call(K.adam_loop_step, i_body=I2),
+        ValueError,
+        "adam_loop_step: plan arrays differ in length",
+    ),
+    (
         "adam_loop_step-dtype",
         True,
         lambda: _call(K.adam_loop_step, dtype=2),
@@ -209,6 +217,13 @@ GUARDS = [
         "adam_moments-plan",
         None,
         lambda: _call(K.adam_moments, i_len=I2),
+        ValueError,
+        "adam_moments: plan arrays differ in length",
+    ),
+    (
+        "adam_moments-body",
+        None,
+        lambda: _call(K.adam_moments, i_body=I2),
         ValueError,
         "adam_moments: plan arrays differ in length",
     ),

@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, List
 import pytest
 import torch
 from optimutil import assert_bitwise, require_kernel
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from trainloom.optim import flat_buffers, fuse_optimizer
 from trainloom.optim import fused as F
@@ -429,3 +429,37 @@ def test_a_parameter_listed_twice_is_updated_twice_as_torch_does(where: str, mak
     assert_bitwise(list(got.parameters()), list(want.parameters()))
     ours = [str(x.message) for x in caught if str(x.message).startswith("fuse_optimizer")]
     assert ours == [_DUPLICATE_WARNING.format(second=_SECOND_LISTING[where])]
+
+
+def test_the_kernel_self_check_runs_no_step_hooks_and_records_no_profiler_range(monkeypatch):
+    """The first fuse_step of a configuration checks the compiled kernel against torch on internal
+    optimizers. It used to step them through step() and fuse_step(), so the user's global step hooks
+    ran 12 more times (a hook refusing unknown optimizers broke that fuse_step) and the profiler
+    recorded 12 more Optimizer.step ranges."""
+    monkeypatch.setattr(F, "_KERNEL_OK", {})  # as in a fresh process: the check runs in this fuse_step
+    monkeypatch.setattr(F, "_FUSED_SPLIT", {})
+    m = _model()
+    opt = fuse_optimizer(torch.optim.Adam(m.parameters(), lr=1e-3))
+    seen: List[str] = []
+
+    def pre(o, args, kwargs):
+        if o is not opt:
+            raise RuntimeError(f"a step of an optimizer this hook does not know: {type(o).__name__}")
+        seen.append("pre")
+
+    handles = [
+        register_optimizer_step_pre_hook(pre),
+        register_optimizer_step_post_hook(lambda o, a, k: seen.append("post" if o is opt else "other")),
+    ]
+    try:
+        m(torch.ones(2, 6)).sum().backward()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            opt.fuse_step()
+    finally:
+        for h in handles:
+            h.remove()
+    assert seen == ["pre", "post"]
+    assert [e.name for e in prof.events() if e.name.startswith("Optimizer.step#")] == [
+        "Optimizer.step#Adam.step"
+    ]
+    assert list(F._KERNEL_OK) == [("adam", "loop", torch.float32)]  # the check did run

@@ -452,3 +452,27 @@ def test_params_at_a_nonzero_storage_offset_match_torch(name, dtype, do_flatten)
         assert all(_in(p, flat) for p in params)
     else:  # nothing moved
         assert [p.data_ptr() for p in params] == ptrs and params[0].storage_offset() == _OFFSET
+
+
+def test_do_flatten_false_steps_a_parameter_listed_twice_twice_even_next_to_a_neighbour():
+    """With a, b adjacent in memory (parameters, gradients and momentum buffers) and a listed twice,
+    torch steps a twice. The span over a and b used to replace every listing of a: a was stepped once."""
+
+    def run(fuse: bool) -> list:
+        store, gstore, mstore = torch.arange(32.0), torch.ones(32), torch.full((32,), 0.5)
+        a, b = torch.nn.Parameter(store[:16]), torch.nn.Parameter(store[16:])
+        opt = torch.optim.SGD([a, b, a], lr=0.1, momentum=0.9)
+        opt.state[a]["momentum_buffer"] = mstore[:16]
+        opt.state[b]["momentum_buffer"] = mstore[16:]
+        if fuse:
+            opt = fuse_optimizer(opt, do_flatten=False)
+        for _ in range(2):
+            a.grad, b.grad = gstore[:16], gstore[16:]
+            opt.fuse_step() if fuse else opt.step()
+        return [a, b, mstore]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's warning about the duplicate
+        want, got = run(False), run(True)
+    assert_bitwise(got, want)
+    assert got[0][0].item() == pytest.approx(-1.059655, abs=1e-6)  # a[0] = 0.0 updated four times

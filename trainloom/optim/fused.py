@@ -368,7 +368,8 @@ class _FusedInfo:
         self.warned_shm = False
         self.warned_duplicate = False
         # id() of the parameters whose memory overlaps another's (found when the optimizer is fused
-        # or re-fused, not per step: ~6 us a parameter)
+        # or re-fused, not per step: ~6 us a parameter); with do_flatten=False also those listed more
+        # than once (_kept_apart: neither goes into a span)
         self.shared: set = set()
         # whether some bucket has parameters without a gradient hook (frozen when fused), and the
         # autograd graph task that last queued _adopt_unfrozen
@@ -440,7 +441,7 @@ def _check_supported(optimizer: torch.optim.Optimizer) -> None:
             f"supports ({', '.join(c.__name__ for c in _ELEMENTWISE)}); keep it unfused"
         )
     base = next(c for c in cls.__mro__ if c in _ELEMENTWISE)
-    if _unwrap(cls.step) is not _unwrap(base.step):
+    if _peel_profiling(cls.step) is not _peel_profiling(base.step):
         raise FuseError(
             f"fuse_optimizer: {cls.__name__} overrides step() of {base.__name__}; its math may not "
             "be elementwise, so it cannot be fused"
@@ -452,8 +453,24 @@ def _warn(message: str) -> None:
     warn_at_caller(message, UserWarning, __file__)
 
 
-def _unwrap(fn: Any) -> Any:
-    while hasattr(fn, "__wrapped__"):
+def _profiling_wrapper_code() -> Any:
+    """The code object of torch's ``Optimizer.profile_hook_step`` wrapper (None if torch has none)."""
+    make = getattr(torch.optim.Optimizer, "profile_hook_step", None)
+    return getattr(make(lambda *a, **k: None), "__code__", None) if callable(make) else None
+
+
+_PROFILING_WRAPPER_CODE = _profiling_wrapper_code()
+
+
+def _peel_profiling(fn: Any) -> Any:
+    """``fn`` without torch's own profiling wrapper around it.
+
+    torch wraps the ``step()`` an optimizer class resolves to in ``Optimizer.profile_hook_step``
+    (hooks, profiler range) and stores the wrapper on that class. Only that wrapper is peeled off, told
+    by its code object: its ``hooked`` attribute and ``__wrapped__`` are no mark, as ``functools.wraps``
+    copies ``hooked`` onto a user's own wrapper and sets ``__wrapped__`` there too, and a ``step()``
+    decorated so overrides the base's."""
+    while _PROFILING_WRAPPER_CODE is not None and getattr(fn, "__code__", None) is _PROFILING_WRAPPER_CODE:
         fn = fn.__wrapped__
     return fn
 
@@ -541,7 +558,7 @@ def fuse_optimizer(
         info.groups = list(optimizer.param_groups)
         info.group_params = [list(g["params"]) for g in optimizer.param_groups]
         info.state_obj = optimizer.state
-        info.shared = _overlapping([p for g in optimizer.param_groups for p in g["params"]])
+        info.shared = _kept_apart([p for g in optimizer.param_groups for p in g["params"]])
     # A step() between two fuse_steps changes step counts and may create state: recheck then.
     info.step_hook = optimizer.register_step_post_hook(lambda *_: _invalidate(info))
 
@@ -650,8 +667,7 @@ def _build(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> None:
     seen: set = set(shared)
     # A parameter listed twice (torch warns, then updates it once per listing): one flat view cannot
     # be updated twice by one kernel run, so torch steps it per tensor, as often as it is listed.
-    listings = collections.Counter(id(p) for p in listed)
-    twice = {i for i, k in listings.items() if k > 1}
+    twice = _listed_twice(listed)
     if twice:
         _warn_left_out(optimizer, info, "duplicate", twice)
     seen |= twice
@@ -659,7 +675,8 @@ def _build(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> None:
         id(p)
         for g in optimizer.param_groups
         for p in g["params"]
-        if id(p) not in seen and p.device.type == "cpu" and p.is_shared()
+        # is_shared() raises for a sparse layout (no storage); such parameters stay out anyway
+        if id(p) not in seen and p.layout == torch.strided and p.device.type == "cpu" and p.is_shared()
     }
     if in_shm:
         _warn_left_out(optimizer, info, "shm", in_shm, shapes=False)
@@ -706,6 +723,19 @@ def _build(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> None:
         for p in b.params:
             _hold(p, info)
     info.outside = [[p for p in g["params"] if id(p) not in bucketed] for g in optimizer.param_groups]
+
+
+def _listed_twice(params: Sequence[torch.Tensor]) -> set:
+    """``id()`` of every parameter listed more than once (in one param group or in several)."""
+    listings = collections.Counter(id(p) for p in params)
+    return {i for i, k in listings.items() if k > 1}
+
+
+def _kept_apart(params: Sequence[torch.Tensor]) -> set:
+    """do_flatten=False: ``id()`` of the parameters never put in a span of adjacent ones. Those whose
+    memory overlaps another's, and those listed more than once: torch steps such a parameter once per
+    listing, while a span stands in for one listing of each of its members."""
+    return _overlapping(params) | _listed_twice(params)
 
 
 def _overlapping(params: Sequence[torch.Tensor]) -> set:
@@ -952,7 +982,7 @@ def _sync(
         info.groups = list(groups)
         info.group_params = [list(g["params"]) for g in groups]
         info.state_obj = optimizer.state
-        info.shared = _overlapping([p for g in groups for p in g["params"]])
+        info.shared = _kept_apart([p for g in groups for p in g["params"]])
     return True
 
 
@@ -1053,10 +1083,7 @@ def _torch_step(optimizer: torch.optim.Optimizer) -> None:
     an optimizer wrapped by trainloom.comm.optimizers, the wrapped class's: the wrapper's own step()
     would communicate a second time (fuse_step already did, through ``_tl_before_step``)."""
     cls = type(optimizer)
-    step: Any = getattr(cls, "_tl_base", cls).step
-    if getattr(step, "hooked", False):  # torch's profile_hook_step wrapper (functools.wraps)
-        step = step.__wrapped__
-    step(optimizer)
+    _peel_profiling(getattr(cls, "_tl_base", cls).step)(optimizer)
 
 
 def _fuse_step(
@@ -1346,7 +1373,9 @@ def _step_torch(
         start, end = b.offsets[first], b.offsets[last] + b.numels[last]
         sp = b.flat_param[start:end]
         sp.grad = b.flat_grad[start:end]
-        st0 = state[b.params[first]]
+        # get, not []: torch's state is a defaultdict, and a stateless run (SGD without momentum)
+        # must not leave an empty dict per parameter behind (torch's state_dict() has none)
+        st0 = state.get(b.params[first], {})
         sst: Dict[Any, Any] = {}
         for k, v in st0.items():
             if k in b.state_flat:
@@ -1376,11 +1405,12 @@ def _step_torch(
             state.pop(sp, None)
     for _sp, run, sst in shadow_states:
         b = run.bucket
+        scalars = [(k, v) for k, v in sst.items() if k not in b.state_flat]
+        if not scalars:  # nothing but flat state (already in place), or no state at all
+            continue
         for i in run.idx:
             st = state[b.params[i]]
-            for k, v in sst.items():
-                if k in b.state_flat:
-                    continue
+            for k, v in scalars:
                 cur = st.get(k)
                 if isinstance(v, torch.Tensor) and isinstance(cur, torch.Tensor) and cur.shape == v.shape:
                     cur.copy_(v)
@@ -1415,6 +1445,7 @@ def _step_adjacent(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> None:
     for g in saved_groups:
         with_grad = [p for p in g["params"] if p.grad is not None]
         # Parameters sharing memory keep their relative order in torch's step (the spans go first).
+        # info.shared also holds the parameters listed twice: a span would replace all their listings.
         ready = [p for p in with_grad if state.get(p) and _fusable_param(p) and id(p) not in info.shared]
         # A span of those would not be bitwise equal to torch's steps per tensor: they stay per tensor.
         ready = [p for p in ready if not _cpu_tails_differ(g, p)]
@@ -1515,6 +1546,46 @@ def _plan(b: _Bucket, run: _Run, body_mod: int) -> Tuple[np.ndarray, np.ndarray,
     return plan
 
 
+#: ATen's elementwise CPU loops (cpu_kernel_vec) hand each thread one chunk of a tensor of more than
+#: this many elements (TensorIterator's grain size, at::internal::GRAIN_SIZE).
+_ATEN_GRAIN = 32768
+
+
+def _maximum_plan(b: _Bucket, run: _Run) -> Tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """A plan for the for-loop/foreach AMSGrad kernels whose "body" of each segment is what torch's
+    ``torch.maximum(max_exp_avg_sq, exp_avg_sq)`` computes in its vector loop: a NaN there is the
+    all-ones NaN, in the scalar tail the quiet NaN (see the .pyx).
+
+    ATen's loop runs two 32-byte vectors at a time from the start of each tensor, or of each thread's
+    chunk of it when the tensor has more than ``_ATEN_GRAIN`` elements and torch runs more than one
+    thread: ``min(threads, ceil(n / grain))`` chunks of ``ceil(n / chunks)`` elements
+    (at::parallel_for over OpenMP). So the segments are those chunks, with a body of ``len - len % w``
+    (w: 16 float32, 8 float64 elements)."""
+    threads = torch.get_num_threads()  # ~0.1 us; a run without big tensors caches one plan per count
+    key = (run.idx[0], run.idx[-1], "maximum", threads)
+    plan = b.plan_cache.get(key)
+    if plan is None:
+        width = 64 // b.flat_param.element_size()
+        starts: List[int] = []
+        lens: List[int] = []
+        for i in run.idx:
+            n = b.numels[i]
+            chunks = min(threads, -(-n // _ATEN_GRAIN)) if n > _ATEN_GRAIN else 1
+            size = max(1, -(-n // chunks))
+            for off in range(0, n, size):
+                starts.append(b.offsets[i] + off)
+                lens.append(min(size, n - off))
+        lens_a = np.array(lens, dtype=np.int64)
+        plan = (
+            *_K.make_plan(np.array(starts, dtype=np.int64), lens_a, lens_a - lens_a % width, _CHUNK),
+            int(lens_a.sum()),
+        )
+        if len(b.plan_cache) > 64:
+            b.plan_cache.clear()
+        b.plan_cache[key] = plan
+    return plan
+
+
 def _dtype_code(dt: torch.dtype) -> int:
     return _K.DTYPE_F32 if dt == torch.float32 else _K.DTYPE_F64
 
@@ -1594,9 +1665,11 @@ class _AdamKernel(_Kernel):
         vmax = sf["max_exp_avg_sq"].data_ptr() if self.amsgrad else 0
         code = _dtype_code(b.dtype)
         decay = (1 - lr * wd) if self.decoupled else 1.0
+        # AMSGrad: where torch.maximum's vector loop ends in each tensor (the NaN it gives differs)
+        loop_plan = _maximum_plan(b, run) if self.amsgrad else None
         if not self.fused and _vml_ready():
             # torch's for-loop and foreach paths in one cache-blocked pass, with torch's own sqrt
-            plan = _plan(b, run, 1)
+            plan = loop_plan or _plan(b, run, 1)
             _K.adam_loop_step(
                 code,
                 b.flat_param.data_ptr(),
@@ -1606,6 +1679,7 @@ class _AdamKernel(_Kernel):
                 vmax,
                 plan[0],
                 plan[1],
+                plan[2],
                 1 - beta1,
                 beta2,
                 1 - beta2,
@@ -1626,7 +1700,7 @@ class _AdamKernel(_Kernel):
             # torch's for-loop and foreach paths: the same rounding sequence, but the square root
             # comes from torch (MKL's vectorised sqrt is not correctly rounded): moments kernel,
             # torch.sqrt over the run's flat range, then the update kernel.
-            plan = _plan(b, run, 1)
+            plan = loop_plan or _plan(b, run, 1)
             n = plan[3]
             nt = _nthreads(n)
             _K.adam_moments(
@@ -1638,6 +1712,7 @@ class _AdamKernel(_Kernel):
                 vmax,
                 plan[0],
                 plan[1],
+                plan[2],
                 1 - beta1,
                 beta2,
                 1 - beta2,
@@ -1903,7 +1978,10 @@ def _probe_optimizers(kind: str, flavour: str) -> List[Callable[[List[torch.Tens
 
 
 def _probe_matches_torch(kind: str, flavour: str, dt: torch.dtype) -> bool:
-    """Three steps of torch's optimizer and of a fused twin: parameters and state bitwise equal?"""
+    """Three steps of torch's optimizer and of a fused twin: parameters and state bitwise equal?
+
+    Both step without hooks and profiler ranges (torch's step() unwrapped, fuse_step's update): the
+    user's global step hooks and a recording profiler must see only the user's own steps."""
     g = torch.Generator().manual_seed(20261128)
     n = sum(_PROBE_SIZES)
     p0 = torch.randn(n, generator=g, dtype=torch.float64).to(dt)
@@ -1913,12 +1991,13 @@ def _probe_matches_torch(kind: str, flavour: str, dt: torch.dtype) -> bool:
         mine = [t.clone().requires_grad_() for t in p0.split(_PROBE_SIZES)]
         opt_r = make(ref)
         opt_f = fuse_optimizer(make(mine))
+        info = _info(opt_f, "fuse_step")
         for gr in grads:
             for a, b, gp in zip(ref, mine, gr.split(_PROBE_SIZES)):
                 a.grad = gp.clone()
                 b.grad = gp.clone()
-            opt_r.step()
-            opt_f.fuse_step()
+            _torch_step(opt_r)
+            _fuse_step(opt_f, info, None)
         for a, b in zip(ref, mine):
             pairs = [(a.detach(), b.detach())]
             pairs += [
