@@ -463,3 +463,40 @@ def test_the_kernel_self_check_runs_no_step_hooks_and_records_no_profiler_range(
         "Optimizer.step#Adam.step"
     ]
     assert list(F._KERNEL_OK) == [("adam", "loop", torch.float32)]  # the check did run
+
+
+def test_load_state_dict_into_a_wrapped_fused_optimizer_resumes_as_torch():
+    """A fused optimizer wrapped by trainloom.comm's DistributedAllreduceOptimizer: load_state_dict on
+    the wrapper (a checkpoint resume) re-fuses it, which raised "FuseError: ... overrides step() of
+    Adam" (the wrapper's class). One process: the allreduce averages over one rank."""
+    from trainloom.comm import bluefog as bf
+
+    def batches(n: int) -> List[torch.Tensor]:
+        g = torch.Generator().manual_seed(3)
+        return [torch.randn(2, 4, generator=g) for _ in range(n)]
+
+    def train(opt: Any, model: torch.nn.Module, xs: List[torch.Tensor]) -> None:
+        for x in xs:
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(4, 3)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    train(ref_opt, ref, batches(4))
+    bf.init()
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        opt = bf.DistributedAllreduceOptimizer(
+            fuse_optimizer(torch.optim.Adam(model.parameters(), lr=1e-2)), model=model
+        )
+        train(opt, model, batches(4)[:2])
+        saved = opt.state_dict()
+        opt.load_state_dict(saved)  # raised FuseError
+        train(opt, model, batches(4)[2:])
+    finally:
+        bf.shutdown()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_bitwise(p.detach(), q.detach())

@@ -429,8 +429,9 @@ def _info(optimizer: Any, where: str) -> _FusedInfo:
     return info
 
 
-def _check_supported(optimizer: torch.optim.Optimizer) -> None:
-    cls = type(optimizer)
+def _check_supported(optimizer: torch.optim.Optimizer, cls: Optional[type] = None) -> None:
+    """Raise FuseError unless ``optimizer`` (checked as ``cls``, default its type) can be fused."""
+    cls = cls or type(optimizer)
     for base in cls.__mro__:
         if base.__name__ in _REFUSED:
             what = cls.__name__ if base is cls else f"{cls.__name__} (a subclass of {base.__name__})"
@@ -974,7 +975,9 @@ def _sync(
         _warn(f"fuse_step: {reason}; re-fusing the optimizer's flat buffers")
         info.warned = True
     logger.info("re-fusing %s: %s", type(optimizer).__name__, reason)
-    _check_supported(optimizer)
+    # Fused, then wrapped by trainloom.comm.optimizers (load_state_dict on the wrapper re-fuses): checked
+    # as the class it wraps, whose step() the wrapper runs after communicating.
+    _check_supported(optimizer, getattr(type(optimizer), "_tl_base", None))
     info.fast = None
     if info.do_flatten:
         _build(optimizer, info)
