@@ -429,7 +429,9 @@ def _info(optimizer: Any, where: str) -> _FusedInfo:
     return info
 
 
-def _check_supported(optimizer: torch.optim.Optimizer, cls: Optional[type] = None) -> None:
+def _check_supported(
+    optimizer: torch.optim.Optimizer, cls: Optional[Type[torch.optim.Optimizer]] = None
+) -> None:
     """Raise FuseError unless ``optimizer`` (checked as ``cls``, default its type) can be fused."""
     cls = cls or type(optimizer)
     for base in cls.__mro__:
