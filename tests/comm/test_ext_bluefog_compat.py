@@ -146,6 +146,11 @@ def test_later_bluefog_names_are_the_same_functions():
     assert bf.wait is bf.synchronize
     for name in bf.__all__:
         assert hasattr(bf, name), name
+    # docs/comm-ext.md: bluefog is every module of the table plus init, shutdown, ...
+    import trainloom.comm.state as state
+
+    assert set(state.__all__) <= set(bf.__all__)
+    assert bf.broadcast_object is state.broadcast_object
 
 
 def autograd_ranks(rank: int, ws: int) -> dict:

@@ -52,7 +52,7 @@ from trainloom.comm.neighbor import (
     synchronize,
 )
 from trainloom.comm.optimizers import DistributedAllreduceOptimizer, DistributedNeighborAllreduceOptimizer
-from trainloom.comm.state import broadcast_optimizer_state, broadcast_parameters
+from trainloom.comm.state import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from trainloom.comm.topology import (
     ExponentialTwoGraph,
     FullyConnectedGraph,
@@ -106,6 +106,7 @@ __all__ = [
     "synchronize",
     "DistributedAllreduceOptimizer",
     "DistributedNeighborAllreduceOptimizer",
+    "broadcast_object",
     "broadcast_optimizer_state",
     "broadcast_parameters",
     "ExponentialTwoGraph",
