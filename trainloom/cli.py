@@ -117,7 +117,13 @@ def _build_parser() -> Tuple[argparse.ArgumentParser, Dict[str, str]]:
             else:
                 unavailable[name] = f"{help_text} [unavailable: {str(exc).splitlines()[0]}]"
             continue
-        p = sub.add_parser(name, help=help_text, description=(mod.__doc__ or help_text).strip())
+        # (raw: the module docstring's paragraphs and bullet lists stay as written)
+        p = sub.add_parser(
+            name,
+            help=help_text,
+            description=(mod.__doc__ or help_text).strip(),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
     if unavailable:

@@ -560,7 +560,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--cost-us", type=float, default=8.0, help="CPU microseconds to produce one token (default 8)"
     )
     p.add_argument("--compare", action="store_true", help="also train with plain torch and compare")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the data, model and sampler (default 0)")
     p.add_argument("--keep-cache", action="store_true", help="keep the demo's LMDB cache after the run")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
