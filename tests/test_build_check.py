@@ -43,8 +43,9 @@ def test_stale_module_is_reported(monkeypatch):
         ImportError,
         match=r"'trainloom._openmp_helpers' is stale: .*_openmp_helpers.pyx \(or a .pxd/.pxi/.h file "
         r"under .*pyx\) changed after it was built",
-    ):
+    ) as info:
         _build_check.import_compiled(name)
+    assert str(info.value).endswith("\n(While developing, TRAINLOOM_ALLOW_STALE=1 imports it anyway.)")
     # The developers' escape hatch turns the check off.
     monkeypatch.setenv("TRAINLOOM_ALLOW_STALE", "1")
     assert _build_check.import_compiled(name).openmp_enabled() in (True, False)

@@ -120,6 +120,7 @@ def check_stale(name: str) -> None:
     if source_hash(src) != recorded:
         raise ImportError(
             f"trainloom's compiled module {name!r} is stale: {src} (or a .pxd/.pxi/.h file under "
-            f"{_pyx_root(src)}) changed after it was built.\n{_REBUILD}",
+            f"{_pyx_root(src)}) changed after it was built.\n{_REBUILD}\n"
+            "(While developing, TRAINLOOM_ALLOW_STALE=1 imports it anyway.)",
             name=name,
         )
