@@ -79,7 +79,7 @@ def test_cache_cli_errors(tmp_path, capsys, monkeypatch):
         in (capsys.readouterr().err)
     )
     assert main(["cache", "info", "--redis", "rediss://:pw@127.0.0.1:6380"]) == 1
-    assert "--redis: TLS (rediss://) is not supported, got 'rediss://:pw@127.0.0.1:6380'" in (
+    assert "--redis: TLS (rediss://) is not supported, got 'rediss://:***@127.0.0.1:6380'" in (
         capsys.readouterr().err
     )
     assert main(["cache", "info", "--redis", "redis://127.0.0.1:6379/x"]) == 1
@@ -189,3 +189,100 @@ def test_cache_help(cmd, expected, capsys):
     with pytest.raises(SystemExit) as exc:
         main(cmd)
     assert exc.value.code == 0 and expected in capsys.readouterr().out
+
+
+def _committed_map_size(path):
+    from trainloom.data.stores.lmdb_store import _committed_map_size
+
+    return _committed_map_size(path)
+
+
+def test_cache_cli_keeps_and_reports_the_committed_map_size(tmp_path, capsys):
+    # The CLI opened the cache with LmdbStore's default map_size (1 GiB): `info` printed "map 1.0 GiB"
+    # for a 2 MiB cache, and `clear` committed a 1 GiB map, which a store with a smaller
+    # max_map_size then adopted when it grew.
+    from trainloom.data.stores import LmdbStore
+
+    with LmdbStore(tmp_path, namespace="a", map_size=2 << 20, max_map_size=2 << 20) as s:
+        s.mset({f"k{i}": b"x" * 1000 for i in range(20)})
+    assert _committed_map_size(tmp_path) == 2 << 20
+    assert main(["cache", "info", "--path", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"LMDB cache {tmp_path}: ") and ", map 2.0 MiB, " in out, out
+    assert main(["cache", "clear", "--path", str(tmp_path), "--namespace", "a"]) == 0
+    assert capsys.readouterr().out == f"cleared 20 entries of namespace 'a' in {tmp_path}\n"
+    assert _committed_map_size(tmp_path) == 2 << 20
+    assert main(["cache", "info", "--path", str(tmp_path)]) == 0
+    assert ", map 2.0 MiB, " in capsys.readouterr().out
+
+
+def test_cache_clear_of_a_cache_full_at_its_max_map_size(tmp_path, capsys):
+    # The error of a full cache says to run `trainloom cache clear`: it failed with MDB_MAP_FULL.
+    from trainloom.data.stores import LmdbStore, StoreFullError
+
+    s = LmdbStore(tmp_path, namespace="full", map_size=1 << 20, max_map_size=2 << 20)
+    with pytest.raises(StoreFullError, match="trainloom cache clear"):
+        for i in range(10_000):
+            s.mset({f"k{i}_{j}": bytes(1000) for j in range(8)})
+    n = s.num_keys()
+    s.close()
+    assert main(["cache", "clear", "--path", str(tmp_path), "--all"]) == 0
+    assert capsys.readouterr() == (f"cleared {n} entries of namespace 'full' in {tmp_path}\n", "")
+    with LmdbStore(tmp_path, namespace="full", map_size=1 << 20, max_map_size=2 << 20) as s:
+        assert s.num_keys() == 0
+        s.mset({f"g{j}": bytes(50_000) for j in range(4)})
+
+
+@pytest.mark.parametrize(
+    "args,line",
+    [
+        (
+            ["clear", "--namespace", "a", "--all"],
+            "trainloom cache clear: error: argument --all: not allowed with argument --namespace",
+        ),
+        (
+            ["info", "--redis", "127.0.0.1:1", "--path", "X"],
+            "trainloom cache info: error: argument --path: not allowed with argument --redis",
+        ),
+        (
+            ["clear", "--path", "X", "--redis", "127.0.0.1:1", "--namespace", "a"],
+            "trainloom cache clear: error: argument --redis: not allowed with argument --path",
+        ),
+    ],
+)
+def test_cache_cli_conflicting_arguments_are_a_usage_error(tmp_path, capsys, args, line):
+    # `clear --namespace a --all` cleared every namespace and exited 0; `info --redis ... --path X`
+    # ignored --path.
+    loader = CacheLoader(path=tmp_path, dataset_name="a")
+    loader.get(1, lambda k: k)
+    loader.close()
+    args = [str(tmp_path) if a == "X" else a for a in args]
+    with pytest.raises(SystemExit) as exc:
+        main(["cache", *args])
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2 and out == ""
+    assert err.splitlines()[-1] == line
+    assert CacheLoader(path=tmp_path, dataset_name="a").num_keys() == 1
+
+
+@requires_redis
+def test_cache_cli_never_prints_the_redis_password(own_redis, capsys):
+    # `clear --redis redis://:PW@host:port` echoed the URL, password included, on stdout.
+    srv = own_redis()
+    loader = CacheLoader("redis", "secret", hosts=[srv.address()])
+    for i in range(3):
+        loader.get(i, lambda k: k)
+    loader.flush()
+    pw = srv.password
+    url = f"redis://:{pw}@{srv.host}:{srv.port}"
+    assert main(["cache", "clear", "--redis", url, "--namespace", "secret"]) == 0
+    assert capsys.readouterr() == (f"cleared 3 entries of namespace 'secret' on {srv.host}:{srv.port}\n", "")
+    assert main(["cache", "info", "--redis", url]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith(f"redis {srv.host}:{srv.port}: used ") and pw not in out + err
+    # Invalid addresses are echoed without the password too.
+    for bad in (f"redis://:{pw}@{srv.host}", f"redis://user:{pw}@{srv.host}:{srv.port}/x"):
+        assert main(["cache", "info", "--redis", bad]) == 1
+        out, err = capsys.readouterr()
+        assert out == "" and pw not in err and "redis://" in err and ":***@" in err, err
+    loader.close()

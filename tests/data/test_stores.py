@@ -81,7 +81,10 @@ def test_lmdb_full_at_cap_names_the_cap(tmp_path):
 
 def test_lmdb_reclaims_reader_slots_of_killed_processes(tmp_path):
     path = tmp_path / "db"
-    LmdbStore(path, max_readers=4).set("k", b"v")
+    # Kept open: the environment stays open, so the reader slots are reclaimed by reader_check() on
+    # ReadersFullError (a fresh open by the only process left resets LMDB's reader table itself).
+    first = LmdbStore(path, max_readers=4)
+    first.set("k", b"v")
     code = textwrap.dedent(f"""
         import lmdb, os, signal, sys
         env = lmdb.open({str(path)!r}, max_readers=4, max_dbs=256)
@@ -103,6 +106,8 @@ def test_lmdb_reclaims_reader_slots_of_killed_processes(tmp_path):
     s.set("x", b"y")
     assert s.get("x") == b"y"  # would be ReadersFullError without reader_check()
     assert s.reader_checks >= 1
+    s.close()
+    first.close()
 
 
 def _lmdb_value(key: str) -> bytes:
@@ -605,3 +610,127 @@ def test_an_older_mget_decode_override_still_tells_none_from_missing(tmp_path):
     assert loader.get_many([1, 2], lambda k: None) == [None, None]
     assert loader.get_many([1, 2], lambda k: pytest.fail("recomputed")) == [None, None]
     assert loader.stats()["hits"] == 2 and Counting.calls == 2  # the override is still used
+
+
+# -- LMDB at max_map_size: freeing operations, the cap, read-only stores, collected stores ----------
+
+
+def _fill_to_the_cap(store, size, batch):
+    with pytest.raises(StoreFullError, match="is full at max_map_size="):
+        for i in range(100_000):
+            store.mset({f"k{i}_{j}": os.urandom(size) for j in range(batch)})
+
+
+def test_lmdb_clear_delete_and_reset_at_max_map_size(tmp_path):
+    # Before: clear() of a store full at its cap failed with "mdb_txn_commit: MDB_MAP_FULL" (a drop
+    # frees pages, but its commit writes the free list to new pages), although the StoreFullError
+    # tells users to clear old caches; delete() and a fingerprint reset failed the same way.
+    cap = 4 << 20
+    s = LmdbStore(tmp_path, namespace="ds", map_size=1 << 20, max_map_size=cap)
+    _fill_to_the_cap(s, 1000, 8)
+    n = s.num_keys()
+    s.delete([f"k{i}_{j}" for i in range(50) for j in range(8)])
+    assert s.num_keys() == n - 400
+    s.clear()
+    assert s.num_keys() == 0
+    env = s._handles()
+    used = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    assert used <= cap + (512 << 10)  # a bounded overshoot for the free lists and copied pages
+    assert env.info()["map_size"] == max(cap, used)  # and the map is set back to the cap
+    _fill_to_the_cap(s, 1000, 8)
+    assert s.reset_if_changed("fp", b"one") is False
+    _fill_to_the_cap(s, 1000, 8)
+    assert s.reset_if_changed("fp", b"two") is True
+    assert s.num_keys() == 1 and s.get("fp") == b"two"
+    s.close()
+
+
+def test_lmdb_writes_after_clear_at_max_map_size_reuse_the_freed_pages(tmp_path):
+    # Before: every write after clear() at the cap raised StoreFullError until another write
+    # committed (LMDB reuses pages freed by the last committed transaction only after a newer one).
+    s = LmdbStore(tmp_path, namespace="a", map_size=1 << 20, max_map_size=4 << 20)
+    _fill_to_the_cap(s, 50_000, 4)
+    s.clear()
+    batch = {f"g{j}": os.urandom(50_000) for j in range(4)}
+    s.mset(batch)
+    assert s.mget(list(batch)) == list(batch.values()) and s.num_keys() == 4
+    s.close()
+
+
+def test_lmdb_write_at_the_cap_after_a_commit_that_freed_pages(tmp_path):
+    # Overwriting large values with small ones frees their pages; the next write could not use them
+    # (StoreFullError) until another transaction committed: the map growth now commits one first.
+    s = LmdbStore(tmp_path, namespace="a", map_size=1 << 20, max_map_size=4 << 20)
+    _fill_to_the_cap(s, 50_000, 4)
+    s.mset({f"k{i}_{j}": b"x" for i in range(20) for j in range(4)})
+    batch = {f"g{j}": os.urandom(50_000) for j in range(4)}
+    s.mset(batch)
+    assert s.mget(list(batch)) == list(batch.values())
+    s.close()
+
+
+def test_lmdb_max_map_size_holds_after_another_open_committed_a_larger_map(tmp_path):
+    # A store (or, before, `trainloom cache clear`, which opened with 1 GiB) committed a 64 MiB map:
+    # a store with max_map_size=2 MiB adopted it when growing and wrote past its cap.
+    with LmdbStore(tmp_path, namespace="big", map_size=64 << 20) as big:
+        big.set("k", b"v")
+    s = LmdbStore(tmp_path, namespace="a", map_size=1 << 20, max_map_size=2 << 20)
+    with pytest.raises(StoreFullError, match="is full at max_map_size=2097152 bytes"):
+        for i in range(20):  # 4 MB
+            s.mset({f"k{i}_{j}": os.urandom(100_000) for j in range(2)})
+    env = s._handles()
+    assert env.info()["map_size"] == 2 << 20
+    assert (env.info()["last_pgno"] + 1) * env.stat()["psize"] <= 2 << 20
+    assert os.path.getsize(tmp_path / "data.mdb") <= 2 << 20
+    s.close()
+
+
+def test_lmdb_readonly_store_refuses_every_write_while_a_writer_is_open(tmp_path):
+    # The read-only store shares the writer's environment: delete, clear and reset_if_changed wrote.
+    w = LmdbStore(tmp_path, namespace="a", map_size=1 << 20)
+    w.mset({"k": b"v", "k2": b"v"})
+    ro = LmdbStore(tmp_path, namespace="a", readonly=True)
+    assert ro.get("k") == b"v"
+    msg = f"^LmdbStore: {tmp_path} was opened read-only$"
+    for call in (lambda: ro.delete(["k"]), ro.clear, lambda: ro.reset_if_changed("fp", b"x")):
+        with pytest.raises(StoreError, match=msg):
+            call()
+    assert w.num_keys() == 2 and ro.get("fp") is None
+    ro.close()
+    w.close()
+
+
+def test_lmdb_store_collected_without_close_releases_its_environment(tmp_path):
+    import gc
+
+    with LmdbStore(tmp_path, namespace="a", map_size=1 << 20) as w:
+        w.set("k", b"v")
+    keep = LmdbStore(tmp_path, namespace="a", readonly=True)
+    r = LmdbStore(tmp_path, namespace="a", readonly=True)
+    assert r.get("k") == b"v" and keep.get("k") == b"v"
+    r.cycle = r  # freed by the cyclic collector, at an arbitrary point
+    del r
+    gc.collect()
+    assert keep.get("k") == b"v"  # the environment stays open for the other store
+    keep.close()
+    r = LmdbStore(tmp_path, namespace="a", readonly=True)
+    assert r.get("k") == b"v"
+    del r
+    gc.collect()
+    # Before: "already open read-only in this process" (the collected store never released it).
+    with LmdbStore(tmp_path, namespace="a") as w:
+        w.set("k2", b"w")
+        assert w.get("k2") == b"w"
+
+
+@requires_redis
+def test_redis_hosts_entry_with_password_none_takes_password_argument(redis_server):
+    # h.get("password", password) kept the entry's None: the server refused the unauthenticated client.
+    from trainloom.data.stores.redis_store import RedisStore
+
+    hosts = [{"host": redis_server.host, "port": redis_server.port, "password": None}]
+    s = RedisStore(hosts, password=redis_server.password, namespace="pwnone")
+    s.set("k", b"v")
+    assert s.get("k") == b"v"
+    s.clear()
+    s.close()

@@ -5,6 +5,12 @@ trainloom cache info --path DIR            # another LMDB cache directory
 trainloom cache info --redis HOST:PORT --password PW --namespace NAME
 trainloom cache clear --namespace NAME     # drop one dataset's entries (others are kept)
 trainloom cache clear --all                # drop every namespace of the LMDB cache
+
+``--path`` and ``--redis``, and ``--namespace`` and ``--all``, exclude each other (a usage error,
+exit 2). LMDB caches are opened with the map size their writers committed, which is also the map
+size ``info`` shows (opening with a larger one would commit it at the next write, past the
+``max_map_size`` of the cache's stores). Redis addresses are echoed as HOST:PORT, never with the
+password of a URL.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from typing import Any, Dict, List, Optional
 
 from trainloom.data.cache import cached_values
 from trainloom.data.stores.base import StoreError
-from trainloom.data.stores.lmdb_store import LmdbStore, default_cache_dir
+from trainloom.data.stores.lmdb_store import LmdbStore, _committed_map_size, default_cache_dir
 
 __all__ = ["add_arguments", "run"]
 
@@ -29,15 +35,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="cache_command", metavar="{info,clear}")
     for name, help_text in (("info", "show caches and their sizes"), ("clear", "delete cached entries")):
         p = sub.add_parser(name, help=help_text)
-        p.add_argument(
+        where = p.add_mutually_exclusive_group()
+        where.add_argument(
             "--path",
             type=Path,
             default=None,
             help="LMDB cache directory, or the cache directory holding it in lmdb/ "
-            "(default: $TRAINLOOM_CACHE_DIR/lmdb or ~/.cache/trainloom/lmdb)",
+            "(default: $TRAINLOOM_CACHE_DIR/lmdb, else $XDG_CACHE_HOME/trainloom/lmdb, else "
+            "~/.cache/trainloom/lmdb)",
         )
-        p.add_argument("--namespace", default=None, help="the dataset_name of the cache")
-        p.add_argument(
+        which = p.add_mutually_exclusive_group() if name == "clear" else p
+        which.add_argument("--namespace", default=None, help="the dataset_name of the cache")
+        where.add_argument(
             "--redis",
             default=None,
             metavar="HOST:PORT",
@@ -47,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "--password", default=None, help="the Redis server's password (default: $REDISCLI_AUTH)"
         )
         if name == "clear":
-            p.add_argument("--all", action="store_true", help="every namespace of the LMDB cache")
+            which.add_argument("--all", action="store_true", help="every namespace of the LMDB cache")
     parser.set_defaults(cache_command=None)
 
 
@@ -61,8 +70,17 @@ def _human(n: Optional[float]) -> str:
     return str(n)
 
 
+def _lmdb_store(path: Path, namespace: Optional[str], readonly: bool) -> LmdbStore:
+    """A store on the existing cache at ``path`` with the map size its writers committed: LMDB maps
+    the ``map_size`` it is given (at least the pages in use) and the next commit persists it, so the
+    default 1 GiB made ``info`` show 1 GiB and ``clear`` commit it, past the cache's max_map_size.
+    A clear at that size may take a few pages past it (LmdbStore.clear)."""
+    size = _committed_map_size(path) or 1
+    return LmdbStore(path, namespace=namespace, map_size=size, max_map_size=size, readonly=readonly)
+
+
 def _lmdb_namespaces(path: Path) -> List[str]:
-    with LmdbStore(path, namespace=None, readonly=True) as store:
+    with _lmdb_store(path, None, readonly=True) as store:
         return store.namespaces()
 
 
@@ -77,12 +95,22 @@ def _lmdb_path(args: argparse.Namespace) -> Path:
     return path
 
 
+def _redacted(spec: str) -> str:
+    """``spec`` with the password of a URL shown as ``***`` (for messages: it must not reach logs)."""
+    scheme, sep, rest = spec.partition("://")
+    if not sep or "@" not in rest:
+        return spec
+    userinfo, _, hostpart = rest.rpartition("@")  # the host part holds no '@'; a password may
+    user, colon, _ = userinfo.partition(":")
+    return f"{scheme}://{user}:***@{hostpart}" if colon else f"{scheme}://***@{hostpart}"
+
+
 def _redis_address(spec: str) -> Dict[str, Any]:
     """host, port and, from a URL, password, username and db of HOST:PORT, [IPv6]:PORT or
-    redis://[[USER]:PASSWORD@]HOST:PORT[/DB]."""
+    redis://[[USER]:PASSWORD@]HOST:PORT[/DB]. Error messages show the URL without its password."""
     if spec.startswith("rediss://"):
         # Connecting without TLS would send the password in clear to a server that expects TLS.
-        raise ValueError(f"--redis: TLS (rediss://) is not supported, got {spec!r}")
+        raise ValueError(f"--redis: TLS (rediss://) is not supported, got {_redacted(spec)!r}")
     if spec.startswith("redis://"):
         url = urllib.parse.urlsplit(spec)
         try:
@@ -92,7 +120,8 @@ def _redis_address(spec: str) -> Dict[str, Any]:
         db_s = url.path.strip("/")
         if not url.hostname or port is None or not (db_s == "" or db_s.isdigit()) or url.query:
             raise ValueError(
-                f"--redis must be HOST:PORT or redis://[[USER]:PASSWORD@]HOST:PORT[/DB], got {spec!r}"
+                "--redis must be HOST:PORT or redis://[[USER]:PASSWORD@]HOST:PORT[/DB], "
+                f"got {_redacted(spec)!r}"
             )
         return {
             "host": url.hostname,
@@ -167,7 +196,7 @@ def _info(args: argparse.Namespace) -> int:
         names = [args.namespace]
     first = True
     for ns in names:
-        with LmdbStore(path, namespace=ns, readonly=True) as store:
+        with _lmdb_store(path, ns, readonly=True) as store:
             i = store.info()
             i["entries"] = cached_values(store)
         if first:
@@ -205,7 +234,8 @@ def _clear(args: argparse.Namespace) -> int:
             store.clear()
         finally:
             store.close()
-        print(f"cleared {n} entries of namespace {args.namespace!r} on {args.redis}")
+        # HOST:PORT, as in the other messages: a URL's password must not be printed.
+        print(f"cleared {n} entries of namespace {args.namespace!r} on {store.host}:{store.port}")
         return 0
     if args.namespace is None and not args.all:
         print("trainloom cache clear: name a --namespace, or pass --all", file=sys.stderr)
@@ -220,7 +250,7 @@ def _clear(args: argparse.Namespace) -> int:
         if ns not in names:
             print(f"namespace {ns!r} not found in {path} (have: {names})", file=sys.stderr)
             return 1
-        with LmdbStore(path, namespace=ns) as store:
+        with _lmdb_store(path, ns, readonly=False) as store:
             n = cached_values(store)
             store.clear()
         print(f"cleared {n} entries of namespace {ns!r} in {path}")

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import logging
 import os
 import shutil
 import threading
+import weakref
+from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union
 
@@ -47,6 +50,15 @@ _DISK_FULL_BYTES = 64 << 20
 _FULL_ROOM = 1 << 20
 #: LMDB's MDB_MAXKEYSIZE as py-lmdb builds it (the store reads the real value when it opens).
 _DEFAULT_MAX_KEY = 511
+#: Pages a freeing transaction (clear, delete, a fingerprint reset) may take beyond max_map_size, on
+#: top of its free list: the copied pages of the main and free-list trees and a small put.
+_FREEING_PAGES = 64
+#: Keys deleted per write transaction by LmdbStore.delete: each copies at most its keys' paths, so
+#: that a delete at max_map_size takes a bounded number of pages past it.
+_DELETE_CHUNK = 32
+#: Key of the empty write (main database, put and deleted at once) that makes pages freed by the last
+#: commit reusable; not a namespace (those start with _DB_PREFIX).
+_ADVANCE_KEY = b"trainloom:advance"
 
 
 def default_cache_dir() -> Path:
@@ -69,17 +81,62 @@ def _import_lmdb() -> Any:
     return lmdb
 
 
+def _committed_map_size(path: Union[str, os.PathLike]) -> Optional[int]:
+    """The map size last committed to the LMDB environment at ``path``; None when there is none.
+
+    Opening an environment maps the ``map_size`` it is given (at least the pages in use), whatever
+    size was committed, and the next commit persists it; given 0, LMDB maps the committed size.
+    ``trainloom cache`` opens with this size so that it leaves the map as the cache's writers made it.
+    (A brief read-only open without the lock file; not for a path this process holds open.)"""
+    if not (Path(path) / "data.mdb").is_file():
+        return None
+    lmdb = _import_lmdb()
+    try:
+        env = lmdb.open(os.fspath(path), map_size=0, subdir=True, readonly=True, lock=False)
+    except lmdb.Error:
+        return None
+    try:
+        return int(env.info()["map_size"]) or None
+    finally:
+        env.close()
+
+
 # One environment per path per process: py-lmdb refuses to open a path twice in one process, and
 # several stores (namespaces) commonly share the default path. path -> [env, pid, users, readonly].
 _ENVS: Dict[str, List[Any]] = {}
 _ENVS_LOCK = threading.Lock()
+# (path, pid) of stores garbage-collected without close(). Their weakref.finalize callback only
+# queues the release (it may run at any allocation, e.g. inside _acquire_env holding _ENVS_LOCK, or
+# inside another store's transaction); _acquire_env and _release_env apply it under the lock.
+_COLLECTED: deque[Tuple[str, int]] = deque()
 
 
-def _acquire_env(store: LmdbStore) -> Any:
+def _collected(key: str, pid: int) -> None:
+    """weakref.finalize callback of an open LmdbStore: queue the release of its environment."""
+    _COLLECTED.append((key, pid))
+
+
+def _release_collected() -> None:
+    """Release the environments of collected stores (caller holds _ENVS_LOCK). The count keeps an
+    environment open while any other store of this process uses it."""
+    pid = os.getpid()
+    while _COLLECTED:
+        key, owner = _COLLECTED.popleft()
+        entry = _ENVS.get(key)
+        if owner != pid or entry is None or entry[1] != pid:
+            continue  # opened before a fork, in the parent
+        entry[2] -= 1
+        if entry[2] <= 0:
+            del _ENVS[key]
+            entry[0].close()
+
+
+def _acquire_env(store: LmdbStore) -> Tuple[Any, str]:
     lmdb = _import_lmdb()
     key = os.path.realpath(store.path)
     pid = os.getpid()
     with _ENVS_LOCK:
+        _release_collected()
         entry = _ENVS.get(key)
         if entry is not None and entry[1] != pid:
             # Inherited through fork(): LMDB environments must not be used across fork, and py-lmdb
@@ -116,12 +173,12 @@ def _acquire_env(store: LmdbStore) -> Any:
             store.reader_checks += env.reader_check()
             entry = _ENVS[key] = [env, pid, 0, store.readonly]
         entry[2] += 1
-        return entry[0]
+        return entry[0], key
 
 
-def _release_env(path: Path) -> None:
-    key = os.path.realpath(path)
+def _release_env(key: str) -> None:
     with _ENVS_LOCK:
+        _release_collected()
         entry = _ENVS.get(key)
         if entry is None or entry[1] != os.getpid():
             return
@@ -212,13 +269,15 @@ class LmdbStore(Store):
         self._env: Any = None
         self._db: Any = None
         self._pid = -1
+        # weakref.finalize releasing the environment of a store collected without close().
+        self._finalizer: Optional[weakref.finalize] = None
         self.grow_count = 0
         self.reader_checks = 0
 
     # -- process-local handles -------------------------------------------------------------------
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
-        state["_env"] = state["_db"] = None
+        state["_env"] = state["_db"] = state["_finalizer"] = None
         state["_pid"] = -1
         return state
 
@@ -226,6 +285,9 @@ class LmdbStore(Store):
         if self._env is not None and self._pid == os.getpid():
             return self._env
         self._env = self._db = None
+        if self._finalizer is not None:  # the parent's, inherited through fork(): not ours to release
+            self._finalizer.detach()
+            self._finalizer = None
         self._open()
         return self._env
 
@@ -242,11 +304,11 @@ class LmdbStore(Store):
                 ) from exc
         elif not (self.path / "data.mdb").exists():
             raise StoreError(f"LmdbStore: no LMDB environment at {self.path}", backend="lmdb")
-        env = _acquire_env(self)
-        self.max_key_size = env.max_key_size()
+        env, key = _acquire_env(self)
         try:
+            self.max_key_size = env.max_key_size()
             if self.namespace is None:
-                self._env, self._pid = env, os.getpid()
+                self._opened(env, key)
                 return
             name = _DB_PREFIX + self.namespace.encode("utf-8")
             if self.readonly:
@@ -261,15 +323,22 @@ class LmdbStore(Store):
             else:
                 self._db = self._retry_grow(env, lambda: env.open_db(name, create=True))
         except lmdb.Error as exc:
-            _release_env(self.path)
+            _release_env(key)
             raise StoreError(
                 f"LmdbStore: cannot open namespace {self.namespace!r} in {self.path}: {exc}", backend="lmdb"
             ) from exc
         except BaseException:
-            _release_env(self.path)
+            _release_env(key)
             raise
+        self._opened(env, key)
+
+    def _opened(self, env: Any, key: str) -> None:
         self._env = env
         self._pid = os.getpid()
+        # A store dropped without close() releases the environment when it is collected (else a
+        # read-only one kept the path from being opened for writing in this process).
+        self._finalizer = weakref.finalize(self, _collected, key, self._pid)
+        self._finalizer.atexit = False
 
     # -- error handling ---------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -282,35 +351,101 @@ class LmdbStore(Store):
             finally:
                 fcntl.flock(fh, fcntl.LOCK_UN)
 
-    def _grow(self, env: Any) -> None:
+    @staticmethod
+    def _used(env: Any) -> int:
+        """Bytes up to the last page in use (pages on LMDB's free list included)."""
+        return int((env.info()["last_pgno"] + 1) * env.stat()["psize"])
+
+    def _adopt_committed(self, env: Any) -> None:
+        """Map the size another process committed (MDB_MAP_RESIZED), but not beyond max_map_size."""
+        env.set_mapsize(0)
+        if env.info()["map_size"] > self.max_map_size:
+            env.set_mapsize(self.max_map_size)  # LMDB keeps at least the pages in use
+
+    def _freeing_limit(self, env: Any, extra_pages: int = 0) -> int:
+        """The map size a freeing transaction (clear, delete, a fingerprint reset) may grow to: past
+        max_map_size (or the pages in use, if more) by its free list and the pages it copies
+        (``extra_pages`` beyond _FREEING_PAGES). Committing a drop writes the list of the pages it
+        frees to new pages: at the cap it could not commit."""
+        psize = int(env.stat()["psize"])
+        used = self._used(env)
+        # The free list holds an 8-byte number per freed page, at most every page in use.
+        pages = -(-8 * (used // psize + 2) // psize) + _FREEING_PAGES + extra_pages
+        return max(self.max_map_size, used) + pages * psize
+
+    def _grow(self, env: Any, limit: Optional[int] = None) -> None:
+        """Grow the map after MDB_MAP_FULL, up to max_map_size (or ``limit``, see _freeing_limit);
+        raises StoreFullError there."""
         with self._grow_lock():
-            # set_mapsize(0) adopts a larger size another process committed; it also falls back to the
-            # last committed size, which is below ours when our own growth was never committed.
+            if limit is None:
+                limit = self.max_map_size
+            # set_mapsize(0) adopts a larger size another process committed (not beyond the limit:
+            # a store or an old `trainloom cache clear` opened with a larger map_size committed it);
+            # it also falls back to the last committed size, which is below ours when our own growth
+            # was never committed.
             before = env.info()["map_size"]
             env.set_mapsize(0)
-            cur = max(before, env.info()["map_size"])
-            if cur >= self.max_map_size:
+            if before >= limit:
+                if env.info()["map_size"] > limit:
+                    env.set_mapsize(limit)
                 raise StoreFullError(
                     f"LmdbStore: {self.path} is full at max_map_size={self.max_map_size} bytes "
                     f"(namespace {self.namespace!r}); pass a larger max_map_size= or clear old caches "
                     "with `trainloom cache clear`",
                     backend="lmdb",
                 )
-            new = min(max(cur * 2, cur + (64 << 20)), self.max_map_size)
+            cur = min(max(before, env.info()["map_size"]), limit)
+            new = cur if cur > before else min(max(cur * 2, cur + (64 << 20)), limit)
             env.set_mapsize(new)
             self.grow_count += 1
-            log.info("LmdbStore: grew the map of %s from %d to %d bytes", self.path, cur, new)
+            log.info("LmdbStore: grew the map of %s from %d to %d bytes", self.path, before, new)
 
-    def _retry_grow(self, env: Any, fn: Callable[[], T]) -> T:
+    def _advance(self, env: Any) -> None:
+        """Commit a write transaction that leaves no trace (a key of the main database put and
+        deleted). LMDB reuses the pages freed by a transaction only once a newer one has committed:
+        after a clear at max_map_size every write failed until some other write committed."""
+        with env.begin(write=True) as t:
+            t.put(_ADVANCE_KEY, b"")
+            t.delete(_ADVANCE_KEY)
+
+    def _retry_grow(self, env: Any, fn: Callable[[], T], limit: Optional[int] = None) -> T:
         lmdb = _import_lmdb()
+        advanced = False
         while True:
             try:
                 return fn()
             except lmdb.MapFullError:
                 # The failed transaction was rolled back as a whole: grow, then redo the same batch.
-                self._grow(env)
+                try:
+                    self._grow(env, limit)
+                except StoreFullError as full:
+                    # At the cap: pages the last commit freed (another process's clear, values
+                    # overwritten by smaller ones) are reusable only after a newer commit. Commit an
+                    # empty write, then retry once.
+                    if advanced:
+                        raise
+                    advanced = True
+                    try:
+                        self._advance(env)
+                    except lmdb.MapFullError:
+                        raise full from None
             except lmdb.MapResizedError:
-                env.set_mapsize(0)
+                self._adopt_committed(env)
+
+    def _after_freeing(self, env: Any, limit: int, advance: bool = True) -> None:
+        """After a transaction that freed pages: commit an empty write so that the next write reuses
+        them, and set the map back to max_map_size (LMDB keeps at least the pages in use)."""
+        if advance:
+            # Best effort: a write that finds no room commits one itself (_retry_grow).
+            with contextlib.suppress(StoreFullError):
+                self._retry_grow(env, lambda: self._advance(env), limit)
+        if env.info()["map_size"] > self.max_map_size:
+            with self._grow_lock():
+                env.set_mapsize(self.max_map_size)
+
+    def _check_writable(self) -> None:
+        if self.readonly:
+            raise StoreError(f"LmdbStore: {self.path} was opened read-only", backend="lmdb")
 
     def _call(self, what: str, fn: Callable[[Any], T]) -> T:
         """Run fn(env) with the recoveries LMDB needs: reader slots, map resized by another process."""
@@ -328,7 +463,7 @@ class LmdbStore(Store):
                         backend="lmdb",
                     ) from exc
             except lmdb.MapResizedError:
-                env.set_mapsize(0)
+                self._adopt_committed(env)
             except lmdb.Error as exc:
                 full = self._disk_full(exc)
                 if full is not None:
@@ -415,8 +550,7 @@ class LmdbStore(Store):
             raise
 
     def mset(self, dictionary: Mapping[Key, Value]) -> None:
-        if self.readonly:
-            raise StoreError(f"LmdbStore: {self.path} was opened read-only", backend="lmdb")
+        self._check_writable()
         check_mapping(dictionary, "LmdbStore")
         wk = self._write_key
         items = [(wk(k), value_bytes(k, v)) for k, v in dictionary.items()]
@@ -491,13 +625,29 @@ class LmdbStore(Store):
         return max(0, self.max_map_size - (env.info()["last_pgno"] + 1) * env.stat()["psize"])
 
     def delete(self, keys: Sequence[Key]) -> None:
-        """Delete ``keys`` from this namespace (missing keys are ignored)."""
+        """Delete ``keys`` from this namespace (missing keys are ignored), in write transactions of 32
+        keys (a failure leaves the earlier ones deleted). Works on a store full at ``max_map_size``
+        (it may take a few pages past it), like :meth:`clear`."""
+        self._check_writable()
         kb = [self._write_key(k) for k in keys]
 
-        def run(env: Any) -> None:
+        if not kb:
+            return
+
+        def txn(env: Any, chunk: List[bytes]) -> None:
             with env.begin(write=True, db=self._db) as t:
-                for k in kb:
+                for k in chunk:
                     t.delete(k)
+
+        def run(env: Any) -> None:
+            with env.begin(db=self._db) as t:
+                depth = int(t.stat(self._db)["depth"])
+            # Each key deleted copies at most the pages of its path (depth).
+            limit = self._freeing_limit(env, _DELETE_CHUNK * max(depth, 1))
+            for i in range(0, len(kb), _DELETE_CHUNK):
+                chunk = kb[i : i + _DELETE_CHUNK]
+                self._retry_grow(env, functools.partial(txn, env, chunk), limit)
+            self._after_freeing(env, limit)
 
         self._call("delete", run)
 
@@ -509,9 +659,19 @@ class LmdbStore(Store):
         return self._call("num_keys", run)
 
     def clear(self) -> None:
+        """Delete every entry of this namespace. Works on a store full at ``max_map_size``: the
+        commit of the freed pages' list may take a few pages past it (the map is set back to the cap
+        afterwards), and the freed pages are reusable by the next write."""
+        self._check_writable()
+
         def run(env: Any) -> None:
-            with env.begin(write=True) as t:
-                t.drop(self._db, delete=False)
+            def txn() -> None:
+                with env.begin(write=True) as t:
+                    t.drop(self._db, delete=False)
+
+            limit = self._freeing_limit(env)
+            self._retry_grow(env, txn, limit)
+            self._after_freeing(env, limit)
 
         self._call("clear", run)
 
@@ -520,9 +680,12 @@ class LmdbStore(Store):
         the namespace and set ``key`` to ``value``; when it holds none, only set it. Used for the
         cache fingerprint.
 
+        Like :meth:`clear`, it works on a store full at ``max_map_size``.
+
         Returns:
             True when entries were dropped.
         """
+        self._check_writable()
         kb = self._write_key(key)
 
         def run(env: Any) -> bool:
@@ -537,7 +700,10 @@ class LmdbStore(Store):
                     t.put(kb, value)
                     return dropped
 
-            return self._retry_grow(env, txn)
+            limit = self._freeing_limit(env)
+            dropped = self._retry_grow(env, txn, limit)
+            self._after_freeing(env, limit, advance=dropped)
+            return dropped
 
         return self._call("reset_if_changed", run)
 
@@ -549,9 +715,12 @@ class LmdbStore(Store):
         return True
 
     def close(self) -> None:
+        fin, self._finalizer = self._finalizer, None
         env, self._env, self._db = self._env, None, None
-        if env is not None and self._pid == os.getpid():
-            _release_env(self.path)
+        # detach(): None when the collector's callback already queued the release (or it was detached).
+        released = fin.detach() if fin is not None else None
+        if env is not None and released is not None and self._pid == os.getpid():
+            _release_env(released[2][0])
         self._pid = -1
 
     # -- inspection (trainloom cache info) --------------------------------------------------------

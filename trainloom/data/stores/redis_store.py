@@ -500,7 +500,7 @@ class RedisStore(ClusterStore):
             ``n % len(hosts)``.
         capacity_per_node: ``maxmemory`` in bytes of servers trainloom starts (default 100 GiB).
         namespace: key scope (the cache passes its ``dataset_name``).
-        password: password for ``hosts`` entries without one.
+        password: password for ``hosts`` entries without one (or with ``"password": None``).
         bind: interface the started server listens on (default ``127.0.0.1``; name the node's
             address for multi-node clusters).
         timeout: socket/connect timeout in seconds for every call (default 0.5).
@@ -583,7 +583,7 @@ class RedisStore(ClusterStore):
                 RedisNodeStore(
                     h["host"],
                     int(h["port"]),
-                    h.get("password", password),
+                    password if h.get("password") is None else h["password"],
                     namespace=namespace,
                     timeout=timeout,
                     retries=retries,
