@@ -137,12 +137,14 @@ cdef enum:
     A_DEAD = 3
     A_INTERRUPTED = 4
     A_CMA = 5
+    A_BUSY = 6  # a call started while another ran on another thread (see Engine._check_usable)
     K_SEND = 11
 ABORT_USER = A_USER
 ABORT_TIMEOUT = A_TIMEOUT
 ABORT_DEAD = A_DEAD
 ABORT_INTERRUPTED = A_INTERRUPTED
 ABORT_CMA = A_CMA
+ABORT_BUSY = A_BUSY
 
 # An exception raised by a Python signal handler (Ctrl-C) during a wait, re-raised by the engine
 # method once the wait has unwound (one per process: a communicator is used by one thread at a time).
@@ -1443,10 +1445,16 @@ cdef class Engine:
         if self.st.base == NULL or self.closed:
             raise CommError("shared-memory engine used after close()")
         if running:
+            # Refused, the call never reaches its peers, which may already wait for it (a rank
+            # that sends on a thread while its main thread runs a collective): abort, so that they
+            # and the call already running here fail now instead of at their timeout.
+            with nogil:
+                self._set_abort(A_BUSY)
             raise CommError(
-                "a communicator is used by one thread at a time (sends to and receives from different "
-                "peers may overlap); another call is running on it (serialise calls, e.g. on one "
-                "worker thread)")
+                "a communicator is used by one thread at a time (only sends to and receives from "
+                "different peers may overlap); another call was running on it when this one started "
+                "on another thread. The communicator is aborted: the running call and the peers' calls "
+                "fail now instead of waiting for this one. Serialise the calls, e.g. on one worker thread")
         if getpid() != self.pid:
             raise CommError(
                 f"this communicator was created in process {self.pid} and cannot be used in forked "

@@ -366,11 +366,11 @@ TL_FLOAT_FAMILY(f16, uint16_t, float, tl_h2f, tl_f2h)
 TL_FLOAT_FAMILY(bf16, uint16_t, float, tl_b2f, tl_f2b)
 
 /* integers: SUM and PRODUCT in the unsigned type (defined wrap-around, same bits as two's
- * complement), MIN/MAX/AVG in the signed type; AVG truncates toward zero like NCCL's ncclAvg. */
+ * complement), MIN/MAX in the signed type; AVG sums in a wider type (below) and truncates toward
+ * zero like NCCL's ncclAvg. */
 #define TL_INT_FAMILY(SUF, T, U)                                                               \
     TL_DEFINE_REDUCE(tl_sum_##SUF, U, U, TL_ID, TL_ID, TL_ADD, 0)                              \
     TL_DEFINE_REDUCE(tl_prod_##SUF, U, U, TL_ID, TL_ID, TL_MUL, 0)                             \
-    TL_DEFINE_REDUCE(tl_avg_##SUF, T, int64_t, TL_ID, TL_ID, TL_ADD, 1)                        \
     TL_DEFINE_REDUCE(tl_min_##SUF, T, T, TL_ID, TL_ID, TL_IMIN, 0)                             \
     TL_DEFINE_REDUCE(tl_max_##SUF, T, T, TL_ID, TL_ID, TL_IMAX, 0)                             \
     TL_DEFINE_REDUCE(tl_band_##SUF, U, U, TL_ID, TL_ID, TL_AND, 0)                             \
@@ -382,6 +382,51 @@ TL_INT_FAMILY(u8, uint8_t, uint8_t)
 TL_INT_FAMILY(i16, int16_t, uint16_t)
 TL_INT_FAMILY(i32, int32_t, uint32_t)
 TL_INT_FAMILY(i64, int64_t, uint64_t)
+
+/* Integer AVG: every value is widened on load, so that the sum never overflows (two int32 were
+ * added in int32 before reaching the int64 accumulator: 2 x 2e9 averaged to -147483648). The
+ * average of values of a type fits that type, so the store back is exact. */
+#define TL_TO_I64(x) ((int64_t)(x))
+TL_DEFINE_REDUCE(tl_avg_i8, int8_t, int64_t, TL_TO_I64, TL_ID, TL_ADD, 1)
+TL_DEFINE_REDUCE(tl_avg_u8, uint8_t, int64_t, TL_TO_I64, TL_ID, TL_ADD, 1)
+TL_DEFINE_REDUCE(tl_avg_i16, int16_t, int64_t, TL_TO_I64, TL_ID, TL_ADD, 1)
+TL_DEFINE_REDUCE(tl_avg_i32, int32_t, int64_t, TL_TO_I64, TL_ID, TL_ADD, 1)
+#if defined(__SIZEOF_INT128__) && !defined(TL_NO_INT128)
+/* int64: a 128-bit sum (gcc and clang on 64-bit targets), divided in 64 bits when it fits there (a
+ * 128-bit division is a library call, ~3x slower per element: 1M elements 6.5 ms against 2.2 ms). */
+static void tl_avg_i64(void *out_, const void *const *src, int nsrc, size_t n, int div) {
+    int64_t *out = (int64_t *)out_;
+    const int64_t d = (int64_t)div;
+    for (size_t i = 0; i < n; i++) {
+        __int128 acc = 0;
+        for (int s = 0; s < nsrc; s++) acc += ((const int64_t *)src[s])[i];
+        const int64_t lo = (int64_t)acc;
+        out[i] = (__int128)lo == acc ? lo / d : (int64_t)(acc / d);
+    }
+}
+#else
+/* int64 without a 128-bit type: with x = div * q + r (C division, |r| < div), the average is the
+ * sum of the quotients plus that of the remainders divided by div, then moved one toward zero when
+ * the sign of the leftover remainder disagrees with it. None of the partial results overflows when
+ * nsrc <= div (the engine passes nsrc == div == the world size). */
+static void tl_avg_i64(void *out_, const void *const *src, int nsrc, size_t n, int div) {
+    int64_t *out = (int64_t *)out_;
+    const int64_t d = (int64_t)div;
+    for (size_t i = 0; i < n; i++) {
+        int64_t q = 0, r = 0, t, rr;
+        for (int s = 0; s < nsrc; s++) {
+            const int64_t x = ((const int64_t *)src[s])[i];
+            q += x / d;
+            r += x % d;
+        }
+        t = q + r / d;
+        rr = r % d;
+        if (t > 0 && rr < 0) t -= 1;
+        else if (t < 0 && rr > 0) t += 1;
+        out[i] = t;
+    }
+}
+#endif
 
 typedef void (*tl_reduce_fn)(void *, const void *const *, int, size_t, int);
 

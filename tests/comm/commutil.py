@@ -87,8 +87,13 @@ def _ref_allreduce(t: torch.Tensor, op: ReduceOp, ws: int) -> torch.Tensor:
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` (a result) equals ``b`` (the reference). A bool result must hold the bytes 0/1 of the
+    reference's truth values: torch's gloo SUM leaves the count of True values in each byte (2 from
+    two ranks), which torch.equal calls equal to True while bytewise ops (BXOR, BAND) get it wrong."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
+    if a.dtype == torch.bool:
+        return bool(torch.equal(a.view(torch.uint8), b.view(torch.uint8).ne(0).view(torch.uint8)))
     if a.dtype.is_floating_point or a.dtype.is_complex:
         return bool(torch.allclose(a, b, rtol=1e-2 if a.dtype == torch.bfloat16 else 1e-6, atol=0))
     return bool(torch.equal(a, b))
@@ -357,6 +362,18 @@ def features(rank: int, ws: int, engine: str) -> Dict[str, Any]:
     w = C.allreduce_inplace(x, async_op=True, hierarchical=True)
     w.wait()
     out["hier_async"] = x.tolist()
+    # bool SUM is "any" (bytes 0/1) on every path, the hierarchical one's inter-node gloo step too:
+    # gloo's own SUM left the count of True values (2, 3) in each byte, and BXOR/BAND then erred
+    b = torch.ones(3, dtype=torch.bool)
+    C.allreduce_inplace(b, ReduceOp.SUM, hierarchical=True)
+    h = torch.full((3,), rank < 2, dtype=torch.bool)
+    C.allreduce_inplace(h, ReduceOp.SUM)
+    sums = (b.view(torch.uint8).tolist(), h.view(torch.uint8).tolist())
+    x = b if rank == 0 else torch.full((3,), rank == 1, dtype=torch.bool)
+    C.allreduce_inplace(x, ReduceOp.BXOR)  # True ^ True ^ False
+    y = h if rank == 0 else torch.tensor([True, rank == 2, True])
+    C.allreduce_inplace(y, ReduceOp.BAND)
+    out["bool_sum"] = (*sums, x.tolist(), y.tolist())
     # the other dtypes the engines take (gloo has no int16: reduced in int32 and wrapped back)
     extra = []
     for dt in (torch.float16, torch.int8, torch.int16, torch.complex128):
@@ -1582,14 +1599,16 @@ def special_views(rank: int, ws: int, engine: str) -> Dict[str, Any]:
 
 
 def two_issuing_threads(rank: int, ws: int, engine: str) -> Dict[str, Any]:
-    """Rank 0 starts a second collective from another thread while a thread's allreduce waits for
-    rank 1 (which comes 1 s late): refused and the communicator aborted on every rank."""
+    """First :func:`send_beside_a_collective`. Then rank 0 starts a second collective from another
+    thread while a thread's allreduce waits for rank 1 (which comes 1 s late): refused and the
+    communicator aborted on every rank. (In this order: gloo keeps a process group whose operation
+    is still in flight, and with it the store, so init_process_group() cannot follow it.)"""
     import threading
 
     os.environ["TRAINLOOM_CPU_ENGINE"] = "auto" if engine == "shm" else engine
+    out: Dict[str, Any] = send_beside_a_collective(rank)
     C.init_process_group(timeout=20)
     C.barrier()
-    out: Dict[str, Any] = {}
 
     def first() -> None:
         try:
@@ -1615,6 +1634,52 @@ def two_issuing_threads(rank: int, ws: int, engine: str) -> Dict[str, Any]:
         out["after"] = "no error"
     except CommError as exc:
         out["after"] = type(exc).__name__
+    C.destroy_process_group()
+    return out
+
+
+def send_beside_a_collective(rank: int) -> Dict[str, Any]:
+    """Rank 0 sends 4 MiB to rank 1 on a thread (the send waits for rank 1's receive: more than the
+    shared-memory engine's two pair buffers) and, while it waits, runs an allreduce on the main
+    thread; rank 1 runs the allreduce, then receives. gloo runs the two at once; the shared-memory
+    engine refuses the allreduce and aborts the communicator, so that rank 1's allreduce fails at
+    once (before, it waited for rank 0 until the 20 s timeout)."""
+    import threading
+
+    C.init_process_group(timeout=20)
+    C.barrier()
+    comm = C.get_default_group().get_global_communicator()
+    n = 1 << 20
+    out: Dict[str, Any] = {}
+
+    def outcome(fn: Any) -> str:
+        try:
+            fn()
+        except CommError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "no error"
+
+    t = torch.ones(4)
+    if rank == 0:
+        box: Dict[str, str] = {}
+        th = threading.Thread(target=lambda: box.update(send=outcome(lambda: C.send(torch.ones(n), 1))))
+        th.start()
+        if comm.cpu_engine_kind() == "shm":
+            engine = comm._cpu._engine  # the send is in the engine once it published its first chunk
+            while engine.p2p_info(0, 1)[0]["opkind"] == 0:
+                time.sleep(0.001)
+        else:
+            time.sleep(0.2)  # (either order works on gloo)
+        out["allreduce"] = outcome(lambda: C.allreduce_inplace(t))
+        th.join(30)
+        out["send"] = box["send"]
+    else:
+        out["allreduce"] = outcome(lambda: C.allreduce_inplace(t))
+        if out["allreduce"] == "no error":
+            big = torch.zeros(n)
+            out["recv"] = outcome(lambda: C.recv(big, 0))
+            out["received"] = bool((big == 1).all())
+    out["t"] = t.tolist()
     C.destroy_process_group()
     return out
 

@@ -580,25 +580,55 @@ def _expect(fn, exc_type: type) -> str:  # noqa: ANN001
     return "no error"
 
 
-def two_ranks_two_nodes(rank: int, ws: int) -> Dict[str, str]:
-    """Each rank its own node, the shared-memory engine forced: checks that need another rank."""
-    os.environ["TRAINLOOM_NODE_ID"] = f"n{rank}"
+def two_ranks_two_nodes(rank: int, ws: int) -> Dict[str, Any]:
+    """Each rank its own node, the shared-memory engine forced: checks that need another rank. First,
+    LOCAL_RANK/LOCAL_WORLD_SIZE that contradict the layout: both ranks on this machine say
+    "local rank 0 of 1"; then, with a logical node each, both say "local rank 0 of 2" (fits neither
+    the logical nodes nor the machine); then "0 of 1" again, which fits the logical nodes."""
+    os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    out: Dict[str, Any] = {"one_machine": _expect(lambda: C.init_process_group(timeout=30), ConfigError)}
+    out["left_initialized"] = C.is_initialized() or dist.is_initialized()
+    os.environ.update(LOCAL_WORLD_SIZE="2", TRAINLOOM_NODE_ID=f"n{rank}")
+    out["logical_nodes"] = _expect(lambda: C.init_process_group(timeout=30), ConfigError)
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
     os.environ["TRAINLOOM_CPU_ENGINE"] = "shm"
     C.init_process_group(timeout=30)
+    out["local"] = (C.get_local_rank(), C.get_local_size())
     t = torch.ones(2)
     other = 1 - rank
-    out = {
-        "gather": _expect(lambda: classic.gather(t, other, [t, t]), ValueError),
-        "engine": _expect(lambda: C.get_default_group().get_global_communicator(), ConfigError),
-    }
+    out["gather"] = _expect(lambda: classic.gather(t, other, [t, t]), ValueError)
+    out["engine"] = _expect(lambda: C.get_default_group().get_global_communicator(), ConfigError)
     C.destroy_process_group()
     return out
 
 
 def test_checks_that_need_two_ranks():
+    """LOCAL_RANK/LOCAL_WORLD_SIZE that contradict the node layout were accepted: ranks on one
+    machine that each said "local rank 0 of 1" all reported get_local_rank() 0 (one GPU for all)
+    while their intra-node communicator had every rank. Every rank raises now, and nothing is left
+    initialized (the next init_process_group() works)."""
+    from trainloom.comm.shm import node_identity
+
+    here = node_identity()
     res = run_ranks(two_ranks_two_nodes, 2, timeout=60)
     for rank, r in enumerate(res):
+        head = (
+            f"ConfigError: init_process_group (rank {rank} of 2): LOCAL_RANK/LOCAL_WORLD_SIZE contradict the "
+        )
+        tail = (
+            "Set LOCAL_RANK and LOCAL_WORLD_SIZE as the launcher placed the ranks (torchrun does); to run "
+            "several launcher nodes on one machine, give each its own TRAINLOOM_NODE_ID (e.g. its node rank)"
+        )
         assert r == {
+            "one_machine": f"{head}node layout found at the rendezvous: ranks [0, 1] run on one node "
+            f"({here}), so each needs LOCAL_WORLD_SIZE=2 and its own LOCAL_RANK in 0..1, but they have "
+            f"rank 0: LOCAL_RANK=0 LOCAL_WORLD_SIZE=1, rank 1: LOCAL_RANK=0 LOCAL_WORLD_SIZE=1. {tail}",
+            "left_initialized": False,
+            "logical_nodes": f"{head}node layout found at the rendezvous: ranks [0] run on one node "
+            f"({here}/n0), so each needs LOCAL_WORLD_SIZE=1 and its own LOCAL_RANK in 0..0 (or, as "
+            "TRAINLOOM_NODE_ID splits machines into logical nodes, the values that fit the ranks [0, 1] "
+            f"on its machine), but they have rank 0: LOCAL_RANK=0 LOCAL_WORLD_SIZE=2. {tail}",
+            "local": (0, 1),
             "gather": f"ValueError: gather: gather_list must be empty on rank {rank}, which is not "
             f"dst={1 - rank}",
             "engine": "ConfigError: TRAINLOOM_CPU_ENGINE=shm but this communicator spans several nodes",

@@ -467,16 +467,21 @@ def test_ctrl_c_while_waiting_for_a_late_rank_raises_now(tmp_path, mode, engine,
 
 
 def p2p_then_reinit(rank: int, ws: int, engine: str) -> list:
-    """Send/recv (core and classic, sync and async), destroy, init again: twice."""
+    """Send/recv (core and classic, sync and async), a failure, destroy, init again: three times,
+    then one more init and allreduce. The failures: an asynchronous allreduce whose sizes differ
+    between the ranks (CommError from Work.wait() on both), a timeout in an allreduce rank 1 skips,
+    and a timeout connecting a new group's communicator that rank 1 never asks for."""
     import torch
 
     import trainloom.comm as C
-    from trainloom.comm import classic
+    from trainloom.comm import classic, group
+    from trainloom.comm._gloo import poll_keys
+    from trainloom.errors import CommError
 
     os.environ["TRAINLOOM_CPU_ENGINE"] = "auto" if engine == "shm" else engine
     got = []
     for cycle in range(3):
-        C.init_process_group(timeout=20)
+        C.init_process_group(timeout=20 if cycle == 0 else 1)
         t = torch.full((4,), float(rank + cycle))
         if rank == 0:
             C.send(t, 1)
@@ -484,18 +489,49 @@ def p2p_then_reinit(rank: int, ws: int, engine: str) -> list:
         else:
             C.recv(t, 0)
             classic.irecv(t, 0).wait()
-        got.append(t.tolist())
+        failed = None
+        try:
+            if cycle == 0:
+                C.allreduce_inplace(torch.ones(2 + rank), async_op=True).wait()
+            elif rank == 0:
+                comm = None if cycle == 1 else C.new_group([0, 1]).global_communicator_unconnected()
+                C.allreduce_inplace(torch.ones(2), comm=comm)
+            else:
+                C.new_group([0, 1])  # (every rank makes the group; rank 1 never uses it)
+        except CommError as exc:
+            failed = type(exc).__name__
+        if cycle > 0:  # rank 1 stays until rank 0 timed out, rank 0 (the store's host) until rank 1 knows
+            if rank == 0:
+                group._STATE.store.set("test/timed_out", "1")
+                poll_keys(group._STATE.store, ["test/seen"], 30)
+            else:
+                poll_keys(group._STATE.store, ["test/timed_out"], 30)
+                group._STATE.store.set("test/seen", "1")
+        got.append((t.tolist(), failed))
         C.destroy_process_group()
-    return got
+    C.init_process_group(timeout=20)
+    t = torch.ones(2)
+    C.allreduce_inplace(t)
+    C.destroy_process_group()
+    return [*got, t.tolist()]
 
 
 @pytest.mark.parametrize("engine", ["gloo", "shm"])
-def test_destroy_then_init_again_after_send_and_recv(engine):
+def test_destroy_then_init_again_after_send_and_recv_and_after_failures(engine):
     """After a gloo send/recv, destroy_process_group() left rank 0's TCPStore server alive (the gloo
     Work objects stayed referenced by the p2p waiter thread), so the next init_process_group() found
-    its port in use."""
+    its port in use. After a failed operation the same happened on gloo (and after a connect timeout
+    on shm too): the failure's exception, kept by the Work's future or by reference cycles through
+    its traceback, held the engine's frames and through them the store until the garbage collector
+    ran; rank 1 then timed out reaching the store."""
     res = run_ranks(p2p_then_reinit, 2, engine, timeout=120)
-    assert res[1] == [[float(c)] * 4 for c in range(3)]
+    assert res[0] == [
+        ([0.0] * 4, "CommError"),
+        ([1.0] * 4, "CommTimeoutError"),
+        ([2.0] * 4, "CommTimeoutError"),
+        [2.0, 2.0],
+    ]
+    assert res[1] == [([0.0] * 4, "CommError"), ([1.0] * 4, None), ([2.0] * 4, None), [2.0, 2.0]]
 
 
 def classic_groups_in_rotated_order(rank: int, ws: int, engine: str) -> list:

@@ -192,6 +192,26 @@ def _w_everything(rank, world):
             check(f"reduce {dt}", out, want)
         elif out.count_nonzero() != 0:
             fails.append(f"rank {rank}: reduce wrote recv on a non-destination rank")
+    # integer AVG at the ends of each dtype's range: the sum needs a wider type (int32 was summed in
+    # int32 and int64 in int64, which overflowed: 2 x 2_000_000_000 averaged to -147483648); the
+    # result truncates toward zero. One-shot (4 elements) and two-shot (each element 500 times).
+    for dt in (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64):
+        lo, hi = torch.iinfo(dt).min, torch.iinfo(dt).max
+        cols = [
+            [hi] * world,
+            [lo] * world,
+            [hi if r % 2 == 0 else lo for r in range(world)],
+            [hi - r for r in range(world)],
+            [lo + 1 if r == 0 else -1 for r in range(world)] if lo < 0 else [r for r in range(world)],
+        ]
+        want = []
+        for col in cols:
+            q = abs(sum(col)) // world
+            want.append(q if sum(col) >= 0 else -q)
+        for reps in (1, 500):
+            t = torch.tensor([col[rank] for col in cols] * reps, dtype=dt)
+            comm.allreduce(t, t, ReduceOp.AVG)
+            check(f"allreduce {dt} AVG at the range ends x{reps}", t, torch.tensor(want * reps, dtype=dt))
     # the one-shot path above its default limit and the two-shot path below it
     for small in (0, 1 << 20):
         comm._engine.small_bytes = small
@@ -649,10 +669,9 @@ def _w_threads(rank, world):
         spins, t_end = 0, time.monotonic() + 0.3
         while time.monotonic() < t_end:
             spins += 1
-        busy = _catch(lambda: comm.allreduce(torch.ones(2), torch.ones(2), ReduceOp.SUM))
         comm.close()  # from another thread than the one waiting: the wait gives up
         th.join(10)
-        return spins, busy, box.get("err"), th.is_alive()
+        return spins, box.get("err"), th.is_alive()
     time.sleep(1.0)
     comm.barrier()  # rank 0 published this step before its wait was cut short
     return _catch(lambda: comm.barrier())
@@ -660,9 +679,8 @@ def _w_threads(rank, world):
 
 def test_gil_is_released_and_close_from_another_thread_stops_a_wait():
     out = run_ranks(_w_threads, 2, timeout=40)
-    spins, busy, err, alive = out[0]
+    spins, err, alive = out[0]
     assert spins > 1000 and not alive
-    assert "a communicator is used by one thread at a time" in busy, busy
     assert "closed by another thread during the call" in err, err
     assert "rank 0 closed its communicator while this rank waited for it" in out[1], out[1]
 
@@ -684,32 +702,34 @@ def _w_p2p_threads(rank, world):
         small = torch.zeros(2)
         th = threading.Thread(target=lambda: box.update(recv2=_catch(lambda: comm.recv(small, peer))))
         th.start()
-        time.sleep(0.3)  # the receive now waits for rank 1, which waits for the send below
-        second_recv = _catch(lambda: comm.recv(torch.zeros(2), peer))
+        time.sleep(0.3)  # the receive now waits for rank 1, which waits for a message from rank 0
+        # A collective beside it is refused, and the communicator aborted: the waiting receive here
+        # and rank 1's receive fail now (rank 1's waited for the timeout, 30 s).
         collective = _catch(lambda: comm.barrier())
-        comm.send(torch.full((2,), 5.0), peer)  # a send may run beside the waiting receive
         th.join(30)
-        comm.barrier()
-        return exchange, second_recv, collective, box["recv2"], small.tolist()
-    got = torch.zeros(2)
-    comm.recv(got, peer)
-    comm.send(torch.full((2,), 7.0), peer)
-    comm.barrier()
-    return exchange, got.tolist()
+        return exchange, collective, box["recv2"], _catch(lambda: comm.send(torch.zeros(2), peer))
+    return exchange, _catch(lambda: comm.recv(torch.zeros(2), peer))
 
 
 def test_a_send_and_a_recv_run_at_once_on_two_threads_and_nothing_else_does():
     out = run_ranks(_w_p2p_threads, 2, timeout=60)
     for rank in (0, 1):
         assert out[rank][0] == ("no error", "no error", True)
-    _, second_recv, collective, recv2, small = out[0]
-    busy = (
-        "CommError: a communicator is used by one thread at a time (sends to and receives from different "
-        "peers may overlap); another call is running on it (serialise calls, e.g. on one worker thread)"
+    _, collective, recv2, send_after = out[0]
+    assert collective == (
+        "CommError: a communicator is used by one thread at a time (only sends to and receives from "
+        "different peers may overlap); another call was running on it when this one started on another "
+        "thread. The communicator is aborted: the running call and the peers' calls fail now instead of "
+        "waiting for this one. Serialise the calls, e.g. on one worker thread"
     )
-    assert second_recv == busy and collective == busy
-    assert recv2 == "no error" and small == [7.0, 7.0]
-    assert out[1][1] == [5.0, 5.0]
+    why = (
+        "the communicator was aborted by rank 0 (a call started there while another call ran on another "
+        "thread (one thread at a time; only sends to and receives from different peers may overlap)); no "
+        "further operation can run on it, create a new communicator"
+    )
+    assert recv2 == f"CommError: shm recv #3 on rank 0/2 (prefix 'test/shm'): {why}"
+    assert send_after == f"CommError: shm send #4 on rank 0/2 (prefix 'test/shm'): {why}"
+    assert out[1][1] == f"CommError: shm recv #3 on rank 1/2 (prefix 'test/shm'): {why}"
 
 
 def test_abort_makes_peers_fail_fast():

@@ -274,7 +274,9 @@ class _P2PWaiter:
                 work.wait(datetime.timedelta(seconds=timeout))
             outcome.append(None)
         except Exception as exc:  # noqa: BLE001 -- handed to the waiting thread, which raises it
-            outcome.append(exc)
+            # Without its traceback: that holds this frame, whose locals hold the exception (through
+            # ``outcome``) and the gloo works (the store): a cycle only the garbage collector frees.
+            outcome.append(exc.with_traceback(None))
         finished.set()
 
 
@@ -301,6 +303,17 @@ def poll_keys(store: dist.Store, keys: Sequence[str], timeout: float) -> None:
         pause = min(pause * 2, 0.05)
 
 
+def _tagged(err: CommError, op: str, seq: int, missing: Optional[List[int]]) -> CommError:
+    """``err`` with the ``op``, ``seq`` and ``missing_ranks`` attributes set.
+
+    Raising the result directly (``raise _tagged(...) from None``) keeps the error out of the
+    raising frame's locals: a local holding it while its traceback holds that frame is a reference
+    cycle, which kept the engine (its store, and rank 0's TCPStore server) alive until the garbage
+    collector ran, so init_process_group() after destroy_process_group() found the port in use."""
+    err.op, err.seq, err.missing_ranks = op, seq, missing  # type: ignore[attr-defined]
+    return err
+
+
 def _is_timeout(exc: BaseException) -> bool:
     """Whether a torch/gloo error reports a deadline (their messages say "timeout" or "timed out")."""
     low = str(exc).lower()
@@ -317,7 +330,9 @@ class GlooEngine:
         prefix: unique per group (every member passes the same one).
         timeout: default per-operation deadline in seconds.
 
-    Thread-safety: one thread at a time (the API layer serialises calls).
+    Thread-safety: collectives one thread at a time (the API layer serialises them); sends and
+    receives may run on other threads at the same time, beside each other and beside a collective
+    (gloo keeps them apart: they use their own tags).
     """
 
     name = "gloo"
@@ -329,7 +344,7 @@ class GlooEngine:
         self.world_size = world_size
         self.timeout = float(timeout)
         self._prefix = prefix
-        self._store = store
+        self._store: Any = store  # None after close(): see close()
         self._seq = 0
         self._p2p_seq = 0
         # Messages per direction and peer (("send", 1): sends to rank 1), numbered from 1 in the
@@ -366,12 +381,12 @@ class GlooEngine:
             # (the store says "timeout", a pair's connect "Timed out": testing only the first made
             # this a CommError now and then).
             kind = CommTimeoutError if missing or _is_timeout(exc) else CommError
-            err = kind(
+            msg = (
                 f"gloo communicator {prefix} (rank {rank} of {world_size}): connecting failed after "
                 f"{self.timeout:g}s; {who} ({str(exc).splitlines()[0][:160]})"
             )
-            err.op, err.seq, err.missing_ranks = "connect", 0, missing  # type: ignore[attr-defined]
-            raise err from None
+            self._store = None  # the failed engine is never closed: let go of the store now
+            raise _tagged(kind(msg), "connect", 0, missing) from None
 
     def _store_gone(self, exc: BaseException, first: Optional[BaseException] = None) -> CommError:
         """The error for a store that went away while this communicator was connecting."""
@@ -418,13 +433,14 @@ class GlooEngine:
                 try:
                     work.wait(datetime.timedelta(seconds=slice_s))
                 except RuntimeError as exc:
-                    error = exc
+                    # Handled inside the block, whose name goes with it: the error kept in a local for
+                    # later, with this frame in its traceback, was a reference cycle (see close()).
+                    if settled or not _is_timeout(exc) or time.monotonic() >= deadline:
+                        failing = True
+                        self._fail(exc, opname, seq, t)
                 else:
                     done = True
                     return
-                if settled or not _is_timeout(error) or time.monotonic() >= deadline:
-                    failing = True
-                    self._fail(error, opname, seq, t)
                 if work.is_completed():
                     # It ended (a peer's failure, say) as the slice ran out: the next wait returns
                     # its own outcome at once, not the slice's "Operation timed out!"
@@ -506,12 +522,11 @@ class GlooEngine:
                     f"{who}. Check that every rank calls the same collectives in the same order, or raise "
                     "the timeout"
                 )
-            err = CommTimeoutError(
+            full = (
                 f"{opname} #{seq} (gloo, rank {self.rank} of {self.world_size}): timed out after "
                 f"{timeout:g}s; {msg}"
             )
-            err.op, err.seq, err.missing_ranks = opname, seq, missing  # type: ignore[attr-defined]
-            raise err from None
+            raise _tagged(CommTimeoutError(full), opname, seq, missing) from None
         self._broken = f"{opname} #{seq} failed: {text.splitlines()[0][:200]}"
         if "closed" in low or "reset" in low or "broken pipe" in low or "connection" in low:
             late = [] if opname in ("send", "recv") else self._timed_out_peers(seq)
@@ -621,7 +636,16 @@ class GlooEngine:
         timeout: Optional[float],
         root: Optional[int] = None,
     ) -> None:
-        """In-place allreduce (root None) or reduce of ``buf`` with Bagua op semantics."""
+        """In-place allreduce (root None) or reduce of ``buf`` with Bagua op semantics.
+
+        bool: SUM is "any" and PRODUCT "all", as on the shared-memory engine, so they run as MAX and
+        MIN: gloo's own SUM adds the bytes (2 from two ranks, 0 from 256), which are no valid bools,
+        and a later bytewise BXOR/BAND (or a comparison) on them went wrong. torch's gloo backend has
+        that SUM (its ``all_reduce`` of bools gives those bytes); trainloom's does not. AVG of a bool
+        is refused before it gets here (collectives: AVG needs a floating or complex dtype).
+        """
+        if buf.dtype == torch.bool:
+            op = {SUM: MAX, PRODUCT: MIN}.get(op, op)
         work_t = buf
         if buf.dtype == torch.int16:  # gloo has no int16: reduce in int32, wrap back (same modulo 2**16)
             work_t = buf.to(torch.int32)
@@ -849,9 +873,17 @@ class GlooEngine:
             logger.debug("ProcessGroupGloo.abort: %s", exc)
 
     def close(self) -> None:
+        """Release the process group and the store (idempotent).
+
+        Everything that holds the store goes here, not when the engine object dies: a failed
+        operation's exception holds this engine through its traceback's frames for as long as
+        something holds the exception (a Work, a caller's variable), and rank 0's TCPStore server
+        must stop with destroy_process_group(), or the next init_process_group() finds its port in
+        use (it did after a cross-rank mismatch or a timeout, until the garbage collector ran)."""
         if self._closed:
             return
         self._closed = True
+        self._store = None
         pg, self._pg = self._pg, None
         if any(not w.is_completed() for w in self._unfinished):
             # ProcessGroupGloo's destructor joins its worker threads, and one of them still runs an

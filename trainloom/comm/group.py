@@ -29,6 +29,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -541,6 +542,10 @@ class Communicator:
                         finish()
                 except CommError as exc:
                     self._annotate(exc)
+                    _release_frames(exc)
+                    raise
+                except BaseException as exc:
+                    _release_frames(exc)
                     raise
                 finally:
                     self._tls.inside = inside
@@ -874,6 +879,39 @@ def _namespace(generation: int) -> str:
     return f"tl/r{restart}.{generation}" if restart.isdigit() and restart != "0" else f"tl/{generation}"
 
 
+def _release_frames(exc: BaseException) -> None:
+    """Clear the locals of the finished frames an operation's failure passed through.
+
+    The exception outlives the call: a Future keeps it for ``Work.wait()`` (and the Work for as long
+    as the caller holds it), and a caller may keep it too. Its traceback's frames held the engine's
+    locals (gloo works, the store, rank 0's TCPStore server, the tensors), so a failed operation
+    kept the store alive after destroy_process_group(), and the next init_process_group() found its
+    port in use. Called in the frame that runs the operation, when ``exc`` leaves it: the frames
+    below it have finished (they keep their code and line numbers for the traceback), the running
+    ones (this one and its callers) are left alone. The exceptions ``exc`` chains to (``__cause__``,
+    ``__context__``) are cleared too when they were caught in those frames, not one a caller was
+    handling when it made the call.
+    """
+    frames: set = set()
+    tb = exc.__traceback__
+    while tb is not None:
+        frames.add(tb.tb_frame)
+        tb = tb.tb_next
+    todo, seen = [exc], set()
+    while todo:
+        e = todo.pop()
+        head = e.__traceback__
+        if id(e) in seen or head is None or (e is not exc and head.tb_frame not in frames):
+            continue
+        seen.add(id(e))
+        tb = head
+        while tb is not None:
+            frames.add(tb.tb_frame)
+            tb = tb.tb_next
+        traceback.clear_frames(head)
+        todo += [x for x in (e.__cause__, e.__context__) if x is not None]
+
+
 def _thread_name(ident: int) -> str:
     for t in threading.enumerate():
         if t.ident == ident:
@@ -991,7 +1029,9 @@ def init_process_group(
 
     Raises:
         RepeatedInitializationError: already initialized.
-        ConfigError: the environment is incomplete or inconsistent (names the missing variable).
+        ConfigError: the environment is incomplete or inconsistent (names the missing variable), or
+            LOCAL_RANK/LOCAL_WORLD_SIZE contradict the node layout found at the rendezvous (raised
+            on every rank; see :func:`_local_layout_error`).
 
     Example::
 
@@ -1058,17 +1098,26 @@ def init_process_group(
     _STATE.namespace = _namespace(_STATE.generation)
     tl_store = dist.PrefixStore(_STATE.namespace, base)
     tl_store.set_timeout(td)
-    # Which node every rank is on: one store round, used for intra/inter-node communicators. The key
-    # is written first, so that a rendezvous that times out can name the ranks that never came.
-    tl_store.set(f"node/{launch.rank}", node_identity())
+    # Which node every rank is on (and its LOCAL_RANK/LOCAL_WORLD_SIZE, checked against that): one
+    # store round, used for intra/inter-node communicators. The key is written first, so that a
+    # rendezvous that times out can name the ranks that never came.
+    tl_store.set(f"node/{launch.rank}", _node_record(launch))
     started = time.monotonic()
+    from trainloom.comm._gloo import poll_keys
+
     try:
         # Every rank's key first, polled (Ctrl-C works while a rank is late): torch's gloo
         # rendezvous below then completes at once instead of waiting in C++.
-        from trainloom.comm._gloo import poll_keys
-
         poll_keys(tl_store, [f"node/{r}" for r in range(launch.world_size)], t)
-        if not dist.is_initialized():
+        records = [bytes(tl_store.get(f"node/{r}")).decode() for r in range(launch.world_size)]
+        wrong = _local_layout_error(launch.rank, records)
+        if wrong is not None:
+            # Every rank reads the same records and raises the same error, none goes on to wait for
+            # the others. Rank 0 may host the store: it stays until every rank has read them.
+            tl_store.set(f"layout_read/{launch.rank}", "1")
+            if launch.rank == 0:
+                poll_keys(tl_store, [f"layout_read/{r}" for r in range(launch.world_size)], t)
+        if wrong is None and not dist.is_initialized():
             dist.init_process_group(
                 torch_backend(),
                 # Per generation, like tl_store: torchrun's agent store outlives destroy_process_group,
@@ -1079,7 +1128,6 @@ def init_process_group(
                 timeout=td,
             )
             owns_torch = True
-        node_ids = [bytes(tl_store.get(f"node/{r}")).decode() for r in range(launch.world_size)]
     except RuntimeError as exc:  # DistStoreError / DistNetworkError / gloo connect errors
         try:
             missing = [r for r in range(launch.world_size) if not tl_store.check([f"node/{r}"])]
@@ -1103,6 +1151,15 @@ def init_process_group(
             f"init_process_group (rank {launch.rank} of {launch.world_size}): the rendezvous did not "
             f"complete within {t:g}s; {detail}"
         ) from None
+    if wrong is not None:
+        if owns_store:  # as destroy_process_group() does: a rank that initializes again waits for a new one
+            try:
+                base.set(_DESTROYED_KEY, "1")
+            except RuntimeError as exc:  # the host (rank 0) is gone already: nothing to mark
+                logger.debug("init_process_group: could not mark the store: %s", exc)
+        del tl_store, base  # (rank 0's TCPStore server stops with the last reference)
+        raise ConfigError(wrong)
+    node_ids = [_parse_node_record(rec)[1] for rec in records]
     if not launch.local_known:
         # No LOCAL_RANK/LOCAL_WORLD_SIZE (e.g. an early-API launcher with multiprocessing): the ranks
         # on this node are the ones that reported this node's identity.
@@ -1130,6 +1187,81 @@ def init_process_group(
         threading._register_atexit(_abort_pending_on_failed_exit)  # type: ignore[attr-defined]
         _ATEXIT = True
     return pg
+
+
+def _node_record(launch: LaunchEnv) -> str:
+    """What a rank publishes at the rendezvous: ``"<LOCAL_RANK> <LOCAL_WORLD_SIZE> <node identity>"``
+    (``"- -"`` for values not given, which are then derived from the layout)."""
+    local = f"{launch.local_rank} {launch.local_world_size}" if launch.local_known else "- -"
+    return f"{local} {node_identity()}"
+
+
+def _parse_node_record(record: str) -> Tuple[Optional[Tuple[int, int]], str]:
+    """``((local_rank, local_world_size) or None, node identity)`` of a :func:`_node_record`."""
+    lr, lws, ident = record.split(" ", 2)
+    return (None if lr == "-" else (int(lr), int(lws))), ident
+
+
+def _local_layout_error(me: int, records: Sequence[str]) -> Optional[str]:
+    """Why the ranks' LOCAL_RANK/LOCAL_WORLD_SIZE contradict the node layout found at the rendezvous
+    (``records``: every rank's :func:`_node_record`), or None when they fit it.
+
+    They fit when, on every node, each rank has ``LOCAL_WORLD_SIZE`` = the number of ranks there,
+    and their ``LOCAL_RANK`` values are ``0..n-1``, each once (``torch.cuda.set_device(local_rank)``
+    then gives each rank its own GPU). A node is the ranks with the same identity; when
+    ``TRAINLOOM_NODE_ID`` splits machines into logical nodes, values that fit the whole machines
+    (as a launcher on that machine sets them: torchrun) fit too. Ranks that gave no values take
+    those of their place among the ranks of their node. Every rank gets the same verdict from the
+    same records, so each can raise without waiting for the others.
+    """
+    parsed = [_parse_node_record(rec) for rec in records]
+    nodes = [ident for _, ident in parsed]
+    # hostname:boot_id contains no "/": what follows the first one is TRAINLOOM_NODE_ID's label
+    machines = [ident.split("/", 1)[0] for ident in nodes]
+
+    def layout(keys: List[str]) -> Dict[str, List[int]]:
+        groups: Dict[str, List[int]] = {}
+        for r, key in enumerate(keys):
+            groups.setdefault(key, []).append(r)
+        return groups
+
+    by_node = layout(nodes)
+    local: List[Tuple[int, int]] = []
+    for r, (given, ident) in enumerate(parsed):
+        here = by_node[ident]
+        local.append(given if given is not None else (here.index(r), len(here)))
+
+    def misfit(groups: Dict[str, List[int]]) -> Optional[List[int]]:
+        for group in groups.values():
+            n = len(group)
+            if any(local[q][1] != n for q in group) or sorted(local[q][0] for q in group) != list(range(n)):
+                return group
+        return None
+
+    bad = misfit(by_node)
+    by_machine = layout(machines)
+    split = sorted(by_node.values()) != sorted(by_machine.values())  # TRAINLOOM_NODE_ID splits machines
+    if bad is None or (split and misfit(by_machine) is None):
+        return None
+    n = len(bad)
+    have = ", ".join(
+        f"rank {q}: LOCAL_RANK={local[q][0]} LOCAL_WORLD_SIZE={local[q][1]}"
+        + ("" if parsed[q][0] is not None else " (not set: derived)")
+        for q in bad[:8]
+    ) + (f", ... ({n - 8} more)" if n > 8 else "")
+    note = ""
+    if split:
+        note = (
+            f" (or, as TRAINLOOM_NODE_ID splits machines into logical nodes, the values that fit the "
+            f"ranks {by_machine[machines[bad[0]]]} on its machine)"
+        )
+    return (
+        f"init_process_group (rank {me} of {len(records)}): LOCAL_RANK/LOCAL_WORLD_SIZE contradict the "
+        f"node layout found at the rendezvous: ranks {bad} run on one node ({nodes[bad[0]]}), so each "
+        f"needs LOCAL_WORLD_SIZE={n} and its own LOCAL_RANK in 0..{n - 1}{note}, but they have {have}. "
+        "Set LOCAL_RANK and LOCAL_WORLD_SIZE as the launcher placed the ranks (torchrun does); to run "
+        "several launcher nodes on one machine, give each its own TRAINLOOM_NODE_ID (e.g. its node rank)"
+    )
 
 
 def _destroy_at_exit() -> None:

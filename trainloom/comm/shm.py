@@ -88,6 +88,10 @@ _ABORT_REASONS = {
     _shm.ABORT_DEAD: "it found a peer dead or closed",
     _shm.ABORT_INTERRUPTED: "a signal handler (Ctrl-C) interrupted an operation there",
     _shm.ABORT_CMA: "reading a peer's memory with process_vm_readv failed there",
+    _shm.ABORT_BUSY: (
+        "a call started there while another call ran on another thread (one thread at a time; only "
+        "sends to and receives from different peers may overlap)"
+    ),
 }
 
 #: default bytes per slot (two per rank): about the size of a private L2, where two-shot
@@ -271,9 +275,11 @@ class ShmCommunicator:
         comm.allreduce(t, t, ReduceOp.SUM)
         comm.close()
 
-    .. warning:: one communicator is used by one thread at a time (except that sends to different
-       peers and receives from different peers may run at once on several threads); every rank must
-       issue the same collectives in the same order.
+    .. warning:: one communicator is used by one thread at a time, except that sends and receives
+       of different (direction, peer) may run at once on several threads (never beside a
+       collective). A call that overlaps another otherwise raises CommError and aborts the
+       communicator on every rank (the peers may wait for it). Every rank must issue the same
+       collectives in the same order.
     """
 
     def __init__(

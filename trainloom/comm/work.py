@@ -107,14 +107,20 @@ class FutureWork(Work):
             return True
         # Wait first, then take the result: the operation's own exception may be a TimeoutError
         # (CommTimeoutError is one), which must not be mistaken for this wait expiring.
-        done, _ = concurrent.futures.wait([self._future], timeout=timeout)
-        if not done:
+        if not concurrent.futures.wait([self._future], timeout=timeout).done:
             raise CommTimeoutError(
                 f"{self.op_name}: Work.wait(timeout={timeout}) expired before the operation finished; "
                 "it is still running on the communicator's worker thread (wait again, or raise the "
                 "timeout)"
             )
-        self._future.result()  # re-raises the operation's exception, if any
+        try:
+            self._future.result()  # re-raises the operation's exception, if any
+        except BaseException:
+            # The future keeps the exception, whose traceback now holds this frame: without
+            # ``self`` in it (nor the future) that is no reference cycle, and the Work, the future
+            # and what the operation's frames hold go when the caller lets go of them.
+            del self
+            raise
         if self._finish is not None:
             self._finish()
             self._finish = None
@@ -186,7 +192,11 @@ class ThenWork(Work):
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         if self._inner is not None:
-            self._inner.wait(timeout)
+            try:
+                self._inner.wait(timeout)
+            except BaseException:
+                del self  # no reference cycle through the inner Work's stored exception
+                raise
         if self._after is not None:
             after, self._after = self._after, None
             with torch.no_grad():
