@@ -476,3 +476,27 @@ def test_do_flatten_false_steps_a_parameter_listed_twice_twice_even_next_to_a_ne
         want, got = run(False), run(True)
     assert_bitwise(got, want)
     assert got[0][0].item() == pytest.approx(-1.059655, abs=1e-6)  # a[0] = 0.0 updated four times
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_amsgrad_plans_stay_cached_across_steps(fused, monkeypatch):
+    """45 runs of parameters (every other one without a gradient): after the first steps, no step
+    makes a plan again. fused=True AMSGrad also made the for-loop's plan it does not use, so each
+    run took two cache entries, the cache (cleared above 64) thrashed and every step re-planned."""
+    from trainloom.optim import fused as F
+
+    ps = [torch.randn(200).requires_grad_() for _ in range(90)]
+    opt = fuse_optimizer(torch.optim.Adam(ps, lr=1e-3, amsgrad=True, fused=fused))
+    for p in ps:
+        p.grad = torch.randn(200)
+    opt.fuse_step()
+    for i, p in enumerate(ps):
+        if i % 2:
+            p.grad = None
+    opt.fuse_step()
+    calls = []
+    real = F._K.make_plan
+    monkeypatch.setattr(F._K, "make_plan", lambda *a: calls.append(1) or real(*a))
+    for _ in range(3):
+        opt.fuse_step()
+    assert calls == []

@@ -1649,6 +1649,11 @@ class _AdamKernel(_Kernel):
             b.step_objs[i] = s  # scan() then checks identity; run() bumps it through its pointer
         return s.item()
 
+    def _loop_plan(self, b: _Bucket, run: _Run) -> Tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """The plan of the for-loop/foreach kernels: with AMSGrad, segments ending where
+        torch.maximum's vector loop ends in each tensor (the NaN it gives there differs)."""
+        return _maximum_plan(b, run) if self.amsgrad else _plan(b, run, 1)
+
     def run(self, opt: Any, group: Dict[str, Any], b: _Bucket, run: _Run) -> None:
         if run.step_ptrs is None:
             steps = [b.step_objs[i] for i in run.idx]  # type: ignore[index]
@@ -1670,11 +1675,9 @@ class _AdamKernel(_Kernel):
         vmax = sf["max_exp_avg_sq"].data_ptr() if self.amsgrad else 0
         code = _dtype_code(b.dtype)
         decay = (1 - lr * wd) if self.decoupled else 1.0
-        # AMSGrad: where torch.maximum's vector loop ends in each tensor (the NaN it gives differs)
-        loop_plan = _maximum_plan(b, run) if self.amsgrad else None
         if not self.fused and _vml_ready():
             # torch's for-loop and foreach paths in one cache-blocked pass, with torch's own sqrt
-            plan = loop_plan or _plan(b, run, 1)
+            plan = self._loop_plan(b, run)
             _K.adam_loop_step(
                 code,
                 b.flat_param.data_ptr(),
@@ -1705,7 +1708,7 @@ class _AdamKernel(_Kernel):
             # torch's for-loop and foreach paths: the same rounding sequence, but the square root
             # comes from torch (MKL's vectorised sqrt is not correctly rounded): moments kernel,
             # torch.sqrt over the run's flat range, then the update kernel.
-            plan = loop_plan or _plan(b, run, 1)
+            plan = self._loop_plan(b, run)
             n = plan[3]
             nt = _nthreads(n)
             _K.adam_moments(
