@@ -1494,9 +1494,15 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         sampler_config = self._sampler_config()
         missing = [k for k in sampler_config if k not in state]
         if missing:
-            raise ConfigError(f"load_state_dict: the state lacks {missing}; pass what state_dict() returned")
+            # Saved by a trainloom that did not record them (their check is newer): loaded unchecked.
+            log.warning(
+                "%s.load_state_dict: the state has no %s (saved by an earlier trainloom); not checked "
+                "against the wrapped sampler's",
+                type(self).__name__,
+                missing,
+            )
         for key, value in sampler_config.items():
-            if state[key] != value:
+            if key in state and state[key] != value:
                 raise ConfigError(
                     f"load_state_dict: the state was saved with {key}={state[key]!r}, the wrapped sampler "
                     f"has {value!r}; the resumed order would differ"
