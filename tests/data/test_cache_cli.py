@@ -285,4 +285,13 @@ def test_cache_cli_never_prints_the_redis_password(own_redis, capsys):
         assert main(["cache", "info", "--redis", bad]) == 1
         out, err = capsys.readouterr()
         assert out == "" and pw not in err and "redis://" in err and ":***@" in err, err
+    # A scheme in capitals is a URL too; credentials without a scheme are not an address (both were
+    # taken as HOST:PORT with the password in the host, and echoed).
+    assert main(["cache", "info", "--redis", f"REDIS://:{pw}@{srv.host}:{srv.port}"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith(f"redis {srv.host}:{srv.port}: used ") and pw not in out + err
+    for bad in (f"user:{pw}@{srv.host}:{srv.port}", f"http://:{pw}@{srv.host}:{srv.port}"):
+        assert main(["cache", "info", "--redis", bad]) == 1
+        out, err = capsys.readouterr()
+        assert out == "" and pw not in err and ":***@" in err, err
     loader.close()

@@ -645,6 +645,34 @@ def test_lmdb_clear_delete_and_reset_at_max_map_size(tmp_path):
     s.close()
 
 
+def test_lmdb_freeing_leaves_the_map_and_atomicity_as_they_were_when_not_at_the_cap(tmp_path):
+    """Review of the fix above: the map was taken back to this store's cap after every clear, delete
+    and fingerprint reset, also when it did not grow them: a store with a small cap shrank the map
+    another store on the same path had grown (and set_mapsize failed outright while another thread
+    was in a write transaction); delete always committed per 32 keys (not atomic, an fsync each)."""
+    big = LmdbStore(tmp_path, namespace="big", map_size=1 << 20, max_map_size=1 << 30)
+    big.mset({f"k{i}": os.urandom(100_000) for i in range(60)})  # grows the map past 4 MiB
+    env = big._handles()
+    grown = env.info()["map_size"]
+    small = LmdbStore(tmp_path, namespace="small", map_size=1 << 20, max_map_size=4 << 20)
+    small.mset({f"s{i}": b"x" for i in range(100)})
+    txn = env.info()["last_txnid"]
+    small.delete([f"s{i}" for i in range(100)])
+    assert env.info()["last_txnid"] == txn + 1 and small.num_keys() == 0  # one transaction
+    small.mset({"s": b"x"})
+    small.clear()
+    assert small.reset_if_changed("fp", b"1") is False
+    assert env.info()["map_size"] == grown
+    # trainloom cache clear in this process (the path is held open) keeps the map too (it opened
+    # the store with map_size 1 when it could not open the path a second time).
+    from trainloom.cli import main
+
+    assert main(["cache", "clear", "--path", str(tmp_path), "--namespace", "small"]) == 0
+    assert env.info()["map_size"] == grown
+    small.close()
+    big.close()
+
+
 def test_lmdb_writes_after_clear_at_max_map_size_reuse_the_freed_pages(tmp_path):
     # Before: every write after clear() at the cap raised StoreFullError until another write
     # committed (LMDB reuses pages freed by the last committed transaction only after a newer one).

@@ -75,7 +75,9 @@ def _lmdb_store(path: Path, namespace: Optional[str], readonly: bool) -> LmdbSto
     the ``map_size`` it is given (at least the pages in use) and the next commit persists it, so the
     default 1 GiB made ``info`` show 1 GiB and ``clear`` commit it, past the cache's max_map_size.
     A clear at that size may take a few pages past it (LmdbStore.clear)."""
-    size = _committed_map_size(path) or 1
+    size = _committed_map_size(path)
+    if size is None:  # no environment there (the store's own error says so), or not readable
+        return LmdbStore(path, namespace=namespace, readonly=readonly)
     return LmdbStore(path, namespace=namespace, map_size=size, max_map_size=size, readonly=readonly)
 
 
@@ -98,20 +100,23 @@ def _lmdb_path(args: argparse.Namespace) -> Path:
 def _redacted(spec: str) -> str:
     """``spec`` with the password of a URL shown as ``***`` (for messages: it must not reach logs)."""
     scheme, sep, rest = spec.partition("://")
-    if not sep or "@" not in rest:
+    prefix = f"{scheme}://" if sep else ""
+    rest = rest if sep else spec
+    if "@" not in rest:
         return spec
     userinfo, _, hostpart = rest.rpartition("@")  # the host part holds no '@'; a password may
     user, colon, _ = userinfo.partition(":")
-    return f"{scheme}://{user}:***@{hostpart}" if colon else f"{scheme}://***@{hostpart}"
+    return f"{prefix}{user}:***@{hostpart}" if colon else f"{prefix}***@{hostpart}"
 
 
 def _redis_address(spec: str) -> Dict[str, Any]:
     """host, port and, from a URL, password, username and db of HOST:PORT, [IPv6]:PORT or
     redis://[[USER]:PASSWORD@]HOST:PORT[/DB]. Error messages show the URL without its password."""
-    if spec.startswith("rediss://"):
+    scheme = spec.partition("://")[0].lower() if "://" in spec else ""
+    if scheme == "rediss":
         # Connecting without TLS would send the password in clear to a server that expects TLS.
         raise ValueError(f"--redis: TLS (rediss://) is not supported, got {_redacted(spec)!r}")
-    if spec.startswith("redis://"):
+    if scheme == "redis":  # (any case, as URL schemes)
         url = urllib.parse.urlsplit(spec)
         try:
             port = url.port
@@ -133,10 +138,10 @@ def _redis_address(spec: str) -> Dict[str, Any]:
     host, _, port_s = spec.rpartition(":")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]  # [::1]:6379
-    if not host or not port_s.isdigit():
+    if not host or not port_s.isdigit() or scheme or "@" in host:  # (another scheme, or credentials)
         raise ValueError(
             "--redis must be HOST:PORT ([ADDR]:PORT for IPv6, or redis://[[USER]:PASSWORD@]HOST:PORT[/DB]), "
-            f"got {spec!r}"
+            f"got {_redacted(spec)!r}"
         )
     port = int(port_s)
     if not 0 < port < 65536:

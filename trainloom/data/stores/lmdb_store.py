@@ -87,9 +87,13 @@ def _committed_map_size(path: Union[str, os.PathLike]) -> Optional[int]:
     Opening an environment maps the ``map_size`` it is given (at least the pages in use), whatever
     size was committed, and the next commit persists it; given 0, LMDB maps the committed size.
     ``trainloom cache`` opens with this size so that it leaves the map as the cache's writers made it.
-    (A brief read-only open without the lock file; not for a path this process holds open.)"""
+    (A brief read-only open without the lock file; a path this process holds open: that map's size.)"""
     if not (Path(path) / "data.mdb").is_file():
         return None
+    with _ENVS_LOCK:  # held open by this process (py-lmdb opens a path once per process): its map
+        entry = _ENVS.get(os.path.realpath(path))
+        if entry is not None and entry[1] == os.getpid():
+            return int(entry[0].info()["map_size"])
     lmdb = _import_lmdb()
     try:
         env = lmdb.open(os.fspath(path), map_size=0, subdir=True, readonly=True, lock=False)
@@ -432,16 +436,32 @@ class LmdbStore(Store):
             except lmdb.MapResizedError:
                 self._adopt_committed(env)
 
-    def _after_freeing(self, env: Any, limit: int, advance: bool = True) -> None:
-        """After a transaction that freed pages: commit an empty write so that the next write reuses
-        them, and set the map back to max_map_size (LMDB keeps at least the pages in use)."""
-        if advance:
-            # Best effort: a write that finds no room commits one itself (_retry_grow).
-            with contextlib.suppress(StoreFullError):
-                self._retry_grow(env, lambda: self._advance(env), limit)
-        if env.info()["map_size"] > self.max_map_size:
+    def _freeing(self, env: Any, txn: Callable[[], T], extra_pages: int = 0) -> T:
+        """Run ``txn``, a write that frees pages (clear, delete, a fingerprint reset), as any write;
+        when the map is full at max_map_size, run it again allowed a bounded overshoot
+        (:meth:`_freeing_limit`: committing a drop writes the list of the pages it frees to new
+        pages, which at the cap do not exist). Then commit an empty write, so that the next write
+        reuses the freed pages, and take the map back to its size before (best effort: another
+        thread of the process may be in a write transaction, which set_mapsize refuses)."""
+        try:
+            return self._retry_grow(env, txn)
+        except StoreFullError:
+            pass
+        before = int(env.info()["map_size"])
+        limit = self._freeing_limit(env, extra_pages)
+        out = self._retry_grow(env, txn, limit)
+        with contextlib.suppress(StoreFullError):  # (a write that finds no room commits one itself)
+            self._retry_grow(env, lambda: self._advance(env), limit)
+        target = max(before, self.max_map_size)
+        if env.info()["map_size"] > target:
             with self._grow_lock():
-                env.set_mapsize(self.max_map_size)
+                try:
+                    env.set_mapsize(target)  # LMDB keeps at least the pages in use
+                except _import_lmdb().Error as exc:
+                    log.debug(
+                        "LmdbStore: could not take the map of %s back to %d bytes: %s", self.path, target, exc
+                    )
+        return out
 
     def _check_writable(self) -> None:
         if self.readonly:
@@ -625,29 +645,31 @@ class LmdbStore(Store):
         return max(0, self.max_map_size - (env.info()["last_pgno"] + 1) * env.stat()["psize"])
 
     def delete(self, keys: Sequence[Key]) -> None:
-        """Delete ``keys`` from this namespace (missing keys are ignored), in write transactions of 32
-        keys (a failure leaves the earlier ones deleted). Works on a store full at ``max_map_size``
-        (it may take a few pages past it), like :meth:`clear`."""
+        """Delete ``keys`` from this namespace (missing keys are ignored), in one write transaction.
+        On a store full at ``max_map_size`` it works too, in transactions of 32 keys that may take a
+        few pages past the cap (a failure there leaves the earlier ones deleted), like :meth:`clear`."""
         self._check_writable()
         kb = [self._write_key(k) for k in keys]
-
         if not kb:
             return
 
-        def txn(env: Any, chunk: List[bytes]) -> None:
-            with env.begin(write=True, db=self._db) as t:
-                for k in chunk:
-                    t.delete(k)
+        def txn(env: Any, chunks: int) -> None:
+            for i in range(0, len(kb), chunks):
+                with env.begin(write=True, db=self._db) as t:
+                    for k in kb[i : i + chunks]:
+                        t.delete(k)
 
         def run(env: Any) -> None:
+            try:
+                self._retry_grow(env, functools.partial(txn, env, len(kb)))
+                return
+            except StoreFullError:
+                pass
             with env.begin(db=self._db) as t:
                 depth = int(t.stat(self._db)["depth"])
-            # Each key deleted copies at most the pages of its path (depth).
-            limit = self._freeing_limit(env, _DELETE_CHUNK * max(depth, 1))
-            for i in range(0, len(kb), _DELETE_CHUNK):
-                chunk = kb[i : i + _DELETE_CHUNK]
-                self._retry_grow(env, functools.partial(txn, env, chunk), limit)
-            self._after_freeing(env, limit)
+            # Each key deleted copies at most the pages of its path (depth); deleting a key twice
+            # (a chunk redone after the map grew) is harmless.
+            self._freeing(env, functools.partial(txn, env, _DELETE_CHUNK), _DELETE_CHUNK * max(depth, 1))
 
         self._call("delete", run)
 
@@ -669,9 +691,7 @@ class LmdbStore(Store):
                 with env.begin(write=True) as t:
                     t.drop(self._db, delete=False)
 
-            limit = self._freeing_limit(env)
-            self._retry_grow(env, txn, limit)
-            self._after_freeing(env, limit)
+            self._freeing(env, txn)
 
         self._call("clear", run)
 
@@ -700,10 +720,7 @@ class LmdbStore(Store):
                     t.put(kb, value)
                     return dropped
 
-            limit = self._freeing_limit(env)
-            dropped = self._retry_grow(env, txn, limit)
-            self._after_freeing(env, limit, advance=dropped)
-            return dropped
+            return self._freeing(env, txn)
 
         return self._call("reset_if_changed", run)
 
