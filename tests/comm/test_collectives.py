@@ -620,3 +620,12 @@ def test_reduce_and_reduce_inplace_on_non_contiguous_views(engine):
         for name, w in want.items():
             w = tuple(x.tolist() for x in w) if isinstance(w, tuple) else w.tolist()
             assert r[name] == w, (rank, name, r[name])
+
+
+def test_gloo_failure_reports_after_close_do_not_touch_the_dropped_store(monkeypatch):
+    """close() drops the store (so a failed engine does not keep rank 0's TCPStore alive); an
+    operation failing on another thread after destroy_process_group() then raised AttributeError
+    ('NoneType' object has no attribute 'set') from the census of late ranks instead of its error."""
+    eng = _engine_with_a_stub_group(monkeypatch)
+    eng.close()
+    assert eng._missing_ranks(2, 0.1) == [] and eng._timed_out_peers(2) == []

@@ -563,3 +563,44 @@ def test_classic_groups_connect_when_made_as_in_torch(engine):
     for r in res:
         assert r == [(k, [float(sum(int(c) + 1 for c in k))] * 3) for k, _ in r]
     assert [k for k, _ in res[0]] == ["01", "02"]
+
+
+def test_release_frames_clears_only_trainloom_frames_and_never_a_paused_generator():
+    """_release_frames (which lets a failed operation drop the store) cleared every frame of the
+    traceback: a user's callback lost its locals (for pdb.post_mortem), and a user's generator paused
+    in a frame that a caught exception held was finalized (its remaining items lost)."""
+    from trainloom.comm import group
+
+    # A function compiled as if it were trainloom's (its frames are cleared) that calls the user.
+    ns: dict = {}
+    exec(compile("def run(fn):\n    engine_local = object()\n    fn()\n", group.__file__, "exec"), ns)
+
+    def batches():
+        for i in range(5):
+            try:
+                if i == 1:
+                    raise ValueError("bad batch")
+            except ValueError as e:
+                batches.last = e  # type: ignore[attr-defined]
+            yield i
+
+    g = batches()
+    assert [next(g), next(g)] == [0, 1]  # paused; batches.last holds its frame
+
+    def user_callback():
+        batch_id = 17  # noqa: F841 - inspected below
+        raise RuntimeError("callback failed") from batches.last  # type: ignore[attr-defined]
+
+    try:
+        ns["run"](user_callback)
+    except RuntimeError as exc:
+        caught = exc
+    group._release_frames(caught)
+    tb, frames = caught.__traceback__, []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    by_name = {f.f_code.co_name: f for f in frames}
+    assert by_name["run"].f_locals == {}  # trainloom's: cleared
+    assert by_name["user_callback"].f_locals["batch_id"] == 17
+    assert list(g) == [2, 3, 4]

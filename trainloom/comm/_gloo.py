@@ -550,15 +550,16 @@ class GlooEngine:
         out ``d`` s later, so waiting ``window`` s finds every rank that arrived within ``window`` s of
         this one (waiting the whole timeout would find all that arrived before this one gave up).
         """
+        store = self._store
+        if store is None:  # closed (destroy_process_group() from another thread): nothing to ask
+            return []
         try:
-            self._store.set(f"{self._prefix}/late/{seq}/{self.rank}", "1")
+            store.set(f"{self._prefix}/late/{seq}/{self.rank}", "1")
             deadline = time.monotonic() + window
             missing = list(range(self.world_size))
             while missing and time.monotonic() < deadline:
                 missing = [
-                    r
-                    for r in range(self.world_size)
-                    if not self._store.check([f"{self._prefix}/late/{seq}/{r}"])
+                    r for r in range(self.world_size) if not store.check([f"{self._prefix}/late/{seq}/{r}"])
                 ]
                 if missing:
                     time.sleep(0.05)
@@ -572,11 +573,14 @@ class GlooEngine:
         :meth:`_missing_ranks`) that they timed out in it. gloo closes the pairs before the rank that
         timed out writes its key, so the key is waited for, at most ``_LATE_GRACE_S``; a rank that
         died writes none (and with rank 0 the store is gone: no wait)."""
+        store = self._store
+        if store is None:  # closed (destroy_process_group() from another thread): nothing to ask
+            return []
         keys = {r: f"{self._prefix}/late/{seq}/{r}" for r in range(self.world_size) if r != self.rank}
         deadline = time.monotonic() + _LATE_GRACE_S
         try:
             while True:
-                late = [r for r, k in keys.items() if self._store.check([k])]
+                late = [r for r, k in keys.items() if store.check([k])]
                 if late or time.monotonic() >= deadline:
                     return late
                 time.sleep(0.05)

@@ -23,13 +23,13 @@ import concurrent.futures
 import dataclasses
 import datetime
 import hashlib
+import inspect
 import logging
 import os
 import socket
 import sys
 import threading
 import time
-import traceback
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -879,18 +879,28 @@ def _namespace(generation: int) -> str:
     return f"tl/r{restart}.{generation}" if restart.isdigit() and restart != "0" else f"tl/{generation}"
 
 
+#: trainloom's own source directory: _release_frames clears only frames of code from there.
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+#: Code whose frame outlives a call (a paused generator or coroutine): clearing it would finalize it.
+_SUSPENDABLE = (
+    inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR | inspect.CO_ITERABLE_COROUTINE
+)
+
+
 def _release_frames(exc: BaseException) -> None:
-    """Clear the locals of the finished frames an operation's failure passed through.
+    """Clear the locals of trainloom's finished frames an operation's failure passed through.
 
     The exception outlives the call: a Future keeps it for ``Work.wait()`` (and the Work for as long
     as the caller holds it), and a caller may keep it too. Its traceback's frames held the engine's
     locals (gloo works, the store, rank 0's TCPStore server, the tensors), so a failed operation
     kept the store alive after destroy_process_group(), and the next init_process_group() found its
     port in use. Called in the frame that runs the operation, when ``exc`` leaves it: the frames
-    below it have finished (they keep their code and line numbers for the traceback), the running
-    ones (this one and its callers) are left alone. The exceptions ``exc`` chains to (``__cause__``,
-    ``__context__``) are cleared too when they were caught in those frames, not one a caller was
-    handling when it made the call.
+    below it have finished (they keep their code and line numbers for the traceback); the running
+    ones (this one and its callers) refuse to be cleared. Only trainloom's own frames are cleared:
+    a user's callback keeps its locals for a debugger, and a user's paused generator (whose frame
+    an exception it caught may hold) is not finalized. The exceptions ``exc`` chains to
+    (``__cause__``, ``__context__``) are cleared too when they were caught in those frames, not one
+    a caller was handling when it made the call.
     """
     frames: set = set()
     tb = exc.__traceback__
@@ -906,9 +916,14 @@ def _release_frames(exc: BaseException) -> None:
         seen.add(id(e))
         tb = head
         while tb is not None:
-            frames.add(tb.tb_frame)
-            tb = tb.tb_next
-        traceback.clear_frames(head)
+            frame, tb = tb.tb_frame, tb.tb_next
+            frames.add(frame)
+            code = frame.f_code
+            if code.co_filename.startswith(_PACKAGE_DIR) and not code.co_flags & _SUSPENDABLE:
+                try:
+                    frame.clear()
+                except RuntimeError:  # still executing (this frame and its callers)
+                    pass
         todo += [x for x in (e.__cause__, e.__context__) if x is not None]
 
 
