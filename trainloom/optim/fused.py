@@ -1537,18 +1537,28 @@ class _Kernel:
         raise NotImplementedError
 
 
-def _plan(b: _Bucket, run: _Run, body_mod: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    key = (run.idx[0], run.idx[-1], body_mod)
+_PlanT = Tuple[np.ndarray, np.ndarray, np.ndarray, int]
+
+
+def _cached_plan(b: _Bucket, key: Any, build: Callable[[], _PlanT]) -> _PlanT:
+    """``b``'s plan under ``key``, built once (the cache is emptied when it holds more than 64)."""
     plan = b.plan_cache.get(key)
     if plan is None:
-        starts = np.array([b.offsets[i] for i in run.idx], dtype=np.int64)
-        lens = np.array([b.numels[i] for i in run.idx], dtype=np.int64)
-        bodies = lens - lens % body_mod if body_mod > 1 else lens.copy()
-        plan = (*_K.make_plan(starts, lens, bodies, _CHUNK), int(lens.sum()))
+        plan = build()
         if len(b.plan_cache) > 64:
             b.plan_cache.clear()
         b.plan_cache[key] = plan
     return plan
+
+
+def _plan(b: _Bucket, run: _Run, body_mod: int) -> _PlanT:
+    def build() -> _PlanT:
+        starts = np.array([b.offsets[i] for i in run.idx], dtype=np.int64)
+        lens = np.array([b.numels[i] for i in run.idx], dtype=np.int64)
+        bodies = lens - lens % body_mod if body_mod > 1 else lens.copy()
+        return (*_K.make_plan(starts, lens, bodies, _CHUNK), int(lens.sum()))
+
+    return _cached_plan(b, (run.idx[0], run.idx[-1], body_mod), build)
 
 
 #: ATen's elementwise CPU loops (cpu_kernel_vec) hand each thread one chunk of a tensor of more than
@@ -1556,7 +1566,7 @@ def _plan(b: _Bucket, run: _Run, body_mod: int) -> Tuple[np.ndarray, np.ndarray,
 _ATEN_GRAIN = 32768
 
 
-def _maximum_plan(b: _Bucket, run: _Run) -> Tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+def _maximum_plan(b: _Bucket, run: _Run) -> _PlanT:
     """A plan for the for-loop/foreach AMSGrad kernels whose "body" of each segment is what torch's
     ``torch.maximum(max_exp_avg_sq, exp_avg_sq)`` computes in its vector loop: a NaN there is the
     all-ones NaN, in the scalar tail the quiet NaN (see the .pyx).
@@ -1567,9 +1577,8 @@ def _maximum_plan(b: _Bucket, run: _Run) -> Tuple[np.ndarray, np.ndarray, np.nda
     (at::parallel_for over OpenMP). So the segments are those chunks, with a body of ``len - len % w``
     (w: 16 float32, 8 float64 elements)."""
     threads = torch.get_num_threads()  # ~0.1 us; a run without big tensors caches one plan per count
-    key = (run.idx[0], run.idx[-1], "maximum", threads)
-    plan = b.plan_cache.get(key)
-    if plan is None:
+
+    def build() -> _PlanT:
         width = 64 // b.flat_param.element_size()
         starts: List[int] = []
         lens: List[int] = []
@@ -1581,14 +1590,12 @@ def _maximum_plan(b: _Bucket, run: _Run) -> Tuple[np.ndarray, np.ndarray, np.nda
                 starts.append(b.offsets[i] + off)
                 lens.append(min(size, n - off))
         lens_a = np.array(lens, dtype=np.int64)
-        plan = (
+        return (
             *_K.make_plan(np.array(starts, dtype=np.int64), lens_a, lens_a - lens_a % width, _CHUNK),
             int(lens_a.sum()),
         )
-        if len(b.plan_cache) > 64:
-            b.plan_cache.clear()
-        b.plan_cache[key] = plan
-    return plan
+
+    return _cached_plan(b, (run.idx[0], run.idx[-1], "maximum", threads), build)
 
 
 def _dtype_code(dt: torch.dtype) -> int:
@@ -1649,7 +1656,7 @@ class _AdamKernel(_Kernel):
             b.step_objs[i] = s  # scan() then checks identity; run() bumps it through its pointer
         return s.item()
 
-    def _loop_plan(self, b: _Bucket, run: _Run) -> Tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    def _loop_plan(self, b: _Bucket, run: _Run) -> _PlanT:
         """The plan of the for-loop/foreach kernels: with AMSGrad, segments ending where
         torch.maximum's vector loop ends in each tensor (the NaN it gives there differs)."""
         return _maximum_plan(b, run) if self.amsgrad else _plan(b, run, 1)

@@ -126,13 +126,20 @@ def _release_collected() -> None:
     pid = os.getpid()
     while _COLLECTED:
         key, owner = _COLLECTED.popleft()
-        entry = _ENVS.get(key)
-        if owner != pid or entry is None or entry[1] != pid:
-            continue  # opened before a fork, in the parent
-        entry[2] -= 1
-        if entry[2] <= 0:
-            del _ENVS[key]
-            entry[0].close()
+        if owner == pid:  # (else opened before a fork, in the parent)
+            _decref(key)
+
+
+def _decref(key: str) -> None:
+    """Drop one user of this process's environment at ``key``; close it with the last (caller holds
+    _ENVS_LOCK). An entry inherited through fork() is the parent's: left alone."""
+    entry = _ENVS.get(key)
+    if entry is None or entry[1] != os.getpid():
+        return
+    entry[2] -= 1
+    if entry[2] <= 0:
+        del _ENVS[key]
+        entry[0].close()
 
 
 def _acquire_env(store: LmdbStore) -> Tuple[Any, str]:
@@ -183,13 +190,7 @@ def _acquire_env(store: LmdbStore) -> Tuple[Any, str]:
 def _release_env(key: str) -> None:
     with _ENVS_LOCK:
         _release_collected()
-        entry = _ENVS.get(key)
-        if entry is None or entry[1] != os.getpid():
-            return
-        entry[2] -= 1
-        if entry[2] <= 0:
-            del _ENVS[key]
-            entry[0].close()
+        _decref(key)
 
 
 class LmdbStore(Store):
