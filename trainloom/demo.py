@@ -224,8 +224,12 @@ def _avg_fused(comm: Any, flat_buffers: Any) -> Any:
 
 def _train_torch(cfg: DemoConfig, rank: int, world: int) -> RunResult:
     import torch.distributed as dist
+    import torch.distributed.nn.functional  # noqa: F401  (before the group: see below)
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+    # The optimizer below imports torch.distributed.nn.functional, whose default arguments
+    # (group=group.WORLD) would keep the group, and its gloo threads, until the rank's exit, where a
+    # thread could abort it; trainloom's init_process_group() imports the module first too.
     dist.init_process_group("gloo", rank=rank, world_size=world)
     base = SyntheticSequences(cfg.samples, cfg.seed, cfg.cost_us_per_token)
     # The same number of steps per epoch as trainloom's budgeted plan: a fixed batch size a user would pick.

@@ -3,6 +3,7 @@ global ranks in errors: real 2- to 4-process runs (4 ranks = 2 logical nodes via
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -604,3 +605,93 @@ def test_release_frames_clears_only_trainloom_frames_and_never_a_paused_generato
     assert by_name["run"].f_locals == {}  # trainloom's: cleared
     assert by_name["user_callback"].f_locals["batch_id"] == 17
     assert list(g) == [2, 3, 4]
+
+
+_OPTIMIZER_AFTER_INIT_SCRIPT = """
+import json, os, sys
+import torch
+import trainloom.comm as C
+
+def threads():
+    return sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+
+if "torch.distributed.nn.functional" in sys.modules:  # the test would prove nothing
+    raise SystemExit("torch.distributed.nn.functional was imported before init_process_group()")
+C.init_process_group(timeout=60)
+torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())  # the first optimizer imports torch._dynamo
+dynamo = "torch._dynamo" in sys.modules
+C.destroy_process_group()
+after = threads()
+C.init_process_group(timeout=60)
+x = torch.full((2,), float(C.get_rank() + 1))
+C.allreduce_inplace(x)
+C.destroy_process_group()
+print(json.dumps({"dynamo": dynamo, "threads": after, "allreduce": x.tolist()}), flush=True)
+"""
+
+
+def test_an_optimizer_made_after_init_leaves_nothing_of_torchs_group_after_destroy(tmp_path):
+    """torch.distributed.nn.functional takes group=group.WORLD as default arguments; the first
+    optimizer imports it (with torch._dynamo), and imported while torch's group existed it kept the
+    group, its gloo worker threads and rank 0's store until exit: init_process_group() again said
+    the port was in use, and at exit a worker thread could abort the process ("terminate called
+    without an active exception", seen in the demo's ranks). Plain launch: rank 0 hosts the store."""
+    script = tmp_path / "optimizer_after_init.py"
+    script.write_text(_OPTIMIZER_AFTER_INIT_SCRIPT)
+    port = free_port()
+    procs = [popen_rank([str(script)], rank, 2, port) for rank in range(2)]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+        res = json.loads(out)
+        assert res["dynamo"] is True
+        # torch's group runs threads named pt_gloo_runloop and gloo_tcp_loop; rank 0's store pt_tcpstore_uv
+        assert not [t for t in res["threads"] if t.startswith(("pt_", "gloo"))], res["threads"]
+        assert res["allreduce"] == [3.0, 3.0]
+        assert "stays alive" not in err
+
+
+_KEEPING_IMPORT_SCRIPT = """
+import torch
+import trainloom.comm as C
+
+C.init_process_group(timeout=60)
+import torch.distributed.optim.zero_redundancy_optimizer  # noqa: E402  (after init: keeps the group)
+C.destroy_process_group()
+C.init_process_group(timeout=60)
+C.destroy_process_group()  # warned once per process
+print("done", flush=True)
+"""
+
+
+def test_a_torch_module_imported_after_init_that_keeps_torchs_group_is_named_once(tmp_path):
+    """ZeroRedundancyOptimizer's module evaluates dist.group.WORLD in a signature: imported after
+    init, it keeps torch's group; destroy_process_group() names it, with what to do (under torchrun
+    the store is the agent's, so initializing again still works)."""
+    script = tmp_path / "keeping_import.py"
+    script.write_text(_KEEPING_IMPORT_SCRIPT)
+    launch_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+    env = {k: v for k, v in os.environ.items() if k not in launch_vars}
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("done") == 2, out.stdout  # (the ranks' lines may interleave)
+    zero = "torch.distributed.optim.zero_redundancy_optimizer"
+    warning = (
+        "RuntimeWarning: destroy_process_group(): torch's process group stays alive until the process "
+        f"exits: the default arguments of {zero}._broadcast_object hold it (group=group.WORLD, evaluated "
+        f"at import, and {zero} was imported after init_process_group()). Its worker threads and store "
+        "stay too, so a later init_process_group() may find the store port in use. Import that module "
+        "before init_process_group()"
+    )
+    assert out.stderr.count(warning) == 2, out.stderr[-3000:]  # once per rank
+    assert f"{script}:7: {warning}" in out.stderr  # at the user's line

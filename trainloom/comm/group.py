@@ -30,6 +30,7 @@ import socket
 import sys
 import threading
 import time
+import types
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -1133,6 +1134,7 @@ def init_process_group(
             if launch.rank == 0:
                 poll_keys(tl_store, [f"layout_read/{r}" for r in range(launch.world_size)], t)
         if wrong is None and not dist.is_initialized():
+            _import_torch_group_defaults()
             dist.init_process_group(
                 torch_backend(),
                 # Per generation, like tl_store: torchrun's agent store outlives destroy_process_group,
@@ -1276,6 +1278,76 @@ def _local_layout_error(me: int, records: Sequence[str]) -> Optional[str]:
         f"needs LOCAL_WORLD_SIZE={n} and its own LOCAL_RANK in 0..{n - 1}{note}, but they have {have}. "
         "Set LOCAL_RANK and LOCAL_WORLD_SIZE as the launcher placed the ranks (torchrun does); to run "
         "several launcher nodes on one machine, give each its own TRAINLOOM_NODE_ID (e.g. its node rank)"
+    )
+
+
+def _import_torch_group_defaults() -> None:
+    """Import ``torch.distributed.nn.functional`` before torch's default group exists.
+
+    Its functions take ``group=group.WORLD`` as a default argument, which Python evaluates once, at
+    import. torch imports the module with ``torch._dynamo``, and the first optimizer a script makes
+    imports that: imported while the default group exists, the module keeps that group, its worker
+    threads and its store alive after ``destroy_process_group()``, until the interpreter exits. A
+    later ``init_process_group()`` under a plain launch then found rank 0's store port in use, and
+    at exit a gloo worker thread still releasing a finished collective's tensors could abort the
+    process ("terminate called without an active exception"). Imported now, the defaults are
+    ``None``, which torch reads as the default group.
+    """
+    import torch.distributed.nn.functional  # noqa: F401
+
+
+#: Set once :func:`_warn_if_torch_keeps` has warned (once per process).
+_WARNED_KEPT = False
+
+
+def _torch_defaults_holding(pg: Any) -> List[Tuple[str, str]]:
+    """``(module, qualname)`` of the functions of loaded ``torch.distributed`` modules, and of the
+    classes defined there, whose default arguments hold ``pg``. A few milliseconds."""
+    found: List[Tuple[str, str]] = []
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "torch.distributed" or name.startswith("torch.distributed.")):
+            continue
+        for obj in list(vars(module).values()):
+            kind = type(obj)  # not isinstance(): a deprecated alias warns on attribute access
+            if kind is types.FunctionType:
+                functions = [obj]
+            elif issubclass(kind, type) and vars(obj).get("__module__") == name:
+                functions = [f for f in vars(obj).values() if type(f) is types.FunctionType]
+            else:
+                continue
+            for f in functions:
+                defaults = (*(f.__defaults__ or ()), *(f.__kwdefaults__ or {}).values())
+                if any(d is pg for d in defaults):
+                    found.append((f.__module__, f.__qualname__))
+    return sorted(set(found))
+
+
+def _warn_if_torch_keeps(pg: Any) -> None:
+    """Warn (once per process) when default arguments in torch keep the destroyed process group
+    ``pg`` alive: a module that evaluates ``group.WORLD`` in a signature was imported after
+    :func:`init_process_group` (``torch.distributed.nn.functional`` is imported before it)."""
+    global _WARNED_KEPT
+    if _WARNED_KEPT or pg is None:
+        return
+    holders = _torch_defaults_holding(pg)
+    if not holders:
+        return
+    _WARNED_KEPT = True
+    from trainloom._warnings import warn_at_caller
+
+    names = [f"{m}.{q}" for m, q in holders]
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    modules = sorted({m for m, _ in holders})
+    warn_at_caller(
+        "destroy_process_group(): torch's process group stays alive until the process exits: the "
+        f"default arguments of {shown} hold it (group=group.WORLD, evaluated at import, and "
+        f"{', '.join(modules)} {'was' if len(modules) == 1 else 'were'} imported after "
+        "init_process_group()). Its worker threads and store stay too, so a later "
+        "init_process_group() may find the store port in use. Import "
+        f"{'that module' if len(modules) == 1 else 'those modules'} before init_process_group()",
+        RuntimeWarning,
+        __file__,
+        logger,
     )
 
 
@@ -1462,5 +1534,7 @@ def destroy_process_group() -> None:
             logger.debug("destroy_process_group: could not mark the store: %s", exc)
     st.node_ids = []
     if st.owns_torch_pg and dist.is_initialized():
+        world = dist.GroupMember.WORLD
         dist.destroy_process_group()
+        _warn_if_torch_keeps(world)
     st.owns_torch_pg = False
