@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import trainloom.data.cache as cache_mod
 from trainloom.data.cache import META_KEY, CachedDataset, CacheLoader, fingerprint_digest
-from trainloom.data.stores import LmdbStore, StoreError, StoreValueRefusedError
+from trainloom.data.stores import LmdbStore, StoreError, StoreFullError, StoreValueRefusedError
 from trainloom.data.stores.redis_server import RedisServer
 from trainloom.errors import ConfigError
 
@@ -835,3 +835,63 @@ def test_a_full_disk_is_a_store_full_error_and_bypass_keeps_reading(tmp_path):
     # bypass: what was written is served in both epochs; one warning; the store is never skipped
     assert lines[1] == "close: StoreFullError"
     assert lines[2] == f"bypass: {2 * n} 1 0 1"
+
+
+# -- a batch that fills the LMDB map part-way ------------------------------------------------------
+
+
+@pytest.mark.parametrize("on_error", ["raise", "bypass"])
+def test_values_stored_before_the_lmdb_map_filled_up_count_as_written_and_are_not_rewritten(
+    tmp_path, monkeypatch, on_error
+):
+    # LmdbStore writes a batch that fails at max_map_size value by value; its StoreFullError did not
+    # say which values it stored first, so the cache counted none as written: with "raise" they stayed
+    # buffered and every later flush wrote them again, with "bypass" they were counted as dropped.
+    calls: list = []
+    real = LmdbStore.mset
+
+    def mset(self, dictionary):
+        calls.append(len(dictionary))
+        return real(self, dictionary)
+
+    monkeypatch.setattr(LmdbStore, "mset", mset)
+    loader = CacheLoader(
+        path=tmp_path,
+        dataset_name="f",
+        writer_buffer_size=40,
+        on_error=on_error,
+        map_size=1 << 20,
+        max_map_size=8 << 20,
+        flush_interval=None,
+    )
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for i in range(39):
+            loader.get(i, lambda k: np.full(300_000, k, np.uint8))
+        if on_error == "raise":
+            with pytest.raises(StoreFullError) as info:  # the 40th value fills the buffer: 12 MB
+                loader.get(39, lambda k: np.full(300_000, k, np.uint8))
+            full = info.value
+        else:
+            loader.get(39, lambda k: np.full(300_000, k, np.uint8))
+            [message] = _messages(rec, "is full at max_map_size")
+    stored = [k for k, v in zip(range(40), loader.store.mget([f"f_{i}" for i in range(40)])) if v is not None]
+    n = len(stored)
+    assert 20 < n < 40 and stored == list(range(n))
+    text = (
+        f"Of the 40 values of this mset, written: {n} ('f_0', 'f_1', 'f_2' and {n - 3} more); not written: "
+        f"{40 - n} ('f_{n}', 'f_{n + 1}', 'f_{n + 2}' and {40 - n - 3} more)"
+    )
+    s = loader.stats()
+    if on_error == "raise":
+        assert str(full).endswith(text)
+        assert full.written == tuple(f"f_{i}".encode() for i in range(n))
+        assert (s["writes"], s["dropped"], s["buffered"], s["errors"]) == (n, 0, 40 - n, 1)
+        with pytest.raises(StoreFullError):
+            loader.close()  # its flush tries again only the values not written
+        assert calls == [40, 40 - n]
+    else:
+        assert f"{text}. on_error='bypass': no new values will be written" in message
+        assert (s["writes"], s["dropped"], s["buffered"], s["errors"]) == (n, 40 - n, 0, 1)
+        loader.close()
+        assert calls == [40]

@@ -75,8 +75,42 @@ def test_lmdb_full_at_cap_names_the_cap(tmp_path):
     s = LmdbStore(tmp_path, map_size=1 << 20, max_map_size=2 << 20)
     with pytest.raises(StoreFullError, match="full at max_map_size=2097152 bytes .*namespace ''"):
         s.mset({f"k{i}": os.urandom(100_000) for i in range(40)})
-    s.set("small", b"still works")  # the failed batch was rolled back, the store is usable
+    s.set("small", b"still works")  # the store is usable
     assert s.get("small") == b"still works"
+
+
+def test_lmdb_batch_filling_the_map_part_way_names_the_keys_written(tmp_path):
+    # A batch that fails at max_map_size is written value by value: the values before the map filled
+    # up are stored. The StoreFullError did not say which, so a caller could not tell what the store
+    # held (the cache counted them as not written and wrote them again).
+    s = LmdbStore(tmp_path, namespace="cap", map_size=1 << 20, max_map_size=4 << 20)
+    s.mset({f"a{i}": b"x" * 200_000 for i in range(14)})  # 1.3 MB of the 4 MiB left
+    batch = {f"b{i}": b"y" * 200_000 for i in range(8)}
+    with pytest.raises(StoreFullError) as info:
+        s.mset(batch)
+    stored = [k.encode() for k, v in zip(batch, s.mget(list(batch))) if v is not None]
+    rest = [k.encode() for k in batch if k.encode() not in stored]
+    assert 3 < len(stored) < 8 and stored == [k.encode() for k in list(batch)[: len(stored)]]
+    assert (info.value.written, info.value.not_written) == (tuple(stored), tuple(rest))
+    assert str(info.value) == (
+        f"LmdbStore: {tmp_path} is full at max_map_size={4 << 20} bytes (namespace 'cap'); pass a larger "
+        "max_map_size= or clear old caches with `trainloom cache clear`. Of the 8 values of this mset, "
+        f"written: {len(stored)} ('b0', 'b1', 'b2' and {len(stored) - 3} more); not written: {len(rest)} "
+        f"({', '.join(repr(k.decode()) for k in rest)})"
+    )
+    back = pickle.loads(pickle.dumps(info.value))
+    assert (back.written, back.not_written, str(back)) == (tuple(stored), tuple(rest), str(info.value))
+    # A batch of which nothing is written says so; a single value needs no list.
+    with pytest.raises(StoreFullError) as info:
+        s.mset({"c0": os.urandom(300_000), "c1": os.urandom(300_000)})
+    assert str(info.value).endswith("`trainloom cache clear`. None of the 2 values of this mset was written")
+    assert (info.value.written, info.value.not_written) == ((), (b"c0", b"c1"))
+    with pytest.raises(StoreFullError) as info:
+        s.set("d", os.urandom(300_000))
+    assert str(info.value).endswith("`trainloom cache clear`")
+    assert (info.value.written, info.value.not_written) == ((), (b"d",))
+    assert StoreFullError("full").written is None  # a store that does not say
+    s.close()
 
 
 def test_lmdb_reclaims_reader_slots_of_killed_processes(tmp_path):

@@ -547,14 +547,16 @@ def _write_each(
     Returns the keys written, the error of each value the store refused, and the store-wide error
     (unreachable, full, out of memory) that stopped the writing, if one did: the keys after it are in
     neither. When ``first`` names every refused value and says all the others were written
-    (LmdbStore at max_map_size), nothing is written again; a store-wide ``first`` stops at once; a
+    (LmdbStore at max_map_size), nothing is written again; a store-wide ``first`` stops at once (the
+    keys written are those a StoreFullError names in ``written``: LmdbStore filling up part-way); a
     batch of one value that the store refused is not tried again."""
     known = _known_refusal(first, items)
     if known is not None:
         refused = dict.fromkeys(known, first)
         return [k for k in items if k not in refused], refused, None
     if isinstance(first, _STORE_WIDE):
-        return [], {}, first
+        stored = set(getattr(first, "written", None) or ())
+        return [k for k in items if k in stored], {}, first
     if len(items) == 1 and isinstance(first, (StoreValueRefusedError, ConfigError)):
         return [], dict.fromkeys(items, first), None
     written: List[bytes] = []

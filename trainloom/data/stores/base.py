@@ -36,7 +36,26 @@ class StoreUnavailableError(StoreError, ConnectionError):
 
 
 class StoreFullError(StoreError):
-    """The store is full and could not grow (LMDB map at its ``max_map_size`` cap)."""
+    """The store is full and could not grow (LMDB map at its ``max_map_size`` cap, or a full disk).
+
+    Attributes:
+        written: the keys of the ``mset`` batch stored before the store was found full (LMDB writes a
+            batch that fails at ``max_map_size`` value by value), as bytes (str keys UTF-8); ``None``
+            when the store does not say.
+        not_written: the other keys of that batch, not stored; ``None`` when the store does not say.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        backend: Optional[str] = None,
+        key: Optional[str] = None,
+        written: Optional[Sequence[bytes]] = None,
+        not_written: Optional[Sequence[bytes]] = None,
+    ) -> None:
+        super().__init__(message, backend, key)
+        self.written = None if written is None else tuple(written)
+        self.not_written = None if not_written is None else tuple(not_written)
 
 
 class StoreOutOfMemoryError(StoreError):

@@ -71,6 +71,13 @@ def default_cache_dir() -> Path:
     return base / "trainloom"
 
 
+def _names(keys: Sequence[bytes], shown: int = 3) -> str:
+    """The first ``shown`` of ``keys`` for a message (each cut to 60 characters), and how many more."""
+    names = [repr(k.decode("utf-8", "replace")) for k in keys[:shown]]
+    out = ", ".join(r if len(r) <= 60 else r[:57] + "..." for r in names)
+    return out + (f" and {len(keys) - shown} more" if len(keys) > shown else "")
+
+
 def _import_lmdb() -> Any:
     try:
         import lmdb
@@ -203,9 +210,10 @@ class LmdbStore(Store):
             act on it only.
         map_size: initial size of the memory map in bytes (default 1 GiB). The map grows by doubling
             when full, and the failed batch is retried.
-        max_map_size: cap of that growth (default 1 TiB); reaching it raises :class:`StoreFullError`,
-            or :class:`StoreValueRefusedError` for a value larger than the room left while there is
-            room for others (the other values of its batch are written).
+        max_map_size: cap of that growth (default 1 TiB); reaching it raises :class:`StoreFullError`
+            (its ``written`` and ``not_written`` name the keys of the batch stored before the map
+            filled up, and the others), or :class:`StoreValueRefusedError` for a value larger than the
+            room left while there is room for others (the other values of its batch are written).
         max_readers: reader slots, shared by every process on the node (ranks x DataLoader workers x
             threads). Slots left by killed processes are reclaimed with ``reader_check()``.
         max_dbs: how many namespaces the environment can hold.
@@ -361,11 +369,11 @@ class LmdbStore(Store):
         """Bytes up to the last page in use (pages on LMDB's free list included)."""
         return int((env.info()["last_pgno"] + 1) * env.stat()["psize"])
 
-    def _adopt_committed(self, env: Any) -> None:
-        """Map the size another process committed (MDB_MAP_RESIZED), but not beyond max_map_size."""
+    def _adopt_committed(self, env: Any, cap: int) -> None:
+        """Map the size last committed (by another process: MDB_MAP_RESIZED), but not beyond ``cap``."""
         env.set_mapsize(0)
-        if env.info()["map_size"] > self.max_map_size:
-            env.set_mapsize(self.max_map_size)  # LMDB keeps at least the pages in use
+        if env.info()["map_size"] > cap:
+            env.set_mapsize(cap)  # LMDB keeps at least the pages in use
 
     def _freeing_limit(self, env: Any, extra_pages: int = 0) -> int:
         """The map size a freeing transaction (clear, delete, a fingerprint reset) may grow to: past
@@ -389,16 +397,15 @@ class LmdbStore(Store):
             # it also falls back to the last committed size, which is below ours when our own growth
             # was never committed.
             before = env.info()["map_size"]
-            env.set_mapsize(0)
             if before >= limit:
-                if env.info()["map_size"] > limit:
-                    env.set_mapsize(limit)
+                self._adopt_committed(env, limit)
                 raise StoreFullError(
                     f"LmdbStore: {self.path} is full at max_map_size={self.max_map_size} bytes "
                     f"(namespace {self.namespace!r}); pass a larger max_map_size= or clear old caches "
                     "with `trainloom cache clear`",
                     backend="lmdb",
                 )
+            env.set_mapsize(0)
             cur = min(max(before, env.info()["map_size"]), limit)
             new = cur if cur > before else min(max(cur * 2, cur + (64 << 20)), limit)
             env.set_mapsize(new)
@@ -435,7 +442,7 @@ class LmdbStore(Store):
                     except lmdb.MapFullError:
                         raise full from None
             except lmdb.MapResizedError:
-                self._adopt_committed(env)
+                self._adopt_committed(env, self.max_map_size)
 
     def _freeing(self, env: Any, txn: Callable[[], T], extra_pages: int = 0) -> T:
         """Run ``txn``, a write that frees pages (clear, delete, a fingerprint reset), as any write;
@@ -484,7 +491,7 @@ class LmdbStore(Store):
                         backend="lmdb",
                     ) from exc
             except lmdb.MapResizedError:
-                self._adopt_committed(env)
+                self._adopt_committed(env, self.max_map_size)
             except lmdb.Error as exc:
                 full = self._disk_full(exc)
                 if full is not None:
@@ -577,6 +584,7 @@ class LmdbStore(Store):
         items = [(wk(k), value_bytes(k, v)) for k, v in dictionary.items()]
         if not items:
             return
+        written: Dict[bytes, None] = {}  # keys committed (a batch at the cap is written value by value)
 
         def put(env: Any, batch: List[Tuple[bytes, Any]]) -> None:
             def txn() -> None:
@@ -584,6 +592,7 @@ class LmdbStore(Store):
                     t.cursor().putmulti(batch, dupdata=False, overwrite=True)
 
             self._retry_grow(env, txn)
+            written.update(dict.fromkeys(k for k, _ in batch))
 
         def write(env: Any) -> None:
             try:
@@ -591,7 +600,29 @@ class LmdbStore(Store):
             except StoreFullError as exc:  # the map is at max_map_size (raised by _grow only)
                 self._write_one_by_one(env, items, put, exc)
 
-        self._call("mset", write)
+        try:
+            self._call("mset", write)
+        except StoreFullError as exc:
+            raise self._batch_full(exc, items, written).with_traceback(exc.__traceback__) from exc.__cause__
+
+    def _batch_full(
+        self, exc: StoreFullError, items: List[Tuple[bytes, Any]], written: Mapping[bytes, None]
+    ) -> StoreFullError:
+        """``exc`` (the map at max_map_size, or the disk full), raised by an mset of ``items``, naming
+        the keys stored before it (``written``: a batch at the cap is written value by value) and the
+        others, so that the caller knows what the store holds."""
+        keys = list(dict.fromkeys(k for k, _ in items))
+        done = [k for k in keys if k in written]
+        rest = [k for k in keys if k not in written]
+        message = exc.message
+        if len(keys) > 1 and done:
+            message += (
+                f". Of the {len(keys)} values of this mset, written: {len(done)} ({_names(done)}); "
+                f"not written: {len(rest)} ({_names(rest)})"
+            )
+        elif len(keys) > 1:
+            message += f". None of the {len(keys)} values of this mset was written"
+        return StoreFullError(message, "lmdb", exc.key, written=done, not_written=rest)
 
     def _write_one_by_one(
         self,
@@ -604,7 +635,7 @@ class LmdbStore(Store):
         value too large for the room left does not keep the others out. Raises StoreValueRefusedError
         (naming the first such key and its size; ``keys``: every refused key, ``others_written``: the
         rest of the batch is stored) when only such values failed, StoreFullError when the map has no
-        room left for ordinary values."""
+        room left for ordinary values (:meth:`mset` names the keys written before it)."""
         refused: List[Tuple[bytes, int, int]] = []  # (key, bytes, room left when it failed)
         for item in items:
             if len(items) > 1:  # (a batch of one value has just failed alone)
