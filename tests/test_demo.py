@@ -36,6 +36,9 @@ def test_short_demo_trains_reports_and_cleans_up(tmp_path: Path, backend: str) -
     cmd += ["--budget", "1024", "--no-progress", "--backend", backend]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
+    # A rank aborted at its exit (after reporting) by a gloo thread of torch's group kept alive past
+    # destroy_process_group(): see test_an_optimizer_made_after_init_leaves_nothing_of_torchs_group...
+    assert "terminate called" not in out.stderr, out.stderr[-3000:]
     text = out.stdout
     assert "trainloom demo report" in text
     assert re.search(r"engine\s+trainloom \(shm\)", text), text
