@@ -1213,25 +1213,14 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
         if s.shuffle:
             _P.shuffle_runs_at(over, np.ascontiguousarray(re[:r1]), _seed64(s.seed, s.epoch, "over"))
         head = [np.arange(m + 1, dtype=np.int64)]  # one over-budget item per slot
-        p, r = m, r1
+        p = m
         if m % w:
-            fill: List[int] = []
-            while len(fill) < w - m % w and p < n:  # a free rank: items from p while they fit
-                load = 0.0
-                while p < n:
-                    while re[r] <= p:
-                        r += 1
-                    c, avail = float(rc[r]), int(re[r]) - p
-                    take = avail if c <= 0.0 or (budget - load) / c >= avail else int((budget - load) // c)
-                    while take > 0 and load + take * c > budget:
-                        take -= 1
-                    load += take * c
-                    p += take
-                    if take < avail:
-                        break  # the next item does not fit this rank
-                fill.append(p)
-            # Ranks still free (no items left) stay empty here: _fix_empty then fills or drops the step.
-            head.append(np.asarray(fill + [p] * (w - m % w - len(fill)), dtype=np.int64))
+            # The free ranks, in turn: items from p while they fit (compiled: one iteration per run
+            # of equal costs, and 2M distinct float costs are 2M runs). Ranks still free (no items
+            # left) stay empty here: _fix_empty then fills or drops the step.
+            fill = np.empty(w - m % w, dtype=np.int64)
+            p = int(_P.packed_fill(rc, re, m, budget, fill))
+            head.append(fill)
         parts = [over.astype(np.int32), np.arange(m, p, dtype=np.int32)]
         if p < n:
             r0 = int(np.searchsorted(re, p, side="right"))  # the run holding position p
