@@ -147,7 +147,8 @@ ABORT_CMA = A_CMA
 ABORT_BUSY = A_BUSY
 
 # An exception raised by a Python signal handler (Ctrl-C) during a wait, re-raised by the engine
-# method once the wait has unwound (one per process: a communicator is used by one thread at a time).
+# method once the wait has unwound. One per process is enough: only the main thread runs signal
+# handlers (PyErr_CheckSignals does nothing on other threads), and it waits in one call at a time.
 _pending_exc = None
 
 
@@ -255,8 +256,11 @@ cdef inline tl_pair_t* _pair(State* st, int src, int dst) noexcept nogil:
 
 
 cdef int _wait_word(State* st, uint32_t* word, uint32_t* sleepers, uint32_t target, int peer,
-                    double deadline, int64_t* poison) noexcept nogil:
-    """Wait until *word >= target (wrap-safe): spin briefly, then sleep in futex.
+                    double deadline, int64_t* poison, int* err_peer) noexcept nogil:
+    """Wait until *word >= target (wrap-safe): spin briefly, then sleep in futex. On failure the
+    peer waited for goes to *err_peer: collectives pass &st.err_peer (read by error_info()); a send
+    or receive passes a local, because it may run on another thread beside a collective, whose
+    error details it must not overwrite (shm.py names a send's or receive's peer itself).
 
     Spinning only pays while the peer is running on another core; when ranks outnumber cores a
     spinning waiter steals the very core the peer needs (FINDINGS: spin+sched_yield fell to gloo
@@ -300,28 +304,28 @@ cdef int _wait_word(State* st, uint32_t* word, uint32_t* sleepers, uint32_t targ
                 st.spin_cur = lim if lim < st.spin_s else st.spin_s
             return 0
         if tl_load(&st.hdr.abort_word.v) != 0:
-            st.err_peer = peer
+            err_peer[0] = peer
             return E_ABORT
         if poison != NULL and poison[0] != 0:
-            st.err_peer = peer
+            err_peer[0] = peer
             return E_POISON
         if st.local_closing:
             return E_LOCAL_CLOSE
         t = tl_now()
         if t >= deadline:
-            st.err_peer = peer
+            err_peer[0] = peer
             return E_TIMEOUT
         if t >= next_check:
             if _signals_pending():
                 return E_INTERRUPTED
             if st.ranks[peer].closed:
-                st.err_peer = peer
+                err_peer[0] = peer
                 return E_CLOSED
             if st.check_pid[peer] and tl_pid_dead(st.ranks[peer].pid):
                 # one more look: the peer may have published just before exiting
                 if tl_reached(tl_load(word), target):
                     return 0
-                st.err_peer = peer
+                err_peer[0] = peer
                 return E_DEAD
             next_check = t + PID_CHECK_EVERY
         nap = deadline - t
@@ -360,7 +364,8 @@ cdef int _step(State* st, double deadline) noexcept nogil:
     for p in range(st.world):
         if p == st.rank:
             continue
-        rc = _wait_word(st, &st.ranks[p].arrive.v, &st.ranks[p].sleepers.v, s, p, deadline, NULL)
+        rc = _wait_word(st, &st.ranks[p].arrive.v, &st.ranks[p].sleepers.v, s, p, deadline, NULL,
+                        &st.err_peer)
         if rc != 0:
             st.err_target = s
             for p in range(st.world):
@@ -926,24 +931,26 @@ cdef int _alltoall_v(State* st, const tl_desc_t* d, const char* send, const int6
 
 cdef int _send(State* st, const tl_desc_t* d, const char* buf, size_t nbytes, int dst,
                double deadline) noexcept nogil:
-    """Eager up to two pair buffers: returns once the last chunk is published, not consumed."""
+    """Eager up to two pair buffers: returns once the last chunk is published, not consumed.
+
+    Touches only the rank -> dst channel and p2p_sent[dst] (plus the shared abort word and the wait
+    statistics), never the collective state (step, slots, descriptors, st.err_*): it may run on
+    another thread beside a collective or a receive. shm.py names the peer in its errors."""
     cdef tl_pair_t* pr = _pair(st, st.rank, dst)
     cdef uint32_t base = st.p2p_sent[dst], cid
     cdef size_t nch = (nbytes + st.P - 1) // st.P, k, c
-    cdef int rc
+    cdef int rc, who
     if nch == 0:
         nch = 1
     if tl_load(&st.hdr.abort_word.v) != 0:
         return E_ABORT
     if pr.poison.opkind != 0:
-        st.err_peer = dst
         return E_POISON
     for k in range(nch):
         cid = base + <uint32_t>k
         # buffer cid & 1 was last used by chunk cid - 2, consumed once ack >= cid - 1
-        rc = _wait_word(st, &pr.ack.v, &pr.ack_sleepers.v, cid - 1, dst, deadline, &pr.poison.opkind)
+        rc = _wait_word(st, &pr.ack.v, &pr.ack_sleepers.v, cid - 1, dst, deadline, &pr.poison.opkind, &who)
         if rc != 0:
-            st.err_target = cid - 1
             return rc
         c = nbytes - k * st.P
         if c > st.P:
@@ -959,23 +966,22 @@ cdef int _send(State* st, const tl_desc_t* d, const char* buf, size_t nbytes, in
 
 
 cdef int _recv(State* st, const tl_desc_t* d, char* buf, size_t nbytes, int src, double deadline) noexcept nogil:
+    # Touches only the src -> rank channel and p2p_recv[src] (see _send).
     cdef tl_pair_t* pr = _pair(st, src, st.rank)
     cdef uint32_t base = st.p2p_recv[src], cid
     cdef size_t nch = (nbytes + st.P - 1) // st.P, k, c
-    cdef int rc
+    cdef int rc, who
     cdef const tl_desc_t* h
     if nch == 0:
         nch = 1
     if tl_load(&st.hdr.abort_word.v) != 0:
         return E_ABORT
     if pr.poison.opkind != 0:
-        st.err_peer = src
         return E_POISON
     for k in range(nch):
         cid = base + <uint32_t>k
-        rc = _wait_word(st, &pr.sent.v, &pr.sent_sleepers.v, cid + 1, src, deadline, NULL)
+        rc = _wait_word(st, &pr.sent.v, &pr.sent_sleepers.v, cid + 1, src, deadline, NULL, &who)
         if rc != 0:
-            st.err_target = cid + 1
             return rc
         h = &pr.hdr[cid & 1]
         if k == 0 and (h.dtype != d.dtype or h.numel != d.numel):
@@ -985,7 +991,6 @@ cdef int _recv(State* st, const tl_desc_t* d, char* buf, size_t nbytes, int src,
             pr.poison.opkind = K_SEND
             tl_fence()
             tl_futex_wake(&pr.ack.v, INT_MAX)
-            st.err_peer = src
             return E_POISON
         c = nbytes - k * st.P
         if c > st.P:
@@ -1069,7 +1074,11 @@ cdef class Engine:
     cdef int busy       # a collective (or barrier) is running
     # Running sends and receives, as 2 * peer + (1 for a send): a send to `dst` touches only the
     # rank -> dst channel and p2p_sent[dst], a receive from `src` the src -> rank channel and
-    # p2p_recv[src], so point-to-point operations with different (direction, peer) may overlap.
+    # p2p_recv[src], so point-to-point operations with different (direction, peer) may overlap,
+    # with each other and with a collective (which uses the slots, steps and descriptors). What
+    # they still share: the abort word, local_closing, and the wait statistics and adaptive spin
+    # budget (st.n_*, spin_cur: unsynchronised, at worst a miscounted wait or a spin tuned by the
+    # other thread's wait). Errors: a collective's details stay in st.err_*, which p2p never writes.
     cdef object p2p_running
     cdef int pid
     cdef int exports   # live HeapBuffer objects: the mapping must outlive them
@@ -1427,17 +1436,20 @@ cdef class Engine:
         return 0
 
     cdef int _enter(self) except -1:
-        """Start a collective: no other call may be running (the GIL makes check-and-set atomic)."""
-        self._check_usable(self.busy or len(self.p2p_running) > 0)
+        """Start a collective: no other collective may be running (the GIL makes check-and-set
+        atomic). Sends and receives may: they use their own channels and counters (see _send), so
+        a receive posted before a collective no longer holds it back while the peer's matching send
+        comes after the peer's collective (torch's gloo runs that pattern)."""
+        self._check_usable(self.busy)
         self.busy = 1
         return 0
 
     cdef int _enter_p2p(self, int key) except -1:
         """Start a send or a receive (``key`` = 2 * peer + 1 for a send, + 0 for a receive). Each
         touches only its own channel, so those with different keys may run at once on several
-        threads: a receive posted first no longer holds back the send the peer waits for, and a
-        rank may receive from (or send to) two neighbours at once."""
-        self._check_usable(self.busy or key in self.p2p_running)
+        threads, and beside a collective: a receive posted first no longer holds back the send the
+        peer waits for, and a rank may receive from (or send to) two neighbours at once."""
+        self._check_usable(key in self.p2p_running)
         self.p2p_running.add(key)
         return 0
 
@@ -1446,14 +1458,14 @@ cdef class Engine:
             raise CommError("shared-memory engine used after close()")
         if running:
             # Refused, the call never reaches its peers, which may already wait for it (a rank
-            # that sends on a thread while its main thread runs a collective): abort, so that they
-            # and the call already running here fail now instead of at their timeout.
+            # whose two threads each run a collective, or each send to the same peer): abort, so
+            # that they and the call already running here fail now instead of at their timeout.
             with nogil:
                 self._set_abort(A_BUSY)
             raise CommError(
-                "a communicator is used by one thread at a time (only sends to and receives from "
-                "different peers may overlap); another call was running on it when this one started "
-                "on another thread. The communicator is aborted: the running call and the peers' calls "
+                "a communicator runs one collective at a time and one send to or receive from each "
+                "peer at a time; another such call was running on it when this one started on another "
+                "thread. The communicator is aborted: the running call and the peers' calls "
                 "fail now instead of waiting for this one. Serialise the calls, e.g. on one worker thread")
         if getpid() != self.pid:
             raise CommError(

@@ -1422,12 +1422,13 @@ def p2p_exchange(rank: int, ws: int, engine: str) -> Dict[str, Any]:
         w.wait()
         got.append(o.tolist())
     out["isend_recv"] = got
-    # both asynchronous, then a collective waits for both
-    o = torch.zeros(3)
-    ws_ = [C.send(torch.full((3,), float(rank + 5)), peer, async_op=True), C.recv(o, peer, async_op=True)]
-    t = torch.ones(2)
-    C.allreduce_inplace(t)
-    out["isend_irecv_allreduce"] = (o.tolist(), t.tolist(), all(w.is_completed() for w in ws_))
+    # both asynchronous, then a collective on both their tensors waits for both: it sums the
+    # received values, and the send sends the values from before it
+    buf = torch.zeros(6)
+    buf[:3] = float(rank + 5)
+    ws_ = [C.send(buf[:3], peer, async_op=True), C.recv(buf[3:], peer, async_op=True)]
+    C.allreduce_inplace(buf)
+    out["isend_irecv_allreduce"] = (buf.tolist(), all(w.is_completed() for w in ws_))
     # asynchronous receive first, then a synchronous send
     o = torch.zeros(2)
     w = C.recv(o, peer, async_op=True)
@@ -1641,9 +1642,8 @@ def two_issuing_threads(rank: int, ws: int, engine: str) -> Dict[str, Any]:
 def send_beside_a_collective(rank: int) -> Dict[str, Any]:
     """Rank 0 sends 4 MiB to rank 1 on a thread (the send waits for rank 1's receive: more than the
     shared-memory engine's two pair buffers) and, while it waits, runs an allreduce on the main
-    thread; rank 1 runs the allreduce, then receives. gloo runs the two at once; the shared-memory
-    engine refuses the allreduce and aborts the communicator, so that rank 1's allreduce fails at
-    once (before, it waited for rank 0 until the 20 s timeout)."""
+    thread; rank 1 runs the allreduce, then receives. Both engines run the two at once (the
+    shared-memory engine used to refuse the allreduce and abort the communicator)."""
     import threading
 
     C.init_process_group(timeout=20)

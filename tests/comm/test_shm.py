@@ -702,34 +702,47 @@ def _w_p2p_threads(rank, world):
         small = torch.zeros(2)
         th = threading.Thread(target=lambda: box.update(recv2=_catch(lambda: comm.recv(small, peer))))
         th.start()
-        time.sleep(0.3)  # the receive now waits for rank 1, which waits for a message from rank 0
-        # A collective beside it is refused, and the communicator aborted: the waiting receive here
-        # and rank 1's receive fail now (rank 1's waited for the timeout, 30 s).
+        time.sleep(0.3)  # the receive now waits for rank 1, which sends after the barrier
+        # A collective runs beside it (it was refused, and the communicator aborted): the channels
+        # of sends and receives are apart from the collectives'.
         collective = _catch(lambda: comm.barrier())
         th.join(30)
-        return exchange, collective, box["recv2"], _catch(lambda: comm.send(torch.zeros(2), peer))
-    return exchange, _catch(lambda: comm.recv(torch.zeros(2), peer))
+        beside = (collective, box["recv2"], small.tolist())
+        # Two collectives at once are still refused, and the communicator aborted: the barrier
+        # waiting on the other thread and rank 1's fail now instead of at the timeout (30 s).
+        th = threading.Thread(target=lambda: box.update(first=_catch(lambda: comm.barrier())))
+        th.start()
+        time.sleep(0.3)  # that barrier waits for rank 1, which comes 1 s late
+        second = _catch(lambda: comm.barrier())
+        th.join(30)
+        return exchange, beside, second, box["first"], _catch(lambda: comm.send(torch.zeros(2), peer))
+    collective = _catch(lambda: comm.barrier())
+    sent = _catch(lambda: comm.send(torch.full((2,), 7.0), peer))
+    time.sleep(1.0)
+    return exchange, (collective, sent), _catch(lambda: comm.barrier())
 
 
-def test_a_send_and_a_recv_run_at_once_on_two_threads_and_nothing_else_does():
+def test_sends_receives_and_a_collective_run_at_once_on_threads_but_not_two_collectives():
     out = run_ranks(_w_p2p_threads, 2, timeout=60)
     for rank in (0, 1):
         assert out[rank][0] == ("no error", "no error", True)
-    _, collective, recv2, send_after = out[0]
-    assert collective == (
-        "CommError: a communicator is used by one thread at a time (only sends to and receives from "
-        "different peers may overlap); another call was running on it when this one started on another "
-        "thread. The communicator is aborted: the running call and the peers' calls fail now instead of "
-        "waiting for this one. Serialise the calls, e.g. on one worker thread"
+    _, beside, second, first, send_after = out[0]
+    assert beside == ("no error", "no error", [7.0, 7.0])
+    assert out[1][1] == ("no error", "no error")
+    assert second == (
+        "CommError: a communicator runs one collective at a time and one send to or receive from each "
+        "peer at a time; another such call was running on it when this one started on another thread. "
+        "The communicator is aborted: the running call and the peers' calls fail now instead of waiting "
+        "for this one. Serialise the calls, e.g. on one worker thread"
     )
     why = (
         "the communicator was aborted by rank 0 (a call started there while another call ran on another "
-        "thread (one thread at a time; only sends to and receives from different peers may overlap)); no "
+        "thread (one collective at a time, and one send to or receive from each peer at a time)); no "
         "further operation can run on it, create a new communicator"
     )
-    assert recv2 == f"CommError: shm recv #3 on rank 0/2 (prefix 'test/shm'): {why}"
+    assert first == f"CommError: shm barrier #2 on rank 0/2 (prefix 'test/shm'): {why}"
     assert send_after == f"CommError: shm send #4 on rank 0/2 (prefix 'test/shm'): {why}"
-    assert out[1][1] == f"CommError: shm recv #3 on rank 1/2 (prefix 'test/shm'): {why}"
+    assert out[1][2] == f"CommError: shm barrier #2 on rank 1/2 (prefix 'test/shm'): {why}"
 
 
 def test_abort_makes_peers_fail_fast():

@@ -25,7 +25,9 @@ after any-source receives of announced messages from the same sender.
 ``isend``/``irecv`` calls run in issue order per direction and peer, each (direction, peer) on its
 own thread, so two ranks that ``isend`` to each other and then receive, ``irecv`` first and then
 send, or exchange with several neighbours at once, do so with messages of any size on both CPU
-engines.
+engines. A collective waits only for the pending ``isend``/``irecv`` whose tensors share memory
+with its own (docs/comm.md, "Point to point on CPU"), so ``req = irecv(buf, 1); all_reduce(x);
+req.wait()`` runs against ``all_reduce(x); send(t, 0)`` on the peer, as in torch.distributed.
 
 :func:`init_process_group` accepts the early launchers: ``rank=``/``world_size=`` with only
 MASTER_ADDR/MASTER_PORT set (``multiprocessing.Process`` per rank), or ``init_method="tcp://..."``;
@@ -421,7 +423,7 @@ def all_gather(
     outs = _check_list(tensor_list, c.nranks(), t, "tensor_list", opname)
     flat = torch.empty(c.nranks() * t.numel(), dtype=t.dtype, device=t.device)
     inner = cast(Work, _core.allgather(t, flat, comm=c, async_op=True))  # async_op=True: a Work
-    return _sync(then_work(c, opname, inner, lambda: _unpack(flat, outs), None), async_op)
+    return _sync(then_work(c, opname, inner, lambda: _unpack(flat, outs), None, outs), async_op)
 
 
 def gather(
@@ -447,7 +449,7 @@ def gather(
         outs = _check_list(gather_list, c.nranks(), t, "gather_list", opname)
         flat = torch.empty(c.nranks() * t.numel(), dtype=t.dtype, device=t.device)
         inner = cast(Work, _core.gather(t, flat, d, comm=c, async_op=True))  # async_op=True: a Work
-        return _sync(then_work(c, opname, inner, lambda: _unpack(flat, outs), None), async_op)
+        return _sync(then_work(c, opname, inner, lambda: _unpack(flat, outs), None, outs), async_op)
     if gather_list:
         raise ValueError(f"{opname}: gather_list must be empty on rank {me_global}, which is not dst={dst}")
     return _sync(_core.gather(t, None, d, comm=c, async_op=True), async_op)  # type: ignore[arg-type]

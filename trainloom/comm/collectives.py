@@ -17,7 +17,10 @@ in Bagua), every collective returns at once: no argument check, no tensor touche
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union, cast
+import concurrent.futures
+import threading
+import weakref
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -369,6 +372,11 @@ class _Staged:
         self._back.append((t, s))
         return s
 
+    def sources(self) -> List[torch.Tensor]:
+        """The caller's tensors behind the stand-ins: those read when the operation starts and those
+        written back at its end (the stand-ins themselves are new memory nothing else uses)."""
+        return [src for _, src in self._load] + [dst for dst, _ in self._back]
+
     def wrap(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """``fn`` preceded by the deferred copies into the stand-ins."""
         if not self._load:
@@ -408,9 +416,93 @@ def _go(
     check: Optional[Tuple[Any, ...]] = None,
     p2p: Optional[str] = None,
 ) -> Optional[Work]:
+    """Issue ``fn`` on ``comm``. ``keep``: the tensors ``fn`` reads or writes (the caller's
+    contiguous tensors, or stand-ins of ``staged``). A CPU collective follows the pending sends and
+    receives whose tensors share memory with them, with ``staged``'s sources and with ``result``
+    (see :func:`p2p_hazards`), not the others."""
+    if p2p is not None or device != "cpu":
+        return comm.execute(
+            opname, device, staged.wrap(fn), async_op, result, staged.finish(), keep, check=check, p2p=p2p
+        )
+    hazards = p2p_hazards(comm, (*keep, *staged.sources(), result)) if _P2P_BOOKS else []
     return comm.execute(
-        opname, device, staged.wrap(fn), async_op, result, staged.finish(), keep, check=check, p2p=p2p
+        opname,
+        device,
+        staged.wrap(fn),
+        async_op,
+        result,
+        staged.finish(),
+        keep,
+        check=check,
+        after=hazards,
+        all_p2p=False,
     )
+
+
+# ------------------------------------------------------------ sends and receives beside collectives
+# A CPU collective used to wait for every pending asynchronous send and receive on its communicator,
+# so `w = recv(buf, 1, async_op=True); allreduce(x); w.wait()` on rank 0, against `allreduce(x);
+# send(t, 0)` on rank 1, waited until the timeout (rank 0's allreduce for its receive, which waited
+# for rank 1's send, which came after rank 1's allreduce); torch's gloo runs it. Both engines run
+# sends and receives beside a collective, so a collective now waits only for the pending ones whose
+# tensors share memory with its own: they still order a read after a write (recv into x, then
+# allreduce(x) sums the received values) and a write after a read (send x, then allreduce(x) sends
+# the values from before). Each communicator's book lists its asynchronous CPU sends and receives
+# that may still run, with the address ranges they use; finished ones are dropped as the book is read.
+_Span = Tuple[int, int]
+_P2P_BOOKS: weakref.WeakKeyDictionary[Communicator, List[Tuple[concurrent.futures.Future, List[_Span]]]]
+_P2P_BOOKS = weakref.WeakKeyDictionary()
+_P2P_LOCK = threading.Lock()  # sends and receives may be issued from several threads
+
+
+def _spans(tensors: Iterable[Optional[torch.Tensor]]) -> List[_Span]:
+    """The address ranges ``[start, end)`` of the CPU tensors among ``tensors`` (strides included)."""
+    out = []
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.is_cpu and t.numel():
+            a = t.data_ptr()
+            out.append((a, a + _span(t)))
+    return out
+
+
+def _note_p2p(comm: Communicator, work: Optional[Work], tensor: torch.Tensor) -> None:
+    """Book an asynchronous CPU send or receive of ``tensor`` (see :func:`p2p_hazards`)."""
+    fut = getattr(work, "_future", None)
+    if fut is None or fut.done():
+        return
+    spans = _spans((tensor,))
+    if not spans:
+        return  # no memory: no later call can depend on it
+    with _P2P_LOCK:
+        book = _P2P_BOOKS.get(comm)
+        if book is None:
+            book = _P2P_BOOKS[comm] = []
+        else:
+            # a program of sends and receives only never reads its book: keep it short here
+            book[:] = [e for e in book if not e[0].done()]
+        book.append((fut, spans))
+
+
+def p2p_hazards(
+    comm: Communicator, tensors: Iterable[Optional[torch.Tensor]]
+) -> List[concurrent.futures.Future]:
+    """The pending asynchronous sends and receives on ``comm`` whose tensors share memory with any
+    of ``tensors`` (address ranges that intersect; CPU tensors only), oldest first.
+
+    A CPU collective (or a composite operation) waits for these, and passes ``all_p2p=False`` to
+    :meth:`Communicator.execute` so that it does not wait for the others. Not shared memory means
+    no hazard: neither reads what the other writes."""
+    with _P2P_LOCK:
+        book = _P2P_BOOKS.get(comm)
+        if not book:
+            return []
+        live = [e for e in book if not e[0].done()]
+        if not live:
+            del _P2P_BOOKS[comm]
+            return []
+        book[:] = live
+    mine = _spans(tensors)
+    return [f for f, spans in live if any(a0 < b1 and b0 < a1 for a0, a1 in spans for b0, b1 in mine)]
 
 
 def _where(t: torch.Tensor) -> Union[str, torch.device]:
@@ -597,7 +689,12 @@ def _hierarchical(
         body()  # every step is enqueued on CUDA streams and ordered before the current stream
         return CompletedWork("allreduce(hierarchical)", r) if async_op else None
     if not async_op:
-        c.wait_pending()  # a synchronous call follows the asynchronous ones issued before it
+        # A synchronous call follows the asynchronous collectives issued before it (none when
+        # called from inside a running operation), and the sends and receives on memory it uses.
+        c.wait_pending(all_p2p=False)
+        hazards = p2p_hazards(c, (s, r))
+        if hazards:
+            concurrent.futures.wait(hazards)
         body()
         return None
     return _hierarchical_async(c, intra, inter, leader, s, r, sub, n, avg, wide)
@@ -665,7 +762,8 @@ def _hierarchical_async(
         return step
 
     cpu = "cpu"
-    w = intra.execute(name, cpu, st.wrap(fan_in), True, None, after=c.pending_futures(), needs_engine=not one)
+    prior_ops = c.pending_futures(all_p2p=False) + p2p_hazards(c, (s, r))
+    w = intra.execute(name, cpu, st.wrap(fan_in), True, None, after=prior_ops, needs_engine=not one)
     dep = w._future  # type: ignore[union-attr]
     if leader and inter is not None:
         w = inter.execute(name, cpu, across(dep), True, None, after=[dep])
@@ -911,6 +1009,7 @@ def _then(
     async_op: bool,
     result: Optional[torch.Tensor],
     op_name: Optional[str] = None,
+    touches: Optional[Sequence[torch.Tensor]] = None,
 ) -> Optional[Work]:
     """Run ``after`` (local copies or arithmetic into the results) once ``work`` completed.
 
@@ -919,7 +1018,9 @@ def _then(
     ``comm`` and at destroy, without a ``wait()``, as the operation itself is; it runs in the issuing
     thread's inference mode (tensors made under ``torch.inference_mode()`` can only be updated in
     it). A CUDA operation runs ``after`` in ``wait()``. ``op_name`` names the returned Work
-    (default: ``work``'s).
+    (default: ``work``'s). ``touches``: the caller's tensors ``after`` writes besides ``result``;
+    the step then follows only the pending sends and receives on memory they (or ``result``) use.
+    None: it follows every pending send and receive.
     """
     if work is None or isinstance(work, CompletedWork):
         after()
@@ -942,7 +1043,11 @@ def _then(
             with torch.inference_mode(inference):
                 after()
 
-        return comm.execute(op_name or work.op_name, "cpu", then, True, result, needs_engine=False)
+        if touches is None:
+            return comm.execute(op_name or work.op_name, "cpu", then, True, result, needs_engine=False)
+        hazards = p2p_hazards(comm, (*touches, result)) if _P2P_BOOKS else []
+        name = op_name or work.op_name
+        return comm.execute(name, "cpu", then, True, result, needs_engine=False, after=hazards, all_p2p=False)
     return ThenWork(op_name or work.op_name, work, after, result)
 
 
@@ -1531,6 +1636,10 @@ def send(tensor: torch.Tensor, dst: int, comm: CommArg = None, async_op: bool = 
     Raises:
         ValueError: ``dst`` is this rank or outside the communicator.
 
+    .. warning:: on CPU a send follows the earlier collectives and sends to ``dst``; a later
+       collective waits for an asynchronous send only when their tensors share memory (then it
+       cannot overwrite what is being sent). Messages to one peer arrive in issue order.
+
     Example::
 
         if get_rank() == 0:
@@ -1548,7 +1657,10 @@ def send(tensor: torch.Tensor, dst: int, comm: CommArg = None, async_op: bool = 
         raise ValueError(f"{name}: dst={d} is this rank; send to another rank")
     st = _Staged(name)
     tc = st.input(t)
-    return _go(c, name, _where(t), lambda e: e.send(tc, d), async_op, None, st, (tc,), p2p=f"send:{d}")
+    w = _go(c, name, _where(t), lambda e: e.send(tc, d), async_op, None, st, (tc,), p2p=f"send:{d}")
+    if async_op and t.is_cpu:
+        _note_p2p(c, w, t)  # later collectives on memory it reads wait for it (see p2p_hazards)
+    return w
 
 
 def recv(tensor: torch.Tensor, src: int, comm: CommArg = None, async_op: bool = False) -> Optional[Work]:
@@ -1566,6 +1678,12 @@ def recv(tensor: torch.Tensor, src: int, comm: CommArg = None, async_op: bool = 
     Raises:
         ValueError: ``src`` is this rank or outside the communicator.
 
+    .. warning:: on CPU a receive follows the earlier collectives and receives from ``src``; a later
+       collective waits for an asynchronous receive only when their tensors share memory (then it
+       reads the received values), so ``w = recv(buf, 1, async_op=True); allreduce(x); w.wait()``
+       runs against ``allreduce(x); send(t, 0)`` on rank 1. Call ``w.wait()`` before reading
+       ``buf`` yourself.
+
     Example::
 
         buf = torch.zeros(3)
@@ -1581,7 +1699,10 @@ def recv(tensor: torch.Tensor, src: int, comm: CommArg = None, async_op: bool = 
         raise ValueError(f"{name}: src={s} is this rank; receive from another rank")
     st = _Staged(name)
     tc = st.output(t, load=False, arg="tensor")
-    return _go(c, name, _where(t), lambda e: e.recv(tc, s), async_op, t, st, (tc,), p2p=f"recv:{s}")
+    w = _go(c, name, _where(t), lambda e: e.recv(tc, s), async_op, t, st, (tc,), p2p=f"recv:{s}")
+    if async_op and t.is_cpu:
+        _note_p2p(c, w, t)  # later collectives on memory it writes wait for it (see p2p_hazards)
+    return w
 
 
 def barrier(comm: CommArg = None, async_op: bool = False) -> Optional[Work]:

@@ -146,7 +146,7 @@ def all_gather(tensor: torch.Tensor, dim: int, parallel_mode: Any = None, async_
     def place() -> None:
         out.copy_(buf.movedim(0, d).reshape(new_shape))
 
-    return _ret(out, then_work(c, opname, inner, place, out), async_op)
+    return _ret(out, then_work(c, opname, inner, place, out, ()), async_op)  # out and buf are new
 
 
 def reduce_scatter(

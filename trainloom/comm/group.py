@@ -235,7 +235,10 @@ class Communicator:
     Calls on one communicator are serialised: asynchronous CPU operations run in order on one worker
     thread, and a synchronous call first waits for the asynchronous ones issued before it. Send and
     recv have a queue per peer (a send may need the matching receive to complete): they follow the
-    earlier collectives and the earlier operations of their own direction and peer only.
+    earlier collectives and the earlier operations of their own direction and peer only. A
+    collective issued with ``all_p2p=False`` follows the earlier collectives and only the sends and
+    receives its caller names in ``after`` (trainloom.comm.collectives names those whose tensors
+    share memory with the collective's), so a receive posted before it does not hold it back.
     """
 
     def __init__(
@@ -425,6 +428,7 @@ class Communicator:
         check: Optional[Tuple[Any, ...]] = None,
         after: Sequence[concurrent.futures.Future] = (),
         p2p: Optional[str] = None,
+        all_p2p: bool = True,
     ) -> Optional[Work]:
         """Run ``fn(engine)`` with the engine for ``device``; a Work when ``async_op``.
 
@@ -434,7 +438,8 @@ class Communicator:
         other communicators that must finish before this one starts (captured at issue time, so the
         order is the issue order on every rank). ``p2p`` (``"send:<peer>"``/``"recv:<peer>"``, the
         peer's rank in this communicator): a point-to-point operation, queued per direction and peer
-        (see :meth:`_pending`).
+        (see :meth:`_pending`). ``all_p2p=False`` (CPU operations other than sends and receives):
+        follow only the pending sends and receives given in ``after``, not all of them.
         """
         self.check_alive(opname)
         is_cpu = device == "cpu" if isinstance(device, str) else device.type == "cpu"
@@ -452,7 +457,7 @@ class Communicator:
                 finish()
             return None
         inside = getattr(self._tls, "inside", False)
-        args = (opname, device, fn, async_op, result, finish, needs_engine, after, p2p, inside)
+        args = (opname, device, fn, async_op, result, finish, needs_engine, after, p2p, inside, all_p2p)
         if p2p is not None or inside:
             return self._execute_cpu(*args)
         # A collective from a user thread: no other thread may be issuing one on this communicator
@@ -508,6 +513,7 @@ class Communicator:
         after: Sequence[concurrent.futures.Future],
         p2p: Optional[str],
         inside: bool,
+        all_p2p: bool = True,
     ) -> Optional[Work]:
         """:meth:`execute` for a CPU operation (``inside``: called from a running operation)."""
         if p2p is not None:
@@ -560,7 +566,8 @@ class Communicator:
             # Only the submission is serialised here, not the operation: the worker thread takes
             # the lock per operation, so several asynchronous operations can be in flight.
             with self._submit_lock:
-                deps = self._pending(queue, same_queue=False) + [f for f in after if not f.done()]
+                deps = self._pending(queue, same_queue=False, all_p2p=all_p2p)
+                deps += [f for f in after if not f.done()]
                 if queue is None:
                     if self._executor is None:
                         self._executor = concurrent.futures.ThreadPoolExecutor(
@@ -581,7 +588,7 @@ class Communicator:
         # (not from inside a running operation: a composite op calling this communicator would
         # otherwise wait for itself)
         if not inside:
-            deps = self._pending(queue)
+            deps = self._pending(queue, all_p2p=all_p2p)
             if after:
                 deps += [f for f in after if not f.done()]
             if deps:
@@ -591,14 +598,17 @@ class Communicator:
             finish()
         return None
 
-    def _pending(self, queue: Optional[str], same_queue: bool = True) -> List[concurrent.futures.Future]:
+    def _pending(
+        self, queue: Optional[str], same_queue: bool = True, all_p2p: bool = True
+    ) -> List[concurrent.futures.Future]:
         """The unfinished asynchronous operations a new call on ``queue`` must follow.
 
         A collective (``queue`` None) follows every earlier operation: this communicator's worker
-        queue, the fence left by an asynchronous hierarchical allreduce and the send/recv queues. A
-        send to (receive from) a peer follows the collectives and the earlier sends to (receives
-        from) that peer, but no other point-to-point operation. ``same_queue=False`` leaves out the
-        queue's own last operation (a worker thread runs its queue in order anyway).
+        queue, the fence left by an asynchronous hierarchical allreduce and, unless ``all_p2p`` is
+        False, the send/recv queues (with False its caller passes the ones it must follow as
+        ``after``). A send to (receive from) a peer follows the collectives and the earlier sends to
+        (receives from) that peer, but no other point-to-point operation. ``same_queue=False``
+        leaves out the queue's own last operation (a worker thread runs its queue in order anyway).
         """
         last, fence = self._last, self._fence
         if (last is None or last.done()) and fence is None and not self._p2p_last:
@@ -610,21 +620,24 @@ class Communicator:
         if self._p2p_last and any(f.done() for f in self._p2p_last.values()):
             self._p2p_last = {k: f for k, f in self._p2p_last.items() if not f.done()}
         if queue is None:
-            cands = [self._last if same_queue else None, self._fence, *self._p2p_last.values()]
+            p2p = self._p2p_last.values() if all_p2p else ()
+            cands = [self._last if same_queue else None, self._fence, *p2p]
         else:
             cands = [self._last, self._fence, self._p2p_last.get(queue) if same_queue else None]
         return [f for f in cands if f is not None and not f.done()]
 
-    def wait_pending(self) -> None:
-        """Block until every asynchronous operation issued on this communicator has finished."""
+    def wait_pending(self, all_p2p: bool = True) -> None:
+        """Block until every asynchronous operation issued on this communicator has finished
+        (``all_p2p=False``: every collective; sends and receives may still run)."""
         if not getattr(self._tls, "inside", False):
-            deps = self._pending(None)
+            deps = self._pending(None, all_p2p=all_p2p)
             if deps:
                 concurrent.futures.wait(deps)
 
-    def pending_futures(self) -> List[concurrent.futures.Future]:
-        """The unfinished asynchronous operations issued on this communicator (for ``after=``)."""
-        return self._pending(None)
+    def pending_futures(self, all_p2p: bool = True) -> List[concurrent.futures.Future]:
+        """The unfinished asynchronous operations issued on this communicator (for ``after=``);
+        ``all_p2p=False`` leaves out the sends and receives."""
+        return self._pending(None, all_p2p=all_p2p)
 
     def set_fence(self, fut: concurrent.futures.Future) -> None:
         """Make later calls on this communicator wait for ``fut`` (an operation queued elsewhere)."""

@@ -78,7 +78,12 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 def then_work(
-    c: Communicator, op_name: str, inner: Work, after: Optional[Callable[[], None]], result: Any
+    c: Communicator,
+    op_name: str,
+    inner: Work,
+    after: Optional[Callable[[], None]],
+    result: Any,
+    touches: Sequence[torch.Tensor] = (),
 ) -> Work:
     """``inner`` followed by ``after`` (local arithmetic or copies into the results), as one Work.
 
@@ -86,7 +91,8 @@ def then_work(
     complete when ``is_completed()`` (or :func:`poll`) says so, before any later collective on ``c``
     and at destroy, as torch.distributed's CPU Work guarantees. For CUDA it runs in ``wait()``.
     Every CommError raised through the returned Work starts with ``op_name`` (the call the user
-    made), then the engine's step, with or without ``after``.
+    made), then the engine's step, with or without ``after``. ``touches``: the caller's tensors
+    ``after`` reads or writes besides ``result`` (it follows the pending sends and receives on them).
     """
     if after is None:
         # Nothing to run after the data movement, but its errors still name the call (a bare
@@ -98,7 +104,7 @@ def then_work(
             after()
 
     if inner is None or isinstance(inner, (FutureWork, CompletedWork)):
-        return _core._then(c, inner, run, True, result, op_name)  # type: ignore[return-value]
+        return _core._then(c, inner, run, True, result, op_name, touches)  # type: ignore[return-value]
     return _NamedWork(op_name, inner, run, result)  # CUDA: _then's ThenWork, with named errors
 
 
@@ -308,7 +314,7 @@ def neighbor_allreduce_async(
         if acc is not out:
             out.copy_(acc)
 
-    return then_work(c, opname, inner, combine, out)
+    return then_work(c, opname, inner, combine, out, (src,))  # combine reads src
 
 
 def _exchange(c: Communicator, topo: Any, me: int, src: torch.Tensor) -> tuple:
@@ -518,8 +524,10 @@ def _gather_work(c: Communicator, opname: str, src: torch.Tensor, topo: Any, asy
         def body(_engine: Any) -> None:
             box.append(_gather_now(c, opname, src, topo))  # one operation on the worker
 
-        # needs_engine: the engine connects now, in issue order on every rank (body only nests calls)
-        w = c.execute(opname, "cpu", body, True, None)
+        # needs_engine: the engine connects now, in issue order on every rank (body only nests calls).
+        # It reads src: it follows the pending sends and receives on src's memory, not the others.
+        hazards = _core.p2p_hazards(c, (src,))
+        w = c.execute(opname, "cpu", body, True, None, after=hazards, all_p2p=False)
         return _GatherWork(opname, w._future, box)  # type: ignore[union-attr]
     # CUDA: the shapes go through the CPU engine now (the output's size depends on them), then the
     # gather is enqueued on the CUDA stream.
@@ -529,7 +537,7 @@ def _gather_work(c: Communicator, opname: str, src: torch.Tensor, topo: Any, asy
         _name_error(exc, opname)
         raise
     out, work, after = _gather_start(c, src, firsts, topo, True)
-    return then_work(c, opname, cast(Work, work), after, out)
+    return then_work(c, opname, cast(Work, work), after, out, (src,))
 
 
 def _neighbor_allgather(tensor: Any, name: Optional[str], comm: CommArg, async_op: bool) -> Work:

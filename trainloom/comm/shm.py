@@ -89,8 +89,8 @@ _ABORT_REASONS = {
     _shm.ABORT_INTERRUPTED: "a signal handler (Ctrl-C) interrupted an operation there",
     _shm.ABORT_CMA: "reading a peer's memory with process_vm_readv failed there",
     _shm.ABORT_BUSY: (
-        "a call started there while another call ran on another thread (one thread at a time; only "
-        "sends to and receives from different peers may overlap)"
+        "a call started there while another call ran on another thread (one collective at a time, "
+        "and one send to or receive from each peer at a time)"
     ),
 }
 
@@ -275,9 +275,10 @@ class ShmCommunicator:
         comm.allreduce(t, t, ReduceOp.SUM)
         comm.close()
 
-    .. warning:: one communicator is used by one thread at a time, except that sends and receives
-       of different (direction, peer) may run at once on several threads (never beside a
-       collective). A call that overlaps another otherwise raises CommError and aborts the
+    .. warning:: one communicator runs one collective at a time, and one send to or receive from
+       each peer at a time: sends and receives of different (direction, peer) may run at once on
+       several threads, beside each other and beside a collective (they use their own channels). A
+       call that overlaps another of its kind otherwise raises CommError and aborts the
        communicator on every rank (the peers may wait for it). Every rank must issue the same
        collectives in the same order.
     """
@@ -858,7 +859,8 @@ class ShmCommunicator:
         eng = self._engine
         info = eng.error_info()
         if peer is not None:
-            # a send and a receive may fail at once on two threads: each knows its own peer
+            # a send or receive may fail beside another one or a collective on other threads: each
+            # knows its own peer (the core keeps error_info()'s peer for the collectives)
             info["peer"] = peer
         where = f"shm {op} #{seq} on rank {self.rank}/{self.world_size} (prefix {self.prefix!r})"
         if rc == _shm.ERR_TIMEOUT:
