@@ -18,7 +18,9 @@
 # stored raw in the data section like any other array. Tensor subclasses (torchvision's tv_tensors,
 # your `class Image(torch.Tensor)`) are pickled as their plain data (raw) plus their type and attributes
 # (_reduce_tensor), and tensors of more dimensions than numpy arrays have as their flat data (raw) plus
-# their shape.
+# their shape. A sample holding such objects below its top level is pickled whole, in one T_PICKLE
+# node (encode()): one pickler and one memo for all of them. Values written when each object was
+# pickled on its own (T_PICKLE nodes inside the tree) decode as before; the format has not changed.
 #
 # Decoding copies the data section once (fused with the checksum pass) into a block the decoder owns
 # (_Block: pooled from 64 KiB) and returns tensors/arrays that are views of it. That single copy is what
@@ -26,6 +28,7 @@
 # Batches spread the checksum+copy passes of their large values over threads (_decode_batch).
 import copyreg
 import io
+import logging
 import pickle
 import sys
 
@@ -58,10 +61,16 @@ cdef enum:
     NOGIL_MIN = 65536
     # Nesting depth guard: a self-referencing list would otherwise recurse until the C stack overflows.
     MAX_DEPTH = 200
+    # _Encoder.encode's return (first pass) for a sample holding, below the top level, a value the tree
+    # cannot express: encode() then pickles the whole sample at once (a return code, not an exception:
+    # samples of small objects take this path on every encode).
+    NEEDS_PICKLE = 1
     # First tensor dtype code stored as the integer of its width (see _RAW_VIEW_DTYPES).
     FIRST_RAW_VIEW = 15
 
 cdef bytes MAGIC = b"TLC\x01"
+
+_logger = logging.getLogger("trainloom.data.codec")
 
 #: The nesting depth the codec encodes (cache.py's tensor-state walks go as deep).
 CODEC_MAX_DEPTH = MAX_DEPTH
@@ -507,8 +516,16 @@ cdef class _Encoder:
     cdef size_t n_arrays, arrays_cap
     cdef uint64_t data_len
     cdef list keep          # owners of every ArrayRef.ptr (contiguous copies included)
+    cdef bint per_leaf      # pickle each value the tree cannot express on its own (see _leaf)
+    cdef list _refs         # during _pickle: (kind, code, shape, offset) per persistent id or buffer
+    cdef Py_ssize_t _n_ids  # during _pickle: persistent ids given so far (the K_RAW refs have none)
+    cdef list _keep         # during _pickle: objects made by _reduce_tensor (pickle's memo keys by id)
+    # {id(x): (x, x's contiguous CPU copy)}, shared by the passes of one encode(): the pass that pickles
+    # the whole sample reuses what the first pass copied (a permuted image is copied once, not twice).
+    cdef dict copies
 
     def __cinit__(self):
+        self.per_leaf = False
         self.meta = NULL
         self.arrays = NULL
         self.meta_len = self.meta_cap = 0
@@ -569,6 +586,38 @@ cdef class _Encoder:
         self.keep.append(owner)
         return off
 
+    cdef object _copied(self, object x):
+        """The contiguous copy of ``x`` a pass of this encode() made, or None."""
+        if self.copies is None:
+            return None
+        hit = self.copies.get(id(x))
+        # The entry holds x itself, so its id cannot have been reused by another object meanwhile.
+        if hit is not None and (<tuple>hit)[0] is x:
+            return (<tuple>hit)[1]
+        return None
+
+    cdef object _remember(self, object x, object copy):
+        if self.copies is None:
+            self.copies = {}
+        self.copies[id(x)] = (x, copy)
+        return copy
+
+    cdef object _tensor_data(self, object obj, int code):
+        """_stored_tensor(obj, code), computed once per encode()."""
+        t = self._copied(obj)
+        if t is None:
+            t = _stored_tensor(obj, code)
+            if t is not obj:
+                self._remember(obj, t)
+        return t
+
+    cdef object _array_data(self, object a):
+        """``a`` C-contiguous, copied at most once per encode()."""
+        if a.flags.c_contiguous:
+            return a
+        c = self._copied(a)
+        return c if c is not None else self._remember(a, np.ascontiguousarray(a))
+
     cdef int _shape(self, tuple shape) except -1:
         cdef Py_ssize_t d
         if len(shape) > _max_ndim:
@@ -588,7 +637,7 @@ cdef class _Encoder:
             # Parameter a plain tensor, as below), which stores the flat data raw plus the shape.
             return self._pickle(obj.detach())
         try:
-            t = _stored_tensor(obj, code)
+            t = self._tensor_data(obj, code)
             shape = tuple(t.shape)
         except RuntimeError:
             # A nested tensor reports the strided layout but has no single shape: torch's own
@@ -607,8 +656,7 @@ cdef class _Encoder:
     cdef int _ndarray(self, object a, int code) except -1:
         cdef Py_buffer view
         cdef uint64_t off = 0, nbytes
-        if not a.flags.c_contiguous:
-            a = np.ascontiguousarray(a)
+        a = self._array_data(a)
         nbytes = <uint64_t>a.nbytes
         self._u8(<uint8_t>code)
         self._shape(a.shape)
@@ -621,7 +669,17 @@ cdef class _Encoder:
         self._u64(off)
         return 0
 
+    cdef inline int _leaf(self, object obj, int depth) except -1:
+        """A value the tree cannot express. In the first pass, below the top level: NEEDS_PICKLE, and
+        encode() pickles the whole sample instead (one pickler for 2,000 small objects rather than
+        2,000 picklers, and shared references stay shared). In the per-leaf pass (and at the top level,
+        where the value is the whole sample anyway): pickled on its own."""
+        if depth == 0 or self.per_leaf:
+            return self._pickle(obj)
+        return NEEDS_PICKLE
+
     cdef int encode(self, object obj, int depth) except -1:
+        """Append ``obj``'s node; 0, or NEEDS_PICKLE (first pass only: nothing usable was written)."""
         cdef Py_ssize_t n
         cdef const char* s
         cdef int64_t iv
@@ -638,7 +696,7 @@ cdef class _Encoder:
                 iv = obj
                 self._u8(T_INT)
                 return self._put(&iv, 8)
-            return self._pickle(obj)
+            return self._leaf(obj, depth)
         if t is float:
             fv = obj
             self._u8(T_FLOAT)
@@ -649,7 +707,7 @@ cdef class _Encoder:
                 if not PyErr_ExceptionMatches(UnicodeEncodeError):
                     return -1
                 PyErr_Clear()
-                return self._pickle(obj)   # a lone surrogate (os.listdir of undecodable names)
+                return self._leaf(obj, depth)   # a lone surrogate (os.listdir of undecodable names)
             self._u8(T_STR)
             self._u64(<uint64_t>n)
             return self._put(s, <size_t>n)
@@ -663,25 +721,26 @@ cdef class _Encoder:
             self._u8(T_TUPLE if t is tuple else T_LIST)
             self._u64(<uint64_t>n)
             for item in obj:
-                self.encode(item, depth + 1)
+                if self.encode(item, depth + 1):
+                    return NEEDS_PICKLE
             return 0
         if t is dict:
             self._u8(T_DICT)
             self._u64(<uint64_t>len(obj))
             for k, v in (<dict>obj).items():
-                self.encode(k, depth + 1)
-                self.encode(v, depth + 1)
+                if self.encode(k, depth + 1) or self.encode(v, depth + 1):
+                    return NEEDS_PICKLE
             return 0
         if isinstance(obj, _Tensor):
             if obj.layout is _strided and type(obj) in (_Tensor, torch.nn.Parameter) and obj.dtype in _TORCH_CODE:
                 return self._tensor(obj)
-            return self._pickle(obj)
+            return self._leaf(obj, depth)
         if isinstance(obj, _ndarray):
             code = _NP_CODE.get(obj.dtype)
             if code is not None and t is _ndarray:
                 self._u8(T_NDARRAY)
                 return self._ndarray(obj, code)
-            return self._pickle(obj)
+            return self._leaf(obj, depth)
         if isinstance(obj, _npgeneric):
             code = _NP_CODE.get(obj.dtype)
             if code is not None:
@@ -689,14 +748,17 @@ cdef class _Encoder:
                 self._u8(T_NPSCALAR)
                 self._u8(<uint8_t>code)
                 return self._put(PyBytes_AS_STRING(raw), <size_t>len(raw))
-            return self._pickle(obj)
-        return self._pickle(obj)
+            return self._leaf(obj, depth)
+        return self._leaf(obj, depth)
 
     cdef int _pickle(self, object obj) except -1:
         """Pickle protocol 5; every tensor/array inside goes raw into the data section."""
-        refs = []   # (kind, code, shape, offset) per persistent id
+        cdef list refs = []   # (kind, code, shape, offset) per persistent id
         out = io.BytesIO()
-        p = _Pickler(out, self, refs)
+        self._refs = refs
+        self._n_ids = 0
+        self._keep = []
+        p = _Pickler(out, self)
         try:
             p.dump(obj)
         except CodecError:
@@ -707,7 +769,7 @@ cdef class _Encoder:
             raise CodecError(
                 f"cannot serialize a value of type {type(obj).__name__}: {type(exc).__name__}: {exc}"
             ) from exc
-        payload = out.getbuffer()
+        raw = out.getvalue()    # BytesIO hands over its own buffer: no copy
         self._u8(T_PICKLE)
         self._u32(<uint32_t>len(refs))
         for kind, code, shape, off in refs:
@@ -715,11 +777,30 @@ cdef class _Encoder:
             self._u8(<uint8_t>code)
             self._shape(shape)
             self._u64(<uint64_t>off)
-        n = len(payload)
+        n = len(<bytes>raw)
         self._u64(<uint64_t>n)
-        raw = bytes(payload)
-        payload.release()
         return self._put(PyBytes_AS_STRING(raw), <size_t>n)
+
+    # The pickler's two hooks, as bound methods of this cdef class: pickle calls persistent_id for every
+    # object it meets (ints and strs included: ~9 calls per small dataclass), and a method of the
+    # Python _Pickler class costs about 3x as much per call.
+    def _persistent_id(self, obj):
+        cdef object t = type(obj)
+        cdef uint64_t pid
+        if t is not _Tensor and t is not _ndarray:
+            return None
+        pid = self._persist(obj, self._refs)
+        return pid - 1 if pid else None
+
+    def _reducer_override(self, obj):
+        return _reduce_tensor(obj, self._keep)
+
+    def _buffer_callback(self, pb):
+        # Out-of-band buffers (protocol 5) also go raw into the data section.
+        raw = pb.raw()
+        off = self._raw(raw)
+        self._refs.append((K_RAW, 0, (len(raw),), off))
+        return False
 
     cdef uint64_t _raw(self, object obj) except? 0xFFFFFFFFFFFFFFFF:
         cdef Py_buffer view
@@ -734,30 +815,35 @@ cdef class _Encoder:
 
     cdef uint64_t _persist(self, object obj, list refs) except? 0xFFFFFFFFFFFFFFFF:
         """Store a tensor/ndarray found inside a pickled object; returns its persistent id + 1, or 0 to
-        let pickle handle the object itself."""
+        let pickle handle the object itself. Ids count the tensor/array refs only: the decoder hands the
+        buffers (K_RAW refs) to the unpickler in a list of their own. (They used to count the buffers
+        too, so an array pickled after an out-of-band buffer, e.g. after a big-endian array, did not
+        decode: "bad persistent id".)"""
         cdef uint64_t nbytes
         cdef Py_buffer view
         if type(obj) is _Tensor and obj.layout is _strided:
             code = _TORCH_CODE.get(obj.dtype)
             if code is None or obj.is_nested or obj.dim() > _max_ndim:
                 return 0   # torch's own pickling; more dimensions: _reduce_tensor stores it flat
-            t = _stored_tensor(obj, code)
+            t = self._tensor_data(obj, code)
             nbytes = <uint64_t>t.numel() * <uint64_t>_TORCH_ITEMSIZE[code]
             off = self._add_array(<const uint8_t*><size_t>t.data_ptr(), nbytes, t) if nbytes else 0
             refs.append((K_TENSOR, code, tuple(t.shape), off))
-            return len(refs)
+            self._n_ids += 1
+            return self._n_ids
         if type(obj) is _ndarray:
             code = _NP_CODE.get(obj.dtype)
             if code is None:
                 return 0
-            a = np.ascontiguousarray(obj)
+            a = self._array_data(obj)
             off = 0
             if a.nbytes:
                 PyObject_GetBuffer(a, &view, PyBUF_SIMPLE)
                 off = self._add_array(<const uint8_t*>view.buf, <uint64_t>a.nbytes, a)
                 PyBuffer_Release(&view)
             refs.append((K_NDARRAY, code, a.shape, off))
-            return len(refs)
+            self._n_ids += 1
+            return self._n_ids
         return 0
 
     cdef bytes finish(self):
@@ -946,40 +1032,77 @@ cdef object _reduce_tensor(object obj, list keep):
 
 
 class _Pickler(pickle.Pickler):
-    def __init__(self, file, enc, refs):
-        super().__init__(file, protocol=5, buffer_callback=self._buffer)
-        self._enc = enc
-        self._refs = refs
-        self._keep = []
+    """Protocol 5 with the encoder's hooks: its bound methods (see _Encoder._persistent_id), set before
+    pickle.Pickler.__init__, which looks them up on the instance. Nothing here refers back to the
+    pickler: one in a reference cycle (a buffer_callback of its own bound method) outlived its dump()
+    with its memo until the garbage collector ran, and pickling 2,000 small objects took 20% longer."""
 
-    def persistent_id(self, obj):
-        pid = _persist_hook(self._enc, obj, self._refs)
-        return pid - 1 if pid else None
-
-    def reducer_override(self, obj):
-        return _reduce_tensor(obj, self._keep)
-
-    def _buffer(self, pb):
-        # Out-of-band buffers (protocol 5) also go raw into the data section.
-        raw = pb.raw()
-        off = _raw_hook(self._enc, raw)
-        self._refs.append((K_RAW, 0, (len(raw),), off))
-        return False
-
-
-def _persist_hook(_Encoder enc, obj, list refs):
-    return enc._persist(obj, refs)
-
-
-def _raw_hook(_Encoder enc, obj):
-    return enc._raw(obj)
+    def __init__(self, file, _Encoder enc):
+        self.reducer_override = enc._reducer_override
+        self.persistent_id = enc._persistent_id
+        super().__init__(file, protocol=5, buffer_callback=enc._buffer_callback)
 
 
 def encode(obj):
     """Encode a sample into one checksummed ``bytes`` value (see the module comment for the layout)."""
     cdef _Encoder enc = _Encoder()
+    cdef dict copies
+    if enc.encode(obj, 0) == 0:
+        return enc.finish()
+    copies = enc.copies
+    # Below the top level the sample holds a value the tree cannot express (a dataclass, a big int, a
+    # tensor subclass...). Pickling each such value on its own costs a pickler per value and no memo
+    # across them (2,000 token objects: 9x pickle.dumps' time, 3x its size), so the whole sample is
+    # pickled at once; its tensors and arrays still go raw through persistent_id.
+    if _whole_decodes_alike(obj, 0):
+        enc = _Encoder()
+        enc.copies = copies
+        try:
+            enc._pickle(obj)
+            return enc.finish()
+        except Exception as exc:  # any error of the user's __reduce__: the per-leaf pass decides
+            # The per-leaf pass below fails the way encoding always did (its CodecError names the
+            # value's type, not "dict"), or succeeds where it always did (a RecursionError of pickling
+            # the sample from its root).
+            _logger.debug("encode: pickling the whole sample failed (%s: %s); encoding value by value",
+                          type(exc).__name__, exc)
+    return _per_leaf(obj, copies)
+
+
+cdef bytes _per_leaf(object obj, dict copies):
+    cdef _Encoder enc = _Encoder()
+    enc.per_leaf = True
+    enc.copies = copies
     enc.encode(obj, 0)
     return enc.finish()
+
+
+def _encode_per_leaf(obj):
+    """encode() as it was before whole-sample pickling: every value the tree cannot express pickled on
+    its own (T_PICKLE nodes inside the tree). The fallback of encode(); tests and benchmarks call it
+    to write values the way older versions did."""
+    return _per_leaf(obj, None)
+
+
+cdef bint _whole_decodes_alike(object obj, int depth) except -1:
+    """Whether the whole sample, pickled, decodes as its per-leaf encoding does (shared references
+    apart). Not when an nn.Parameter sits in its tuples/lists/dicts (the tree stores it as a plain
+    tensor, pickle would keep the Parameter), nor when it nests deeper than the tree goes (the per-leaf
+    pass raises CodecError, e.g. for a self-referencing list, which pickle would accept)."""
+    cdef object t = type(obj)
+    if depth > MAX_DEPTH:
+        return False
+    if t is tuple or t is list:
+        for item in obj:
+            if not _whole_decodes_alike(item, depth + 1):
+                return False
+        return True
+    if t is dict:
+        for k, v in (<dict>obj).items():
+            if not _whole_decodes_alike(k, depth + 1) or not _whole_decodes_alike(v, depth + 1):
+                return False
+        return True
+    return t is not _Parameter
 
 
 # ---------------------------------------------------------------------------------------------------

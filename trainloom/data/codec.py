@@ -5,7 +5,13 @@ numpy scalars, ``int``, ``float``, ``bool``, ``None``, ``str`` and ``bytes``. :f
 into one ``bytes`` value: a 32-byte header, a small metadata section describing the tree, and the raw
 C-contiguous bytes of every array (only the elements a view covers, never its whole storage).
 Anything else is pickled with protocol 5, but tensors and arrays inside such objects are still
-pulled out and stored raw, so tensors never go through pickle. A tensor subclass (torchvision's
+pulled out and stored raw, so tensors never go through pickle. A sample holding such objects (a list of
+dataclass tokens or boxes, a big int, a tensor subclass) is pickled as a whole, once: one pickler
+for all of them, which takes about the time and size of ``pickle.dumps`` for the objects, and an object
+the sample holds twice decodes as one object twice, as with ``pickle``; tensors and arrays are still
+stored once per occurrence and decode as separate tensors. A sample with an ``nn.Parameter`` in its
+tuples/lists/dicts has its objects pickled one by one instead, so that the Parameter still decodes as
+a plain tensor. A tensor subclass (torchvision's
 ``tv_tensors``, ``class Image(torch.Tensor)``) is stored as its plain data, raw, plus its type and
 attributes, and decodes as that type (``requires_grad`` is dropped as for plain tensors, except for
 ``nn.Parameter`` subclasses); one with its own ``__reduce_ex__`` is pickled by it from a compact copy of
