@@ -1,8 +1,11 @@
 """trainloom bench cache: warm-epoch samples/s of CachedDataset against raw py-lmdb and redis-py loops.
 
-Two workloads, each read in a shuffled order in batches of 32:
-  small  -- a tuple of two small numpy arrays (32 float32 + 8 int64);
-  image  -- a 3x224x224 uint8 tensor and an int label.
+Three workloads, each read in a shuffled order in batches of 32:
+  small    -- a tuple of two small numpy arrays (32 float32 + 8 int64);
+  image    -- a 3x224x224 uint8 tensor and an int label;
+  objects  -- annotation-style samples, as a detection dataset gives: a dict of a 3x32x32 uint8 array
+              and a list of 50 Box dataclasses (4 float coordinates, an int label, a str); the codec
+              pickles such a sample whole, once.
 
 Measured side by side in one run, on the same values:
   CachedDataset (LMDB)      ds.__getitems__(batch): one read transaction per batch, decode, checksum
@@ -10,25 +13,31 @@ Measured side by side in one run, on the same values:
   ..., 1 decode thread      the same with trainloom.data.codec.set_decode_threads(1)
   raw py-lmdb get           txn.get(key) per key (bytes copy, no decoding, value dropped at once)
   raw py-lmdb get, kept     the same, keeping the batch's 32 values alive (as a loader must)
+  raw py-lmdb + pickle      objects only: txn.get(key) + pickle.loads per key of values stored as
+                            pickle.dumps(sample, 5), one read transaction per batch (the usual
+                            hand-written LMDB cache for such samples)
   CachedDataset (Redis)     one MGET per batch, decode, checksum
   raw redis-py pipeline     pipelined GETs per batch (bytes only)
   Redis 1 RTT/sample        client.get(key) + pickle.loads per sample (what Bagua's cache does)
   miss epoch                first epoch of a fresh CachedDataset (encode + write), LMDB
   DataLoader, 2 workers     batch 32, persistent workers: CachedDataset (LMDB) vs the uncached
-                            in-memory dataset
+                            in-memory dataset (objects: a collate_fn that stacks the arrays and
+                            keeps the box lists, as detection loaders do)
 
-Usage: trainloom bench cache [--quick] [--out DIR] [--no-redis]
+Usage: trainloom bench cache [--quick] [--out DIR] [--no-redis] [--small N] [--images N] [--objects N]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import pickle
 import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +57,24 @@ from trainloom.data.cache import CachedDataset
 from trainloom.data.codec import encode, set_decode_threads
 
 BATCH = 32
+BOXES = 50  # Box instances per objects sample
+
+
+@dataclass
+class Box:
+    """One annotation of an objects sample (module level: pickled by name)."""
+
+    x0: float
+    y0: float
+    x1: float
+    y1: float
+    label: int
+    name: str
+
+
+def collate_objects(batch):
+    """A detection-style collate_fn: the arrays stacked into one tensor, the box lists kept as they are."""
+    return torch.from_numpy(np.stack([s["image"] for s in batch])), [s["boxes"] for s in batch]
 
 
 class MemDataset(Dataset):
@@ -67,6 +94,17 @@ def make_samples(kind: str, n: int):
     g = np.random.default_rng(0)
     if kind == "small":
         return [(g.random(32, dtype=np.float32), np.arange(i, i + 8, dtype=np.int64)) for i in range(n)]
+    if kind == "objects":
+        out = []
+        for _ in range(n):
+            xy = g.random((BOXES, 4)) * 24
+            xy[:, 2:] = xy[:, :2] + xy[:, 2:] / 3  # x1 > x0, y1 > y0, inside the 32x32 image
+            labels = g.integers(0, 80, BOXES)
+            boxes = [
+                Box(a, b, c, d, k, f"class_{k}") for (a, b, c, d), k in zip(xy.tolist(), labels.tolist())
+            ]
+            out.append({"image": g.integers(0, 255, (3, 32, 32), dtype=np.uint8), "boxes": boxes})
+        return out
     return [(torch.from_numpy(g.integers(0, 255, (3, 224, 224), dtype=np.uint8)), i) for i in range(n)]
 
 
@@ -97,6 +135,12 @@ def bench_kind(kind: str, n: int, repeat: int, tmp: Path, redis_hosts, rows: lis
     import lmdb
 
     samples = make_samples(kind, n)
+    if kind == "objects":
+        # The n * 50 Box objects held in memory (by the uncached dataset) would make every full garbage
+        # collection slow, and those land on whichever reader happens to be running; a cache's user does
+        # not hold them. Frozen, they are never traversed (gc.unfreeze() at the end).
+        gc.collect()
+        gc.freeze()
     order = np.random.default_rng(1).permutation(n).tolist()
     bs = batches(order)
     out = {}
@@ -156,6 +200,23 @@ def bench_kind(kind: str, n: int, repeat: int, tmp: Path, redis_hosts, rows: lis
 
     readers["raw py-lmdb get, batch kept"] = raw_lmdb_kept
 
+    if kind == "objects":
+        got = ds.__getitems__([0])[0]  # the cache gives the samples back (not only bytes)
+        assert got["boxes"] == samples[0]["boxes"] and np.array_equal(got["image"], samples[0]["image"])
+        # The natural hand-written peer: the same samples pickled whole, pickle.loads per key.
+        penv = lmdb.open(str(tmp / f"pickled-{kind}"), map_size=1 << 34, readahead=False, sync=False)
+        with penv.begin(write=True) as t:
+            for k, s in zip(keys, samples):
+                t.put(k, pickle.dumps(s, protocol=5))
+
+        def raw_lmdb_pickle():
+            for b in kb:
+                with penv.begin() as t:
+                    batch = [pickle.loads(t.get(k)) for k in b]
+            return batch
+
+        readers["raw py-lmdb get + pickle.loads"] = raw_lmdb_pickle
+
     client = None
     if redis_hosts is not None:
         import redis
@@ -197,15 +258,18 @@ def bench_kind(kind: str, n: int, repeat: int, tmp: Path, redis_hosts, rows: lis
 
     out.update(interleaved(readers, n, repeat))
     env.close()
+    if kind == "objects":
+        penv.close()
     if client is not None:
         rds.cache_loader.clear()
         client.delete(*[b"raw:" + k for k in keys], *pkeys)
         client.close()
 
     # Through a DataLoader with 2 workers (persistent, so worker start-up is not counted).
+    collate = collate_objects if kind == "objects" else None
     loaders = {
         name: DataLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=2, persistent_workers=True,
-                         multiprocessing_context="fork")
+                         multiprocessing_context="fork", collate_fn=collate)
         for name, dataset in (("uncached", MemDataset(samples)), ("CachedDataset (LMDB)", ds))
     }  # fmt: skip
 
@@ -220,6 +284,8 @@ def bench_kind(kind: str, n: int, repeat: int, tmp: Path, redis_hosts, rows: lis
         out[f"DataLoader 2 workers: {name}"] = r
     loaders.clear()  # stops the persistent workers
     ds.close()
+    if kind == "objects":
+        gc.unfreeze()
 
     for name, v in out.items():
         rows.append([kind, name, v])
@@ -230,6 +296,13 @@ def bench_kind(kind: str, n: int, repeat: int, tmp: Path, redis_hosts, rows: lis
         f"- {kind}: CachedDataset(LMDB) / raw py-lmdb get = {lm:.2f} (batch kept: {lk:.2f}; "
         f"1 decode thread: {l1:.2f})"
     )
+    if kind == "objects":
+        lp = out["CachedDataset (LMDB)"] / out["raw py-lmdb get + pickle.loads"]
+        lp1 = out["CachedDataset (LMDB), 1 decode thread"] / out["raw py-lmdb get + pickle.loads"]
+        notes.append(
+            f"- {kind}: CachedDataset(LMDB) / raw py-lmdb get + pickle.loads = {lp:.2f} "
+            f"(1 decode thread: {lp1:.2f})"
+        )
     if redis_hosts is not None:
         rr = out["CachedDataset (Redis)"] / out["Redis 1 RTT/sample + pickle"]
         notes.append(f"- {kind}: CachedDataset(Redis) / Redis 1 RTT per sample = {rr:.1f}x")
@@ -276,6 +349,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--images", type=positive_int, default=None, help="number of images (default 1000; 64 with --quick)"
     )
+    ap.add_argument(
+        "--objects",
+        type=positive_int,
+        default=None,
+        help=f"number of objects samples ({BOXES} Box dataclasses each; default 5000; 256 with --quick)",
+    )
     return ap
 
 
@@ -284,6 +363,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     n_small = args.small if args.small is not None else (1000 if args.quick else 20000)
     n_img = args.images if args.images is not None else (64 if args.quick else 1000)
+    n_obj = args.objects if args.objects is not None else (256 if args.quick else 5000)
     repeat = 1 if args.quick else 5
     tmp = Path(tempfile.mkdtemp(prefix="trainloom-bench-cache-"))
     store = None
@@ -305,6 +385,7 @@ def main(argv=None) -> int:
                     redis_hosts = store.hosts
             results["small"] = bench_kind("small", n_small, repeat, tmp, redis_hosts, rows, notes)
             results["image"] = bench_kind("image", n_img, repeat, tmp, redis_hosts, rows, notes)
+            results["objects"] = bench_kind("objects", n_obj, repeat, tmp, redis_hosts, rows, notes)
     finally:
         if store is not None:
             store.shutdown()
@@ -313,7 +394,8 @@ def main(argv=None) -> int:
         [
             "# trainloom bench cache",
             "",
-            f"{machine_line()}; small n={n_small}, image n={n_img}, batch {BATCH}, median of {repeat}.",
+            f"{machine_line()}; small n={n_small}, image n={n_img}, objects n={n_obj} ({BOXES} boxes each), "
+            f"batch {BATCH}, median of {repeat}.",
             "Other processes may be loading the CPUs: read ratios, not absolute figures.",
             "",
             markdown_table(["workload", "reader", "samples/s"], rows),
