@@ -7,8 +7,17 @@ allreduce waited for its receive, which waited for rank 1's send, which came aft
 every rank raised CommTimeoutError after the timeout. Now a CPU collective waits only for the pending
 sends and receives whose tensors share memory with its own (collectives.p2p_hazards), and both
 engines run sends and receives beside a collective. The patterns of the first three tests timed out
-on the old code; the last ones check that overlapping operations are still ordered (and that a
-disjoint part of the same tensor is not), and the threaded rules that remain.
+on the old code; the next ones check that overlapping operations are still ordered (and that a
+disjoint part of the same tensor is not).
+
+The reverse, ``w = allreduce(x, async_op=True); send(t, 1); w.wait()`` on rank 0 against
+``recv(buf, 0); allreduce(x)`` on rank 1 (and with the receive and send swapped), torch's gloo runs
+too (checked with torch 2.13); trainloom's sends and receives waited for every earlier collective,
+so both ranks timed out. Now a send or receive waits only for the pending asynchronous collectives
+booked with memory that intersects its tensor (Communicator.collective_hazards). Each of the 22
+patterns of the three "after" tests, run alone against the previous commit, timed out on both
+engines, as did the two other-memory steps of the two-node test; the overlap tests that follow
+them failed in every step with the waits taken out. The threaded rules that remain come last.
 """
 
 from __future__ import annotations
@@ -408,6 +417,466 @@ def test_a_collective_on_another_part_of_a_tensor_being_received_does_not_wait(e
     assert "error" not in r0 and "error" not in r1, (r0, r1)
     assert r0["disjoint"] == [5.0, 5.0, 2.0, 2.0]
     assert r1["disjoint"] == [2.0, 2.0]
+
+
+# ------------------------------------------------------------------------------------------------
+# the reverse: a send or receive issued after an asynchronous collective
+# ------------------------------------------------------------------------------------------------
+def _async_collectives(rank: int) -> Dict[str, Callable[[], Callable[[], List[float]]]]:
+    """Asynchronous collectives on tensors no send or receive uses: each starts one and returns what
+    waits for it and gives its result as a list (the values of _want, under the same name)."""
+
+    def allreduce() -> Callable[[], List[float]]:
+        x = torch.full((4,), float(rank + 1))
+        w = C.allreduce_inplace(x, async_op=True)
+        return lambda: (w.wait(), x.tolist())[1]
+
+    def allreduce_column() -> Callable[[], List[float]]:  # staged: copied in and back on the worker
+        m = torch.full((4, 2), float(rank + 1))
+        w = C.allreduce_inplace(m[:, 1], async_op=True)
+        return lambda: (w.wait(), m[:, 1].tolist())[1]
+
+    def broadcast() -> Callable[[], List[float]]:
+        x = torch.full((2,), float(rank + 1))
+        w = C.broadcast(x, 1, async_op=True)
+        return lambda: (w.wait(), x.tolist())[1]
+
+    def allgather() -> Callable[[], List[float]]:
+        out = torch.zeros(4)
+        w = C.allgather(torch.full((2,), float(rank)), out, async_op=True)
+        return lambda: (w.wait(), out.tolist())[1]
+
+    def barrier() -> Callable[[], List[float]]:
+        w = C.barrier(async_op=True)
+        return lambda: (w.wait(), [])[1]
+
+    def classic_all_gather() -> Callable[[], List[float]]:  # a composite: its last step on the worker
+        outs = [torch.zeros(1), torch.zeros(1)]
+        w = classic.all_gather(outs, torch.full((1,), float(rank)), async_op=True)
+        return lambda: (w.wait(), [o.item() for o in outs])[1]
+
+    def hierarchical() -> Callable[[], List[float]]:  # steps on the intra-node communicator, a fence
+        x = torch.full((4,), float(rank + 1))
+        w = C.allreduce_inplace(x, async_op=True, hierarchical=True)
+        return lambda: (w.wait(), x.tolist())[1]
+
+    def neighbor_allreduce() -> Callable[[], List[float]]:
+        h = N.neighbor_allreduce_async(torch.full((2,), float(rank + 1)))
+        return lambda: N.synchronize(h).tolist()
+
+    def async_neighbor_allgather() -> Callable[[], List[float]]:  # nested collectives on the worker
+        h = N.neighbor_allgather_async(torch.full((2,), float(rank)))
+        return lambda: N.synchronize(h).tolist()
+
+    return {
+        "async_allreduce": allreduce,
+        "allreduce_column": allreduce_column,
+        "broadcast": broadcast,
+        "allgather": allgather,
+        "barrier": barrier,
+        "classic_all_gather": classic_all_gather,
+        "async_hierarchical": hierarchical,
+        "neighbor_allreduce": neighbor_allreduce,
+        "async_neighbor_allgather": async_neighbor_allgather,
+    }
+
+
+def _want_async(name: str, rank: int) -> List[float]:
+    return [3.0] * 4 if name == "allreduce_column" else _want(name, rank)
+
+
+def _connect_hierarchical() -> None:
+    """Connect the intra- and inter-node communicators first: an engine connects at its first
+    operation, collectively, and rank 1 would be in its receive when rank 0's first hierarchical
+    allreduce connected (it waited for rank 1)."""
+    C.allreduce_inplace(torch.ones(1), hierarchical=True)
+
+
+def _send_after_an_async_collective(rank: int, ws: int, engine: str) -> Dict[str, Any]:
+    """Rank 0: ``w = <async collective>; send(t, 1); w.wait()``; rank 1: ``recv(buf, 0);
+    <collective>``; once per collective."""
+    steps: List[Tuple[str, Callable[[], Any]]] = [("connect", _connect_hierarchical)]
+    for k, (name, start) in enumerate(_async_collectives(rank).items()):
+
+        def step(start: Callable[[], Callable[[], List[float]]] = start, k: int = k) -> Any:
+            if rank == 0:
+                finish = start()
+                C.send(torch.full((3,), float(k)), 1)
+                return finish(), None
+            buf = torch.zeros(3)
+            C.recv(buf, 0)
+            return start()(), buf.tolist()
+
+        steps.append((name, step))
+    return _run(engine, steps)
+
+
+def _recv_after_an_async_collective(rank: int, ws: int, engine: str) -> Dict[str, Any]:
+    """Swapped: rank 0: ``w = <async collective>; recv(buf, 1); w.wait()``; rank 1: ``send(big, 0);
+    <collective>``. The message is larger than the shm pair channel, so the send waits for the
+    receive on both engines."""
+    steps: List[Tuple[str, Callable[[], Any]]] = [("connect", _connect_hierarchical)]
+    for k, (name, start) in enumerate(_async_collectives(rank).items()):
+
+        def step(start: Callable[[], Callable[[], List[float]]] = start, k: int = k) -> Any:
+            if rank == 0:
+                finish = start()
+                buf = torch.zeros(BIG)
+                C.recv(buf, 1)
+                return finish(), buf.unique().tolist()
+            C.send(torch.full((BIG,), float(k)), 0)
+            return start()(), None
+
+        steps.append((name, step))
+    return _run(engine, steps)
+
+
+def _more_after_an_async_collective(rank: int, ws: int, engine: str) -> Dict[str, Any]:
+    """An asynchronous send after the collective, messages to one peer kept in issue order around
+    it, a send of another part of the collective's tensor, and an exchange (async receive, send,
+    wait) issued after it on rank 0 and before it on rank 1."""
+    peer = 1 - rank
+
+    def async_send() -> Any:
+        x = torch.full((4,), float(rank + 1))
+        if rank == 0:
+            a = C.allreduce_inplace(x, async_op=True)
+            w = C.send(torch.full((3,), 7.0), 1, async_op=True)
+            a.wait()
+            w.wait()
+            return x.tolist()
+        buf = torch.zeros(3)
+        C.recv(buf, 0)
+        C.allreduce_inplace(x)
+        return x.tolist(), buf.tolist()
+
+    def ordered() -> Any:
+        # rank 0's second send follows its first (to the same peer), not the allreduce between them
+        x = torch.full((4,), float(rank + 1))
+        if rank == 0:
+            s1 = C.send(torch.full((BIG,), 1.0), 1, async_op=True)
+            a = C.allreduce_inplace(x, async_op=True)
+            C.send(torch.full((3,), 2.0), 1)
+            a.wait()
+            s1.wait()
+            return x.tolist()
+        big, small = torch.zeros(BIG), torch.zeros(3)
+        C.recv(big, 0)
+        C.recv(small, 0)
+        C.allreduce_inplace(x)
+        return x.tolist(), big.unique().tolist(), small.tolist()
+
+    def disjoint() -> Any:
+        if rank == 0:
+            x = torch.full((4,), 5.0)
+            a = C.allreduce_inplace(x[2:4], async_op=True)
+            C.send(x[0:2], 1)  # another part of x: it does not wait for the allreduce
+            a.wait()
+            return x.tolist()
+        buf = torch.zeros(2)
+        C.recv(buf, 0)
+        y = torch.ones(2)
+        C.allreduce_inplace(y)
+        return y.tolist(), buf.tolist()
+
+    def exchange() -> Any:
+        x = torch.full((4,), float(rank + 1))
+        got = torch.zeros(BIG)
+
+        def swap() -> None:
+            w = C.recv(got, peer, async_op=True)
+            C.send(torch.full((BIG,), 10.0 + rank), peer)
+            w.wait()
+
+        if rank == 0:
+            a = C.allreduce_inplace(x, async_op=True)
+            swap()
+            a.wait()
+        else:
+            swap()
+            C.allreduce_inplace(x)
+        return x.tolist(), got.unique().tolist()
+
+    return _run(
+        engine,
+        [("async_send", async_send), ("ordered", ordered), ("disjoint", disjoint), ("exchange", exchange)],
+    )
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_send_after_an_async_collective_does_not_wait_for_it(engine):
+    r0, r1 = run_ranks(_send_after_an_async_collective, 2, engine, timeout=60)
+    assert r0["engine"] == engine
+    for r in (r0, r1):
+        assert "error" not in r, r
+        assert r["seconds"] < 5, r
+    for k, name in enumerate(_async_collectives(0)):
+        assert r0[name] == (_want_async(name, 0), None), (name, r0[name])
+        assert r1[name] == (_want_async(name, 1), [float(k)] * 3), (name, r1[name])
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_receive_after_an_async_collective_does_not_wait_for_it(engine):
+    r0, r1 = run_ranks(_recv_after_an_async_collective, 2, engine, timeout=60)
+    for r in (r0, r1):
+        assert "error" not in r, r
+        assert r["seconds"] < 5, r
+    for k, name in enumerate(_async_collectives(0)):
+        assert r0[name] == (_want_async(name, 0), [float(k)]), (name, r0[name])
+        assert r1[name] == (_want_async(name, 1), None), (name, r1[name])
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_sends_and_receives_after_an_async_collective_keep_their_order(engine):
+    r0, r1 = run_ranks(_more_after_an_async_collective, 2, engine, timeout=60)
+    for r in (r0, r1):
+        assert "error" not in r, r
+        assert r["seconds"] < 5, r
+    assert r0["async_send"] == [3.0] * 4
+    assert r1["async_send"] == ([3.0] * 4, [7.0] * 3)
+    assert r0["ordered"] == [3.0] * 4
+    assert r1["ordered"] == ([3.0] * 4, [1.0], [2.0] * 3)  # in issue order
+    assert r0["disjoint"] == [5.0, 5.0, 6.0, 6.0]
+    assert r1["disjoint"] == ([6.0, 6.0], [5.0, 5.0])
+    assert r0["exchange"] == ([3.0] * 4, [11.0])
+    assert r1["exchange"] == ([3.0] * 4, [10.0])
+
+
+def _overlapping_after(rank: int, ws: int, engine: str) -> Dict[str, Any]:
+    """Rank 0 issues an asynchronous collective, then a send or receive on memory it uses; rank 1
+    posts the matching receive or send asynchronously (on other memory than its collective's, so
+    they run at once), then runs its collective late, after 0.4 s. A send that did not wait would
+    send the values from before the collective, a receive that did not wait would be overwritten by
+    the collective's result or read by it. With the waits taken out (Communicator.collective_hazards
+    returning nothing) every step failed on both engines, in each of two runs."""
+    late = 0.4
+
+    def peer_recv(n: int, collective: Callable[[], Any]) -> List[float]:
+        buf = torch.zeros(n)
+        w = C.recv(buf, 0, async_op=True)
+        time.sleep(late)
+        collective()
+        w.wait()
+        return buf.tolist()
+
+    def peer_send(n: int, collective: Callable[[], Any]) -> Any:
+        w = C.send(torch.full((n,), 5.0), 0, async_op=True)
+        time.sleep(late)
+        got = collective()
+        w.wait()
+        return got
+
+    def send_of_it(kind: str) -> Any:  # read after write: the send sends the reduced values
+        hier = kind == "hierarchical"
+        if rank == 0:
+            x = torch.full((4,), 3.0)
+            a = C.allreduce_inplace(x, async_op=True, hierarchical=hier)
+            w = C.send(x, 1, async_op=kind == "async")
+            a.wait()
+            if w is not None:
+                w.wait()
+            return x.tolist()
+        return peer_recv(4, lambda: C.allreduce_inplace(torch.ones(4), hierarchical=hier))
+
+    def send_of_a_column() -> Any:  # staged: the send copies the column when it starts
+        if rank == 0:
+            m = torch.full((3, 2), 3.0)
+            a = C.allreduce_inplace(m, async_op=True)
+            C.send(m[:, 1], 1)
+            a.wait()
+            return m.tolist()
+        return peer_recv(3, lambda: C.allreduce_inplace(torch.ones(3, 2)))
+
+    def recv_into_it(kind: str) -> Any:  # write after read and after write
+        hier = kind == "hierarchical"
+        if rank == 0:
+            x = torch.full((4,), 3.0)
+            a = C.allreduce_inplace(x, async_op=True, hierarchical=hier)
+            w = C.recv(x, 1, async_op=kind == "async")
+            a.wait()
+            if w is not None:
+                w.wait()
+            return x.tolist()
+        y = torch.ones(4)
+        # rank 0's allreduce must read its 3s, not the 5s received after it
+        return peer_send(4, lambda: (C.allreduce_inplace(y, hierarchical=hier), y.tolist())[1])
+
+    def recv_into_part_of_it() -> Any:  # partly overlapping, both asynchronous
+        if rank == 0:
+            x = torch.full((6,), 3.0)
+            a = C.allreduce_inplace(x[0:4], async_op=True)
+            w = C.recv(x[2:6], 1, async_op=True)
+            a.wait()
+            w.wait()
+            return x.tolist()
+        y = torch.ones(4)
+        return peer_send(4, lambda: (C.allreduce_inplace(y), y.tolist())[1])
+
+    def recv_into_a_column() -> Any:  # a staged receive: written back when it ends
+        if rank == 0:
+            m = torch.full((3, 2), 3.0)
+            a = C.allreduce_inplace(m, async_op=True)
+            C.recv(m[:, 1], 1)
+            a.wait()
+            return m.tolist()
+        y = torch.ones(3, 2)
+        return peer_send(3, lambda: (C.allreduce_inplace(y), y.tolist())[1])
+
+    def recv_into_classic_all_gather_output() -> Any:  # after the composite's last step
+        if rank == 0:
+            outs = [torch.zeros(2), torch.zeros(2)]
+            a = classic.all_gather(outs, torch.full((2,), 7.0), async_op=True)
+            C.recv(outs[1], 1)
+            a.wait()
+            return [o.tolist() for o in outs]
+        outs = [torch.zeros(2), torch.zeros(2)]
+        return peer_send(
+            2, lambda: (classic.all_gather(outs, torch.full((2,), 8.0)), [o.tolist() for o in outs])[1]
+        )
+
+    def recv_into_neighbor_input(kind: str) -> Any:  # the composites read their input late
+        if rank == 0:
+            x = torch.full((2,), 3.0)
+            if kind == "allreduce":
+                h = N.neighbor_allreduce_async(x)  # its last step reads x (the self term)
+            else:
+                h = N.neighbor_allgather_async(x)  # gathers on the worker, reading x
+            C.recv(x, 1)
+            out = N.synchronize(h)
+            return out.tolist(), x.tolist()
+        y = torch.ones(2)
+        if kind == "allreduce":
+            return peer_send(2, lambda: N.neighbor_allreduce(y).tolist())
+        return peer_send(2, lambda: N.neighbor_allgather(y).tolist())  # rank 0's tensor
+
+    return _run(
+        engine,
+        [
+            ("connect", _connect_hierarchical),
+            ("send", lambda: send_of_it("sync")),
+            ("send_async", lambda: send_of_it("async")),
+            ("send_hierarchical", lambda: send_of_it("hierarchical")),
+            ("send_column", send_of_a_column),
+            ("recv", lambda: recv_into_it("sync")),
+            ("recv_async", lambda: recv_into_it("async")),
+            ("recv_hierarchical", lambda: recv_into_it("hierarchical")),
+            ("recv_partial", recv_into_part_of_it),
+            ("recv_column", recv_into_a_column),
+            ("recv_classic_all_gather", recv_into_classic_all_gather_output),
+            ("recv_neighbor_allreduce", lambda: recv_into_neighbor_input("allreduce")),
+            ("recv_neighbor_allgather", lambda: recv_into_neighbor_input("allgather")),
+        ],
+    )
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_send_or_receive_still_waits_for_a_pending_collective_on_its_memory(engine):
+    r0, r1 = run_ranks(_overlapping_after, 2, engine, timeout=60)
+    assert "error" not in r0 and "error" not in r1, (r0, r1)
+    for name in ("send", "send_async", "send_hierarchical"):
+        assert r0[name] == [4.0] * 4, (name, r0[name])
+        assert r1[name] == [4.0] * 4, (name, r1[name])  # the reduced values, not rank 0's 3s
+    assert r0["send_column"] == [[4.0, 4.0]] * 3
+    assert r1["send_column"] == [4.0] * 3
+    for name in ("recv", "recv_async", "recv_hierarchical"):
+        assert r0[name] == [5.0] * 4, (name, r0[name])  # the received values, not the sum
+        assert r1[name] == [4.0] * 4, (name, r1[name])  # the allreduce read rank 0's 3s
+    assert r0["recv_partial"] == [4.0, 4.0, 5.0, 5.0, 5.0, 5.0]
+    assert r1["recv_partial"] == [4.0] * 4
+    assert r0["recv_column"] == [[4.0, 5.0]] * 3
+    assert r1["recv_column"] == [[4.0, 4.0]] * 3
+    assert r0["recv_classic_all_gather"] == [[7.0, 7.0], [5.0, 5.0]]  # the receive wins
+    assert r1["recv_classic_all_gather"] == [[7.0, 7.0], [8.0, 8.0]]
+    assert r0["recv_neighbor_allreduce"] == ([2.0, 2.0], [5.0, 5.0])  # (3 + 1) / 2: read the 3s
+    assert r1["recv_neighbor_allreduce"] == [2.0, 2.0]
+    assert r0["recv_neighbor_allgather"] == ([1.0, 1.0], [5.0, 5.0])
+    assert r1["recv_neighbor_allgather"] == [3.0, 3.0]  # rank 0's tensor before the receive
+
+
+def _hierarchical_across_two_nodes(rank: int, ws: int) -> Dict[str, Any]:
+    """Two logical nodes of one rank each: the asynchronous hierarchical allreduce (AVG) runs its
+    middle step on the inter-node communicator and divides in its last step, on the intra-node
+    one. Sends and receives on other memory, on the global communicator, do not wait for it; those
+    on its tensor, on the global or the inter-node communicator, wait for the whole operation."""
+    os.environ["TRAINLOOM_NODE_ID"] = f"n{rank}"
+    avg = C.ReduceOp.AVG
+    late = 0.4
+
+    def inter() -> Any:
+        return C.get_default_group().get_inter_node_communicator()
+
+    def other_memory(swap: bool) -> Any:
+        x = torch.full((4,), float(rank + 1))
+        if rank == 0:
+            a = C.allreduce_inplace(x, avg, async_op=True, hierarchical=True)
+            buf = torch.zeros(BIG)
+            if swap:
+                C.recv(buf, 1)
+            else:
+                C.send(torch.full((BIG,), 7.0), 1)
+            a.wait()
+            return x.tolist(), buf.unique().tolist()
+        buf = torch.zeros(BIG)
+        if swap:
+            C.send(torch.full((BIG,), 7.0), 0)
+        else:
+            C.recv(buf, 0)
+        C.allreduce_inplace(x, avg, hierarchical=True)
+        return x.tolist(), buf.unique().tolist()
+
+    def send_of_it(on_inter: bool) -> Any:
+        comm = inter() if on_inter else None
+        if rank == 0:
+            x = torch.full((4,), 3.0)
+            a = C.allreduce_inplace(x, avg, async_op=True, hierarchical=True)
+            C.send(x, 1, comm=comm)  # the average, not the sum of the middle step
+            a.wait()
+            return x.tolist()
+        buf = torch.zeros(4)
+        w = C.recv(buf, 0, comm=comm, async_op=True)
+        time.sleep(late)
+        C.allreduce_inplace(torch.ones(4), avg, hierarchical=True)
+        w.wait()
+        return buf.tolist()
+
+    def recv_into_it() -> Any:
+        x = torch.full((4,), 3.0) if rank == 0 else torch.ones(4)
+        if rank == 0:
+            a = C.allreduce_inplace(x, avg, async_op=True, hierarchical=True)
+            C.recv(x, 1)
+            a.wait()
+            return x.tolist()
+        w = C.send(torch.full((4,), 5.0), 0, async_op=True)
+        time.sleep(late)
+        C.allreduce_inplace(x, avg, hierarchical=True)
+        w.wait()
+        return x.tolist()
+
+    return _run(
+        "auto",
+        [
+            ("connect", _connect_hierarchical),
+            ("other_memory", lambda: other_memory(False)),
+            ("other_memory_swapped", lambda: other_memory(True)),
+            ("send", lambda: send_of_it(False)),
+            ("send_on_inter", lambda: send_of_it(True)),
+            ("recv", recv_into_it),
+        ],
+    )
+
+
+def test_a_hierarchical_allreduce_across_nodes_beside_sends_and_receives():
+    r0, r1 = run_ranks(_hierarchical_across_two_nodes, 2, timeout=60, local_world_size=1)
+    for r in (r0, r1):
+        assert "error" not in r, r
+    assert r0["other_memory"] == ([1.5] * 4, [0.0])
+    assert r1["other_memory"] == ([1.5] * 4, [7.0])
+    assert r0["other_memory_swapped"] == ([1.5] * 4, [7.0])
+    assert r1["other_memory_swapped"] == ([1.5] * 4, [0.0])
+    for name in ("send", "send_on_inter"):
+        assert r0[name] == r1[name] == [2.0] * 4, (name, r0[name], r1[name])
+    assert r0["recv"] == [5.0] * 4
+    assert r1["recv"] == [2.0] * 4  # rank 0's allreduce read its 3s
 
 
 # ------------------------------------------------------------------------------------------------

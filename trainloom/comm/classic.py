@@ -26,8 +26,11 @@ after any-source receives of announced messages from the same sender.
 own thread, so two ranks that ``isend`` to each other and then receive, ``irecv`` first and then
 send, or exchange with several neighbours at once, do so with messages of any size on both CPU
 engines. A collective waits only for the pending ``isend``/``irecv`` whose tensors share memory
-with its own (docs/comm.md, "Point to point on CPU"), so ``req = irecv(buf, 1); all_reduce(x);
-req.wait()`` runs against ``all_reduce(x); send(t, 0)`` on the peer, as in torch.distributed.
+with its own, and a send or receive only for the pending asynchronous collectives whose tensors
+share memory with its own (docs/comm.md, "Point to point on CPU"), so ``req = irecv(buf, 1);
+all_reduce(x); req.wait()`` runs against ``all_reduce(x); send(t, 0)`` on the peer, and ``req =
+all_reduce(x, async_op=True); send(t, 1); req.wait()`` against ``recv(buf, 0); all_reduce(x)``, as
+in torch.distributed.
 
 :func:`init_process_group` accepts the early launchers: ``rank=``/``world_size=`` with only
 MASTER_ADDR/MASTER_PORT set (``multiprocessing.Process`` per rank), or ``init_method="tcp://..."``;

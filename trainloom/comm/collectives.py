@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from trainloom.comm.env import as_int
-from trainloom.comm.group import _STATE, NON_COMM_MEMBER, WORLD, Communicator, NonCommMember
+from trainloom.comm.group import _STATE, NON_COMM_MEMBER, WORLD, Communicator, NonCommMember, Span, _span
+from trainloom.comm.group import tensor_spans as _spans
 from trainloom.comm.ops import ReduceOp
 from trainloom.comm.work import CompletedWork, FutureWork, ThenWork, Work
 from trainloom.errors import CommError
@@ -415,14 +416,22 @@ def _go(
     keep: Sequence[torch.Tensor] = (),
     check: Optional[Tuple[Any, ...]] = None,
     p2p: Optional[str] = None,
+    touches: Optional[Sequence[torch.Tensor]] = None,
 ) -> Optional[Work]:
     """Issue ``fn`` on ``comm``. ``keep``: the tensors ``fn`` reads or writes (the caller's
     contiguous tensors, or stand-ins of ``staged``). A CPU collective follows the pending sends and
     receives whose tensors share memory with them, with ``staged``'s sources and with ``result``
-    (see :func:`p2p_hazards`), not the others."""
-    if p2p is not None or device != "cpu":
+    (see :func:`p2p_hazards`), not the others; an asynchronous one is booked with that memory. A
+    CPU send or receive (``p2p``) follows the pending collectives booked with memory that
+    ``touches`` (the caller's tensor) uses (see :meth:`Communicator.collective_hazards`), not the
+    others (``touches`` None: every pending collective)."""
+    if device != "cpu":
         return comm.execute(
             opname, device, staged.wrap(fn), async_op, result, staged.finish(), keep, check=check, p2p=p2p
+        )
+    if p2p is not None:
+        return comm.execute(
+            opname, device, staged.wrap(fn), async_op, result, staged.finish(), keep, p2p=p2p, touches=touches
         )
     hazards = p2p_hazards(comm, (*keep, *staged.sources(), result)) if _P2P_BOOKS else []
     return comm.execute(
@@ -436,6 +445,9 @@ def _go(
         check=check,
         after=hazards,
         all_p2p=False,
+        # an asynchronous collective is booked with its memory: later sends and receives on other
+        # memory do not wait for it (a synchronous one has finished before the next call is made)
+        touches=(*keep, *staged.sources(), result) if async_op else None,
     )
 
 
@@ -449,20 +461,20 @@ def _go(
 # allreduce(x) sums the received values) and a write after a read (send x, then allreduce(x) sends
 # the values from before). Each communicator's book lists its asynchronous CPU sends and receives
 # that may still run, with the address ranges they use; finished ones are dropped as the book is read.
-_Span = Tuple[int, int]
-_P2P_BOOKS: weakref.WeakKeyDictionary[Communicator, List[Tuple[concurrent.futures.Future, List[_Span]]]]
+#
+# The other direction is the Communicator's own book (Communicator.collective_hazards): every
+# asynchronous CPU collective, composite step (_then, the neighbour gathers) and hierarchical fence
+# is booked with the address ranges of the caller's tensors it reads or writes (staged sources
+# included), and a send or receive follows only the booked ones that intersect its tensor (a send
+# reads it, a receive writes it: both conflict with any overlap), besides the earlier operations of
+# its own direction and peer. So `w = allreduce(x, async_op=True); send(t, 1); w.wait()` on rank 0
+# runs against `recv(buf, 0); allreduce(x)` on rank 1 (it waited until the timeout: the send
+# waited for the allreduce, which waited for rank 1's, which came after rank 1's receive), while a
+# send of x after an asynchronous allreduce(x) still sends the reduced values, and a receive into x
+# after it does not overwrite x before the allreduce read it, nor is overwritten by its result.
+_P2P_BOOKS: weakref.WeakKeyDictionary[Communicator, List[Tuple[concurrent.futures.Future, List[Span]]]]
 _P2P_BOOKS = weakref.WeakKeyDictionary()
 _P2P_LOCK = threading.Lock()  # sends and receives may be issued from several threads
-
-
-def _spans(tensors: Iterable[Optional[torch.Tensor]]) -> List[_Span]:
-    """The address ranges ``[start, end)`` of the CPU tensors among ``tensors`` (strides included)."""
-    out = []
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.is_cpu and t.numel():
-            a = t.data_ptr()
-            out.append((a, a + _span(t)))
-    return out
 
 
 def _note_p2p(comm: Communicator, work: Optional[Work], tensor: torch.Tensor) -> None:
@@ -763,15 +775,26 @@ def _hierarchical_async(
 
     cpu = "cpu"
     prior_ops = c.pending_futures(all_p2p=False) + p2p_hazards(c, (s, r))
-    w = intra.execute(name, cpu, st.wrap(fan_in), True, None, after=prior_ops, needs_engine=not one)
+    # Every step is booked with the caller's tensors (the staging and fp32 buffers are its own) on
+    # the communicator it runs on, and the last one, as a fence, on the global and inter-node ones
+    # (the inter-node step's own booking ends before the broadcast writes r): a later send or
+    # receive on s or r, on any of them, waits for the whole operation; one on other memory does not.
+    sp = (s, r)
+    w = intra.execute(
+        name, cpu, st.wrap(fan_in), True, None, after=prior_ops, needs_engine=not one, touches=sp
+    )
     dep = w._future  # type: ignore[union-attr]
     if leader and inter is not None:
-        w = inter.execute(name, cpu, across(dep), True, None, after=[dep])
+        w = inter.execute(name, cpu, across(dep), True, None, after=[dep], touches=sp)
         dep = w._future  # type: ignore[union-attr]
     # the copy into a non-contiguous output runs on the worker as the last step's end, as for flat calls
-    w = intra.execute(name, cpu, fan_out(dep), True, None, st.finish(), after=[dep], needs_engine=not one)
+    w = intra.execute(
+        name, cpu, fan_out(dep), True, None, st.finish(), after=[dep], needs_engine=not one, touches=sp
+    )
     last = w._future  # type: ignore[union-attr]
-    c.set_fence(last)  # later calls on the global communicator wait for the whole operation
+    c.set_fence(last, sp)  # later calls on the global communicator wait for the whole operation
+    if leader and inter is not None:
+        inter.set_fence(last, sp)  # and those on the inter-node one, which ran only its middle step
     return FutureWork(name, last, r)
 
 
@@ -1019,8 +1042,9 @@ def _then(
     thread's inference mode (tensors made under ``torch.inference_mode()`` can only be updated in
     it). A CUDA operation runs ``after`` in ``wait()``. ``op_name`` names the returned Work
     (default: ``work``'s). ``touches``: the caller's tensors ``after`` writes besides ``result``;
-    the step then follows only the pending sends and receives on memory they (or ``result``) use.
-    None: it follows every pending send and receive.
+    the step then follows only the pending sends and receives on memory they (or ``result``) use,
+    and later sends and receives wait for it only when they use that memory. None: it follows every
+    pending send and receive, and every later one follows it (its memory is unknown).
     """
     if work is None or isinstance(work, CompletedWork):
         after()
@@ -1047,7 +1071,17 @@ def _then(
             return comm.execute(op_name or work.op_name, "cpu", then, True, result, needs_engine=False)
         hazards = p2p_hazards(comm, (*touches, result)) if _P2P_BOOKS else []
         name = op_name or work.op_name
-        return comm.execute(name, "cpu", then, True, result, needs_engine=False, after=hazards, all_p2p=False)
+        return comm.execute(
+            name,
+            "cpu",
+            then,
+            True,
+            result,
+            needs_engine=False,
+            after=hazards,
+            all_p2p=False,
+            touches=(*touches, result),
+        )
     return ThenWork(op_name or work.op_name, work, after, result)
 
 
@@ -1151,12 +1185,6 @@ def _allgather_staged(
         sc = st.copy_of(sc)
     rc = st.output(r, load=False)
     return _go(c, name, _where(s), lambda e: e.allgather(sc, rc), async_op, result, st, (sc, rc), (s,))
-
-
-def _span(t: torch.Tensor) -> int:
-    """Bytes from ``t``'s first element to the end of its last one, strides included (a strided view
-    such as ``x[0::2]`` reaches past ``numel * element_size``; torch has no negative strides)."""
-    return (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size()
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -1636,9 +1664,13 @@ def send(tensor: torch.Tensor, dst: int, comm: CommArg = None, async_op: bool = 
     Raises:
         ValueError: ``dst`` is this rank or outside the communicator.
 
-    .. warning:: on CPU a send follows the earlier collectives and sends to ``dst``; a later
-       collective waits for an asynchronous send only when their tensors share memory (then it
-       cannot overwrite what is being sent). Messages to one peer arrive in issue order.
+    .. warning:: on CPU a send follows the earlier sends to ``dst``, and the pending asynchronous
+       collectives only when their tensors share memory with ``tensor`` (then it sends their
+       results: ``w = allreduce_inplace(x, async_op=True); send(x, 1)`` sends the sum), so
+       ``w = allreduce(x, async_op=True); send(t, 1); w.wait()`` runs against ``recv(buf, 0);
+       allreduce(x)`` on rank 1. A later collective waits for an asynchronous send only when their
+       tensors share memory (then it cannot overwrite what is being sent). Messages to one peer
+       arrive in issue order.
 
     Example::
 
@@ -1657,7 +1689,9 @@ def send(tensor: torch.Tensor, dst: int, comm: CommArg = None, async_op: bool = 
         raise ValueError(f"{name}: dst={d} is this rank; send to another rank")
     st = _Staged(name)
     tc = st.input(t)
-    w = _go(c, name, _where(t), lambda e: e.send(tc, d), async_op, None, st, (tc,), p2p=f"send:{d}")
+    w = _go(
+        c, name, _where(t), lambda e: e.send(tc, d), async_op, None, st, (tc,), p2p=f"send:{d}", touches=(t,)
+    )
     if async_op and t.is_cpu:
         _note_p2p(c, w, t)  # later collectives on memory it reads wait for it (see p2p_hazards)
     return w
@@ -1678,11 +1712,14 @@ def recv(tensor: torch.Tensor, src: int, comm: CommArg = None, async_op: bool = 
     Raises:
         ValueError: ``src`` is this rank or outside the communicator.
 
-    .. warning:: on CPU a receive follows the earlier collectives and receives from ``src``; a later
-       collective waits for an asynchronous receive only when their tensors share memory (then it
-       reads the received values), so ``w = recv(buf, 1, async_op=True); allreduce(x); w.wait()``
-       runs against ``allreduce(x); send(t, 0)`` on rank 1. Call ``w.wait()`` before reading
-       ``buf`` yourself.
+    .. warning:: on CPU a receive follows the earlier receives from ``src``, and the pending
+       asynchronous collectives only when their tensors share memory with ``tensor`` (then they
+       read its old values and it overwrites their results), so ``w = allreduce(x,
+       async_op=True); recv(buf, 1); w.wait()`` runs against ``send(t, 0); allreduce(x)`` on rank
+       1. A later collective waits for an asynchronous receive only when their tensors share memory
+       (then it reads the received values), so ``w = recv(buf, 1, async_op=True); allreduce(x);
+       w.wait()`` runs against ``allreduce(x); send(t, 0)`` on rank 1. Call ``w.wait()`` before
+       reading ``buf`` yourself.
 
     Example::
 
@@ -1699,7 +1736,9 @@ def recv(tensor: torch.Tensor, src: int, comm: CommArg = None, async_op: bool = 
         raise ValueError(f"{name}: src={s} is this rank; receive from another rank")
     st = _Staged(name)
     tc = st.output(t, load=False, arg="tensor")
-    w = _go(c, name, _where(t), lambda e: e.recv(tc, s), async_op, t, st, (tc,), p2p=f"recv:{s}")
+    w = _go(
+        c, name, _where(t), lambda e: e.recv(tc, s), async_op, t, st, (tc,), p2p=f"recv:{s}", touches=(t,)
+    )
     if async_op and t.is_cpu:
         _note_p2p(c, w, t)  # later collectives on memory it writes wait for it (see p2p_hazards)
     return w

@@ -92,7 +92,8 @@ def then_work(
     and at destroy, as torch.distributed's CPU Work guarantees. For CUDA it runs in ``wait()``.
     Every CommError raised through the returned Work starts with ``op_name`` (the call the user
     made), then the engine's step, with or without ``after``. ``touches``: the caller's tensors
-    ``after`` reads or writes besides ``result`` (it follows the pending sends and receives on them).
+    ``after`` reads or writes besides ``result`` (it follows the pending sends and receives on them,
+    and only later sends and receives on them or on ``result`` follow it).
     """
     if after is None:
         # Nothing to run after the data movement, but its errors still name the call (a bare
@@ -525,9 +526,10 @@ def _gather_work(c: Communicator, opname: str, src: torch.Tensor, topo: Any, asy
             box.append(_gather_now(c, opname, src, topo))  # one operation on the worker
 
         # needs_engine: the engine connects now, in issue order on every rank (body only nests calls).
-        # It reads src: it follows the pending sends and receives on src's memory, not the others.
+        # It reads src: it follows the pending sends and receives on src's memory, not the others,
+        # and only later ones on src's memory follow it (the output is new, made by body).
         hazards = _core.p2p_hazards(c, (src,))
-        w = c.execute(opname, "cpu", body, True, None, after=hazards, all_p2p=False)
+        w = c.execute(opname, "cpu", body, True, None, after=hazards, all_p2p=False, touches=(src,))
         return _GatherWork(opname, w._future, box)  # type: ignore[union-attr]
     # CUDA: the shapes go through the CPU engine now (the output's size depends on them), then the
     # gather is enqueued on the CUDA stream.
