@@ -266,6 +266,21 @@ def test_a_getter_called_on_one_rank_only_times_out_saying_every_member_must_cal
     ), err
 
 
+def _torchrun_2(script, **env: str) -> subprocess.CompletedProcess:
+    """``script`` on 2 processes under torchrun (--standalone; no launch variable inherited), with
+    ``env`` added; its text output captured."""
+    launch_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+    full = {k: v for k, v in os.environ.items() if k not in launch_vars}
+    full.update(env)
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=full,
+    )
+
+
 _CTRL_C_SCRIPT = """
 import os, signal, sys
 import torch
@@ -294,17 +309,7 @@ def test_ctrl_c_with_an_async_receive_in_flight_exits_now_and_peers_fail_fast(tm
     process group, whose destructor would wait for the receive, is left to the process's exit."""
     script = tmp_path / "ctrl_c.py"
     script.write_text(_CTRL_C_SCRIPT)
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
-    }
-    env["TRAINLOOM_CPU_ENGINE"] = "shm" if engine == "shm" else "gloo"
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
+    out = _torchrun_2(script, TRAINLOOM_CPU_ENGINE="shm" if engine == "shm" else "gloo")
     assert "KeyboardInterrupt" in out.stderr, out.stderr[-2000:]
     if engine == "shm":
         expected = "rank 1: CommError the communicator was aborted by rank 0 (abort() was called)"
@@ -674,15 +679,7 @@ def test_a_torch_module_imported_after_init_that_keeps_torchs_group_is_named_onc
     the store is the agent's, so initializing again still works)."""
     script = tmp_path / "keeping_import.py"
     script.write_text(_KEEPING_IMPORT_SCRIPT)
-    launch_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
-    env = {k: v for k, v in os.environ.items() if k not in launch_vars}
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
+    out = _torchrun_2(script)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("done") == 2, out.stdout  # (the ranks' lines may interleave)
     zero = "torch.distributed.optim.zero_redundancy_optimizer"
