@@ -5,7 +5,7 @@ torch.distributed's gloo runs ``w = irecv(buf, 1); all_reduce(x); w.wait()`` on 
 collectives used to wait for every pending send and receive on their communicator, so rank 0's
 allreduce waited for its receive, which waited for rank 1's send, which came after rank 1's allreduce:
 every rank raised CommTimeoutError after the timeout. Now a CPU collective waits only for the pending
-sends and receives whose tensors share memory with its own (collectives.p2p_hazards), and both
+sends and receives whose tensors share memory with its own (Communicator._p2p_book), and both
 engines run sends and receives beside a collective. The patterns of the first three tests timed out
 on the old code; the next ones check that overlapping operations are still ordered (and that a
 disjoint part of the same tensor is not).
@@ -14,7 +14,7 @@ The reverse, ``w = allreduce(x, async_op=True); send(t, 1); w.wait()`` on rank 0
 ``recv(buf, 0); allreduce(x)`` on rank 1 (and with the receive and send swapped), torch's gloo runs
 too (checked with torch 2.13); trainloom's sends and receives waited for every earlier collective,
 so both ranks timed out. Now a send or receive waits only for the pending asynchronous collectives
-booked with memory that intersects its tensor (Communicator.collective_hazards). Each of the 22
+booked with memory that intersects its tensor (Communicator._coll_book). Each of the 22
 patterns of the three "after" tests, run alone against the previous commit, timed out on both
 engines, as did the two other-memory steps of the two-node test; the overlap tests that follow
 them failed in every step with the waits taken out. The threaded rules that remain come last.
@@ -262,10 +262,10 @@ def test_halo_exchange_with_receives_posted_before_a_collective(engine):
 def _overlapping(rank: int, ws: int, engine: str) -> Dict[str, Any]:
     """Rank 0 issues an asynchronous send or receive, then a collective on memory it uses; rank 1
     sends (receives) late, after 0.4 s, so a collective that did not wait would read or write the
-    memory first. With the waits taken out (p2p_hazards returning nothing) the shm run failed every
-    time, in raw, raw_hierarchical, raw_async_partial and raw_column (its one-shot allreduce and
-    reduce copy their input into the slot before they wait for the peer), and the gloo run in some
-    runs. The other steps read or write only once every rank arrived, after rank 1's send or
+    memory first. With the waits taken out (Communicator._hazards on _p2p_book returning nothing)
+    the shm run failed every time, in raw, raw_hierarchical, raw_async_partial and raw_column (its
+    one-shot allreduce and reduce copy their input into the slot before they wait for the peer), and
+    the gloo run in some runs. The other steps read or write only once every rank arrived, after rank 1's send or
     receive, so there they check the results and that nothing deadlocks, not the wait itself."""
     late = 0.4
 
@@ -641,7 +641,7 @@ def _overlapping_after(rank: int, ws: int, engine: str) -> Dict[str, Any]:
     posts the matching receive or send asynchronously (on other memory than its collective's, so
     they run at once), then runs its collective late, after 0.4 s. A send that did not wait would
     send the values from before the collective, a receive that did not wait would be overwritten by
-    the collective's result or read by it. With the waits taken out (Communicator.collective_hazards
+    the collective's result or read by it. With the waits taken out (Communicator._hazards on _coll_book
     returning nothing) every step failed on both engines, in each of two runs."""
     late = 0.4
 

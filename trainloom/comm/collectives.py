@@ -17,17 +17,13 @@ in Bagua), every collective returns at once: no argument check, no tensor touche
 
 from __future__ import annotations
 
-import concurrent.futures
-import threading
-import weakref
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union, cast
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 import torch.distributed as dist
 
 from trainloom.comm.env import as_int
-from trainloom.comm.group import _STATE, NON_COMM_MEMBER, WORLD, Communicator, NonCommMember, Span, _span
-from trainloom.comm.group import tensor_spans as _spans
+from trainloom.comm.group import _STATE, NON_COMM_MEMBER, WORLD, Communicator, NonCommMember, _span
 from trainloom.comm.ops import ReduceOp
 from trainloom.comm.work import CompletedWork, FutureWork, ThenWork, Work
 from trainloom.errors import CommError
@@ -416,24 +412,20 @@ def _go(
     keep: Sequence[torch.Tensor] = (),
     check: Optional[Tuple[Any, ...]] = None,
     p2p: Optional[str] = None,
-    touches: Optional[Sequence[torch.Tensor]] = None,
+    touches: Optional[Sequence[Any]] = None,
 ) -> Optional[Work]:
     """Issue ``fn`` on ``comm``. ``keep``: the tensors ``fn`` reads or writes (the caller's
-    contiguous tensors, or stand-ins of ``staged``). A CPU collective follows the pending sends and
-    receives whose tensors share memory with them, with ``staged``'s sources and with ``result``
-    (see :func:`p2p_hazards`), not the others; an asynchronous one is booked with that memory. A
-    CPU send or receive (``p2p``) follows the pending collectives booked with memory that
-    ``touches`` (the caller's tensor) uses (see :meth:`Communicator.collective_hazards`), not the
-    others (``touches`` None: every pending collective)."""
+    contiguous tensors, or stand-ins of ``staged``). On CPU the operation follows only the pending
+    operations of the other kind (collectives for a send or receive, sends and receives for a
+    collective) on memory it uses, and an asynchronous one is booked with that memory (see
+    ``Communicator.execute``'s ``touches``): for a collective ``keep``, ``staged``'s sources and
+    ``result``; for a send or receive (``p2p``) ``touches``, the caller's tensor."""
     if device != "cpu":
         return comm.execute(
             opname, device, staged.wrap(fn), async_op, result, staged.finish(), keep, check=check, p2p=p2p
         )
-    if p2p is not None:
-        return comm.execute(
-            opname, device, staged.wrap(fn), async_op, result, staged.finish(), keep, p2p=p2p, touches=touches
-        )
-    hazards = p2p_hazards(comm, (*keep, *staged.sources(), result)) if _P2P_BOOKS else []
+    if p2p is None:
+        touches = (*keep, *staged.sources(), result)
     return comm.execute(
         opname,
         device,
@@ -443,11 +435,8 @@ def _go(
         staged.finish(),
         keep,
         check=check,
-        after=hazards,
-        all_p2p=False,
-        # an asynchronous collective is booked with its memory: later sends and receives on other
-        # memory do not wait for it (a synchronous one has finished before the next call is made)
-        touches=(*keep, *staged.sources(), result) if async_op else None,
+        p2p=p2p,
+        touches=touches,
     )
 
 
@@ -459,62 +448,19 @@ def _go(
 # sends and receives beside a collective, so a collective now waits only for the pending ones whose
 # tensors share memory with its own: they still order a read after a write (recv into x, then
 # allreduce(x) sums the received values) and a write after a read (send x, then allreduce(x) sends
-# the values from before). Each communicator's book lists its asynchronous CPU sends and receives
-# that may still run, with the address ranges they use; finished ones are dropped as the book is read.
+# the values from before). Each communicator books its asynchronous CPU sends and receives with the
+# address ranges they use (Communicator._p2p_book).
 #
-# The other direction is the Communicator's own book (Communicator.collective_hazards): every
-# asynchronous CPU collective, composite step (_then, the neighbour gathers) and hierarchical fence
-# is booked with the address ranges of the caller's tensors it reads or writes (staged sources
-# included), and a send or receive follows only the booked ones that intersect its tensor (a send
-# reads it, a receive writes it: both conflict with any overlap), besides the earlier operations of
-# its own direction and peer. So `w = allreduce(x, async_op=True); send(t, 1); w.wait()` on rank 0
-# runs against `recv(buf, 0); allreduce(x)` on rank 1 (it waited until the timeout: the send
-# waited for the allreduce, which waited for rank 1's, which came after rank 1's receive), while a
-# send of x after an asynchronous allreduce(x) still sends the reduced values, and a receive into x
-# after it does not overwrite x before the allreduce read it, nor is overwritten by its result.
-_P2P_BOOKS: weakref.WeakKeyDictionary[Communicator, List[Tuple[concurrent.futures.Future, List[Span]]]]
-_P2P_BOOKS = weakref.WeakKeyDictionary()
-_P2P_LOCK = threading.Lock()  # sends and receives may be issued from several threads
-
-
-def _note_p2p(comm: Communicator, work: Optional[Work], tensor: torch.Tensor) -> None:
-    """Book an asynchronous CPU send or receive of ``tensor`` (see :func:`p2p_hazards`)."""
-    fut = getattr(work, "_future", None)
-    if fut is None or fut.done():
-        return
-    spans = _spans((tensor,))
-    if not spans:
-        return  # no memory: no later call can depend on it
-    with _P2P_LOCK:
-        book = _P2P_BOOKS.get(comm)
-        if book is None:
-            book = _P2P_BOOKS[comm] = []
-        else:
-            # a program of sends and receives only never reads its book: keep it short here
-            book[:] = [e for e in book if not e[0].done()]
-        book.append((fut, spans))
-
-
-def p2p_hazards(
-    comm: Communicator, tensors: Iterable[Optional[torch.Tensor]]
-) -> List[concurrent.futures.Future]:
-    """The pending asynchronous sends and receives on ``comm`` whose tensors share memory with any
-    of ``tensors`` (address ranges that intersect; CPU tensors only), oldest first.
-
-    A CPU collective (or a composite operation) waits for these, and passes ``all_p2p=False`` to
-    :meth:`Communicator.execute` so that it does not wait for the others. Not shared memory means
-    no hazard: neither reads what the other writes."""
-    with _P2P_LOCK:
-        book = _P2P_BOOKS.get(comm)
-        if not book:
-            return []
-        live = [e for e in book if not e[0].done()]
-        if not live:
-            del _P2P_BOOKS[comm]
-            return []
-        book[:] = live
-    mine = _spans(tensors)
-    return [f for f, spans in live if any(a0 < b1 and b0 < a1 for a0, a1 in spans for b0, b1 in mine)]
+# The other direction is the same (Communicator._coll_book): every asynchronous CPU collective,
+# composite step (_then, the neighbour gathers) and hierarchical fence is booked with the address
+# ranges of the caller's tensors it reads or writes (staged sources included), and a send or receive
+# follows only the booked ones that intersect its tensor (a send reads it, a receive writes it: both
+# conflict with any overlap), besides the earlier operations of its own direction and peer. So `w =
+# allreduce(x, async_op=True); send(t, 1); w.wait()` on rank 0 runs against `recv(buf, 0);
+# allreduce(x)` on rank 1 (it waited until the timeout: the send waited for the allreduce, which
+# waited for rank 1's, which came after rank 1's receive), while a send of x after an asynchronous
+# allreduce(x) still sends the reduced values, and a receive into x after it does not overwrite x
+# before the allreduce read it, nor is overwritten by its result.
 
 
 def _where(t: torch.Tensor) -> Union[str, torch.device]:
@@ -703,10 +649,7 @@ def _hierarchical(
     if not async_op:
         # A synchronous call follows the asynchronous collectives issued before it (none when
         # called from inside a running operation), and the sends and receives on memory it uses.
-        c.wait_pending(all_p2p=False)
-        hazards = p2p_hazards(c, (s, r))
-        if hazards:
-            concurrent.futures.wait(hazards)
+        c.wait_pending(touches=(s, r))
         body()
         return None
     return _hierarchical_async(c, intra, inter, leader, s, r, sub, n, avg, wide)
@@ -774,7 +717,7 @@ def _hierarchical_async(
         return step
 
     cpu = "cpu"
-    prior_ops = c.pending_futures(all_p2p=False) + p2p_hazards(c, (s, r))
+    prior_ops = c.pending_futures(touches=(s, r))
     # Every step is booked with the caller's tensors (the staging and fp32 buffers are its own) on
     # the communicator it runs on, and the last one, as a fence, on the global and inter-node ones
     # (the inter-node step's own booking ends before the broadcast writes r): a later send or
@@ -1067,21 +1010,9 @@ def _then(
             with torch.inference_mode(inference):
                 after()
 
-        if touches is None:
-            return comm.execute(op_name or work.op_name, "cpu", then, True, result, needs_engine=False)
-        hazards = p2p_hazards(comm, (*touches, result)) if _P2P_BOOKS else []
         name = op_name or work.op_name
-        return comm.execute(
-            name,
-            "cpu",
-            then,
-            True,
-            result,
-            needs_engine=False,
-            after=hazards,
-            all_p2p=False,
-            touches=(*touches, result),
-        )
+        mem = None if touches is None else (*touches, result)
+        return comm.execute(name, "cpu", then, True, result, needs_engine=False, touches=mem)
     return ThenWork(op_name or work.op_name, work, after, result)
 
 
@@ -1689,12 +1620,9 @@ def send(tensor: torch.Tensor, dst: int, comm: CommArg = None, async_op: bool = 
         raise ValueError(f"{name}: dst={d} is this rank; send to another rank")
     st = _Staged(name)
     tc = st.input(t)
-    w = _go(
+    return _go(
         c, name, _where(t), lambda e: e.send(tc, d), async_op, None, st, (tc,), p2p=f"send:{d}", touches=(t,)
     )
-    if async_op and t.is_cpu:
-        _note_p2p(c, w, t)  # later collectives on memory it reads wait for it (see p2p_hazards)
-    return w
 
 
 def recv(tensor: torch.Tensor, src: int, comm: CommArg = None, async_op: bool = False) -> Optional[Work]:
@@ -1736,12 +1664,9 @@ def recv(tensor: torch.Tensor, src: int, comm: CommArg = None, async_op: bool = 
         raise ValueError(f"{name}: src={s} is this rank; receive from another rank")
     st = _Staged(name)
     tc = st.output(t, load=False, arg="tensor")
-    w = _go(
+    return _go(
         c, name, _where(t), lambda e: e.recv(tc, s), async_op, t, st, (tc,), p2p=f"recv:{s}", touches=(t,)
     )
-    if async_op and t.is_cpu:
-        _note_p2p(c, w, t)  # later collectives on memory it writes wait for it (see p2p_hazards)
-    return w
 
 
 def barrier(comm: CommArg = None, async_op: bool = False) -> Optional[Work]:

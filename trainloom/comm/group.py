@@ -275,10 +275,9 @@ class Communicator:
     earlier operations of their own direction and peer, and the earlier collectives: all of them,
     or, when the caller names the tensors the send or receive uses (``touches``), only those booked
     with memory that intersects theirs (see :meth:`execute`), so an asynchronous collective issued
-    before a send does not hold it back. A collective issued with ``all_p2p=False`` follows the earlier
-    collectives and only the sends and receives its caller names in ``after``
-    (trainloom.comm.collectives names those whose tensors share memory with the collective's), so a
-    receive posted before it does not hold it back.
+    before a send does not hold it back. The other way round the same: a collective given
+    ``touches`` follows the earlier collectives and only the pending sends and receives booked with
+    memory that intersects its own, so a receive posted before it does not hold it back.
     """
 
     def __init__(
@@ -320,6 +319,8 @@ class Communicator:
         # send and receive follows it). A send or receive given its own ranges follows only those
         # that intersect them (see _pending). Used under _submit_lock.
         self._coll_book: Deque[_Booked] = collections.deque()
+        # The same for the asynchronous sends and receives, for the collectives given ``touches``.
+        self._p2p_book: Deque[_Booked] = collections.deque()
         # send/recv: one queue (worker thread, lock, last operation) per direction and peer, keyed
         # "send:3" / "recv:1", so that a pending asynchronous send does not hold up a receive, nor a
         # receive from one neighbour a receive from another (see execute()).
@@ -475,7 +476,6 @@ class Communicator:
         check: Optional[Tuple[Any, ...]] = None,
         after: Sequence[concurrent.futures.Future] = (),
         p2p: Optional[str] = None,
-        all_p2p: bool = True,
         touches: Optional[Sequence[Any]] = None,
     ) -> Optional[Work]:
         """Run ``fn(engine)`` with the engine for ``device``; a Work when ``async_op``.
@@ -486,16 +486,16 @@ class Communicator:
         other communicators that must finish before this one starts (captured at issue time, so the
         order is the issue order on every rank). ``p2p`` (``"send:<peer>"``/``"recv:<peer>"``, the
         peer's rank in this communicator): a point-to-point operation, queued per direction and peer
-        (see :meth:`_pending`). ``all_p2p=False`` (CPU operations other than sends and receives):
-        follow only the pending sends and receives given in ``after``, not all of them.
+        (see :meth:`_pending`).
 
         ``touches`` (CPU): every caller's tensor the operation reads or writes (staged sources
         included; new memory only it uses may be left out; entries that are not CPU tensors are
-        ignored). An asynchronous collective is booked with their address ranges (None: unknown
-        memory, so that every later send and receive follows it). A send or receive given them
-        follows only the pending collectives booked with ranges that intersect theirs (or with
-        unknown memory), besides the earlier operations of its own direction and peer; None: every
-        earlier collective.
+        ignored). An asynchronous operation is booked with their address ranges (None: unknown
+        memory, so that every later operation of the other kind follows it). A send or receive given
+        them follows only the pending collectives booked with ranges that intersect theirs (or with
+        unknown memory), besides the earlier operations of its own direction and peer; a collective
+        given them follows the earlier collectives and only the pending sends and receives booked
+        so. None: every earlier operation of the other kind.
         """
         self.check_alive(opname)
         is_cpu = device == "cpu" if isinstance(device, str) else device.type == "cpu"
@@ -514,7 +514,7 @@ class Communicator:
             return None
         inside = getattr(self._tls, "inside", False)
         # (one tuple, built once: passing two more arguments beside *args cost 0.2 us a call)
-        a = (opname, device, fn, async_op, result, finish, needs_engine, after, p2p, inside, all_p2p, touches)
+        a = (opname, device, fn, async_op, result, finish, needs_engine, after, p2p, inside, touches)
         if p2p is not None or inside:
             return self._execute_cpu(*a)
         # A collective from a user thread: no other thread may be issuing one on this communicator
@@ -570,7 +570,6 @@ class Communicator:
         after: Sequence[concurrent.futures.Future],
         p2p: Optional[str],
         inside: bool,
-        all_p2p: bool = True,
         touches: Optional[Sequence[Any]] = None,
     ) -> Optional[Work]:
         """:meth:`execute` for a CPU operation (``inside``: called from a running operation)."""
@@ -624,7 +623,7 @@ class Communicator:
             # Only the submission is serialised here, not the operation: the worker thread takes
             # the lock per operation, so several asynchronous operations can be in flight.
             with self._submit_lock:
-                deps = self._pending(queue, same_queue=False, all_p2p=all_p2p, touches=touches)
+                deps = self._pending(queue, same_queue=False, touches=touches)
                 deps += [f for f in after if not f.done()]
                 if queue is None:
                     if self._executor is None:
@@ -633,7 +632,7 @@ class Communicator:
                         )
                     fut = self._executor.submit(run, deps)
                     self._last = fut
-                    self._book(fut, touches)
+                    self._book(self._coll_book, fut, touches)
                 else:
                     executor = self._p2p_executors.get(queue)
                     if executor is None:
@@ -643,11 +642,12 @@ class Communicator:
                         self._p2p_executors[queue] = executor
                     fut = executor.submit(run, deps)
                     self._p2p_last[queue] = fut
+                    self._book(self._p2p_book, fut, touches)
             return FutureWork(opname, fut, result)
         # (not from inside a running operation: a composite op calling this communicator would
         # otherwise wait for itself)
         if not inside:
-            deps = self._pending(queue, all_p2p=all_p2p, touches=touches)
+            deps = self._pending(queue, touches=touches)
             if after:
                 deps += [f for f in after if not f.done()]
             if deps:
@@ -661,19 +661,17 @@ class Communicator:
         self,
         queue: Optional[str],
         same_queue: bool = True,
-        all_p2p: bool = True,
         touches: Optional[Sequence[Any]] = None,
     ) -> List[concurrent.futures.Future]:
         """The unfinished asynchronous operations a new call on ``queue`` must follow.
 
-        A collective (``queue`` None) follows every earlier operation: this communicator's worker
-        queue, the fence left by an asynchronous hierarchical allreduce and, unless ``all_p2p`` is
-        False, the send/recv queues (with False its caller passes the ones it must follow as
-        ``after``). A send to (receive from) a peer follows the earlier sends to (receives from)
-        that peer, but no other point-to-point operation, and the collectives: every one with
-        ``touches`` None, else those booked with memory that intersects that of ``touches``, or
-        with unknown memory (see :meth:`collective_hazards`). ``same_queue=False`` leaves out the
-        queue's own last operation (a worker thread runs its queue in order anyway).
+        A collective (``queue`` None) follows this communicator's worker queue and the fence left by
+        an asynchronous hierarchical allreduce, and the sends and receives: every pending one with
+        ``touches`` None, else those booked with memory that intersects that of ``touches`` (or with
+        unknown memory). A send to (receive from) a peer follows the earlier sends to (receives
+        from) that peer, but no other point-to-point operation, and the collectives: every one with
+        ``touches`` None, else the booked ones that intersect it the same way. ``same_queue=False``
+        leaves out the queue's own last operation (a worker thread runs its queue in order anyway).
         """
         last, fence = self._last, self._fence
         if (last is None or last.done()) and fence is None and not self._p2p_last:
@@ -684,58 +682,63 @@ class Communicator:
             self._fence = None
         if self._p2p_last and any(f.done() for f in self._p2p_last.values()):
             self._p2p_last = {k: f for k, f in self._p2p_last.items() if not f.done()}
+        # Every pending operation is in its kind's book (the worker's queue and the fences, the
+        # send/recv queues), so a call given ``touches`` may skip the other kind's operations it
+        # does not overlap. (The ranges are taken only here, past the fast path above.)
         if queue is None:
-            p2p = self._p2p_last.values() if all_p2p else ()
+            if touches is None:
+                p2p: Sequence[concurrent.futures.Future] = list(self._p2p_last.values())
+            else:
+                p2p = self._hazards(self._p2p_book, tensor_spans(touches))
             cands = [self._last if same_queue else None, self._fence, *p2p]
         elif touches is None:
             cands = [self._last, self._fence, self._p2p_last.get(queue) if same_queue else None]
         else:
-            # Every pending collective is in the book (the worker's queue and the fences), so the
-            # send or receive may skip _last and _fence for the booked ones it does not overlap.
-            # (The ranges are taken only here, past the fast path above: most calls never need them.)
-            hazards = self.collective_hazards(tensor_spans(touches))
+            hazards = self._hazards(self._coll_book, tensor_spans(touches))
             cands = [self._p2p_last.get(queue) if same_queue else None, *hazards]
         return [f for f in cands if f is not None and not f.done()]
 
-    def _book(self, fut: concurrent.futures.Future, touches: Optional[Sequence[Any]]) -> None:
-        """Book a pending collective and the memory of ``touches`` (the caller holds ``_submit_lock``)."""
-        book = self._coll_book
-        # Booked operations end in about the booking order (one worker queue, and what follows a
-        # fence waits for it): dropping the finished ones at the front keeps the book as short as
-        # what runs at O(1) a call (a scan per call made 2000 queued allreduces 4x slower).
+    @staticmethod
+    def _book(book: Deque[_Booked], fut: concurrent.futures.Future, touches: Optional[Sequence[Any]]) -> None:
+        """Book a pending operation in ``book`` (``_coll_book`` or ``_p2p_book``) with the memory of
+        ``touches`` (the caller holds ``_submit_lock``)."""
+        # Collectives end in about the booking order (one worker queue, and what follows a fence
+        # waits for it): dropping the finished ones at the front keeps the book as short as what
+        # runs at O(1) a call (a scan per call made 2000 queued allreduces 4x slower). Sends and
+        # receives of different peers end out of order: the readers skip finished ones.
         while book and book[0][0].done():
             book.popleft()
         book.append((fut, None if touches is None else tensor_spans(touches)))
 
-    def collective_hazards(self, spans: Sequence[Span]) -> List[concurrent.futures.Future]:
-        """The pending asynchronous collectives (composite steps and fences included) of this
-        communicator booked with address ranges that intersect ``spans``, or with unknown memory,
-        oldest first: what a send or receive on ``spans`` waits for. Not shared memory means no
-        hazard: neither reads what the other writes, and the engines run sends and receives beside
-        a collective."""
+    def _hazards(self, book: Deque[_Booked], spans: Sequence[Span]) -> List[concurrent.futures.Future]:
+        """The pending operations of ``book`` booked with address ranges that intersect ``spans``,
+        or with unknown memory, oldest first: what an operation of the other kind on ``spans`` waits
+        for (``_coll_book``: collectives, composite steps and fences; ``_p2p_book``: asynchronous
+        sends and receives). Not shared memory means no hazard: neither reads what the other
+        writes, and the engines run sends and receives beside a collective."""
         with self._submit_lock:
-            if not self._coll_book:
+            if not book:
                 return []
-            book = tuple(self._coll_book)
+            booked_ops = tuple(book)
         return [
             f
-            for f, booked in book
+            for f, booked in booked_ops
             if not f.done()
             and (booked is None or any(a0 < b1 and b0 < a1 for a0, a1 in booked for b0, b1 in spans))
         ]
 
-    def wait_pending(self, all_p2p: bool = True) -> None:
+    def wait_pending(self, touches: Optional[Sequence[Any]] = None) -> None:
         """Block until every asynchronous operation issued on this communicator has finished
-        (``all_p2p=False``: every collective; sends and receives may still run)."""
+        (``touches``: every collective, and the sends and receives on memory they use)."""
         if not getattr(self._tls, "inside", False):
-            deps = self._pending(None, all_p2p=all_p2p)
+            deps = self._pending(None, touches=touches)
             if deps:
                 concurrent.futures.wait(deps)
 
-    def pending_futures(self, all_p2p: bool = True) -> List[concurrent.futures.Future]:
+    def pending_futures(self, touches: Optional[Sequence[Any]] = None) -> List[concurrent.futures.Future]:
         """The unfinished asynchronous operations issued on this communicator (for ``after=``);
-        ``all_p2p=False`` leaves out the sends and receives."""
-        return self._pending(None, all_p2p=all_p2p)
+        ``touches``: of the sends and receives, only those on memory they use."""
+        return self._pending(None, touches=touches)
 
     def set_fence(self, fut: concurrent.futures.Future, touches: Optional[Sequence[Any]] = None) -> None:
         """Make later calls on this communicator wait for ``fut`` (an operation queued elsewhere);
@@ -743,7 +746,7 @@ class Communicator:
         receives on other memory do not wait for it; None: they all do)."""
         with self._submit_lock:
             self._fence = fut
-            self._book(fut, touches)
+            self._book(self._coll_book, fut, touches)
 
     def _annotate(self, exc: CommError) -> None:
         """Add the global ranks behind the engine's communicator-local ranks to ``exc``'s message."""
@@ -835,6 +838,7 @@ class Communicator:
         self._fence = None
         self._last = None
         self._coll_book.clear()
+        self._p2p_book.clear()
         # Old groups the caller still holds must not keep the job's store (and with it the TCPStore
         # server rank 0 hosts on MASTER_PORT) alive: a later init_process_group() binds that port.
         self._store = None

@@ -528,8 +528,7 @@ def _gather_work(c: Communicator, opname: str, src: torch.Tensor, topo: Any, asy
         # needs_engine: the engine connects now, in issue order on every rank (body only nests calls).
         # It reads src: it follows the pending sends and receives on src's memory, not the others,
         # and only later ones on src's memory follow it (the output is new, made by body).
-        hazards = _core.p2p_hazards(c, (src,))
-        w = c.execute(opname, "cpu", body, True, None, after=hazards, all_p2p=False, touches=(src,))
+        w = c.execute(opname, "cpu", body, True, None, touches=(src,))
         return _GatherWork(opname, w._future, box)  # type: ignore[union-attr]
     # CUDA: the shapes go through the CPU engine now (the output's size depends on them), then the
     # gather is enqueued on the CUDA stream.
