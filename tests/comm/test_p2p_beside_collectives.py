@@ -265,8 +265,9 @@ def _overlapping(rank: int, ws: int, engine: str) -> Dict[str, Any]:
     memory first. With the waits taken out (Communicator._hazards on _p2p_book returning nothing)
     the shm run failed every time, in raw, raw_hierarchical, raw_async_partial and raw_column (its
     one-shot allreduce and reduce copy their input into the slot before they wait for the peer), and
-    the gloo run in some runs. The other steps read or write only once every rank arrived, after rank 1's send or
-    receive, so there they check the results and that nothing deadlocks, not the wait itself."""
+    the gloo run in some runs. The other steps read or write only once every rank arrived, after
+    rank 1's send or receive, so there they check the results and that nothing deadlocks, not the
+    wait itself."""
     late = 0.4
 
     def recv_then_allreduce_of_it() -> Any:  # read after write
