@@ -16,7 +16,20 @@ import threading
 import weakref
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union
+from typing import (
+    AbstractSet,
+    Any,
+    Callable,
+    Dict,
+    Iterator,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+    TypeVar,
+    Union,
+)
 
 from trainloom._numbers import is_integral
 from trainloom.data.codec import _codec
@@ -584,7 +597,8 @@ class LmdbStore(Store):
         items = [(wk(k), value_bytes(k, v)) for k, v in dictionary.items()]
         if not items:
             return
-        written: Dict[bytes, None] = {}  # keys committed (a batch at the cap is written value by value)
+        # batches committed (a batch at the cap is written value by value); read only on failure
+        committed: List[List[Tuple[bytes, Any]]] = []
 
         def put(env: Any, batch: List[Tuple[bytes, Any]]) -> None:
             def txn() -> None:
@@ -592,7 +606,7 @@ class LmdbStore(Store):
                     t.cursor().putmulti(batch, dupdata=False, overwrite=True)
 
             self._retry_grow(env, txn)
-            written.update(dict.fromkeys(k for k, _ in batch))
+            committed.append(batch)
 
         def write(env: Any) -> None:
             try:
@@ -603,10 +617,11 @@ class LmdbStore(Store):
         try:
             self._call("mset", write)
         except StoreFullError as exc:
+            written = {k for batch in committed for k, _ in batch}
             raise self._batch_full(exc, items, written).with_traceback(exc.__traceback__) from exc.__cause__
 
     def _batch_full(
-        self, exc: StoreFullError, items: List[Tuple[bytes, Any]], written: Mapping[bytes, None]
+        self, exc: StoreFullError, items: List[Tuple[bytes, Any]], written: AbstractSet[bytes]
     ) -> StoreFullError:
         """``exc`` (the map at max_map_size, or the disk full), raised by an mset of ``items``, naming
         the keys stored before it (``written``: a batch at the cap is written value by value) and the
@@ -674,7 +689,7 @@ class LmdbStore(Store):
     def _room(self, env: Any) -> int:
         """Bytes of a map of max_map_size past the last page in use (pages on LMDB's free list are not
         counted). (Not env.info()'s map_size: _grow's set_mapsize(0) falls back to the committed size.)"""
-        return max(0, self.max_map_size - (env.info()["last_pgno"] + 1) * env.stat()["psize"])
+        return max(0, self.max_map_size - self._used(env))
 
     def delete(self, keys: Sequence[Key]) -> None:
         """Delete ``keys`` from this namespace (missing keys are ignored), in one write transaction.
