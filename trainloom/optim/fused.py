@@ -1540,25 +1540,23 @@ class _Kernel:
 _PlanT = Tuple[np.ndarray, np.ndarray, np.ndarray, int]
 
 
-def _cached_plan(b: _Bucket, key: Any, build: Callable[[], _PlanT]) -> _PlanT:
-    """``b``'s plan under ``key``, built once (the cache is emptied when it holds more than 64)."""
-    plan = b.plan_cache.get(key)
-    if plan is None:
-        plan = build()
-        if len(b.plan_cache) > 64:
-            b.plan_cache.clear()
-        b.plan_cache[key] = plan
+def _kept_plan(b: _Bucket, key: Any, plan: _PlanT) -> _PlanT:
+    """Keep ``plan`` in ``b``'s plan cache under ``key`` (emptied when it holds more than 64)."""
+    if len(b.plan_cache) > 64:
+        b.plan_cache.clear()
+    b.plan_cache[key] = plan
     return plan
 
 
 def _plan(b: _Bucket, run: _Run, body_mod: int) -> _PlanT:
-    def build() -> _PlanT:
-        starts = np.array([b.offsets[i] for i in run.idx], dtype=np.int64)
-        lens = np.array([b.numels[i] for i in run.idx], dtype=np.int64)
-        bodies = lens - lens % body_mod if body_mod > 1 else lens.copy()
-        return (*_K.make_plan(starts, lens, bodies, _CHUNK), int(lens.sum()))
-
-    return _cached_plan(b, (run.idx[0], run.idx[-1], body_mod), build)
+    key = (run.idx[0], run.idx[-1], body_mod)
+    plan = b.plan_cache.get(key)
+    if plan is not None:  # every step after the first takes this path
+        return plan
+    starts = np.array([b.offsets[i] for i in run.idx], dtype=np.int64)
+    lens = np.array([b.numels[i] for i in run.idx], dtype=np.int64)
+    bodies = lens - lens % body_mod if body_mod > 1 else lens.copy()
+    return _kept_plan(b, key, (*_K.make_plan(starts, lens, bodies, _CHUNK), int(lens.sum())))
 
 
 #: ATen's elementwise CPU loops (cpu_kernel_vec) hand each thread one chunk of a tensor of more than
@@ -1577,25 +1575,24 @@ def _maximum_plan(b: _Bucket, run: _Run) -> _PlanT:
     (at::parallel_for over OpenMP). So the segments are those chunks, with a body of ``len - len % w``
     (w: 16 float32, 8 float64 elements)."""
     threads = torch.get_num_threads()  # ~0.1 us; a run without big tensors caches one plan per count
-
-    def build() -> _PlanT:
-        width = 64 // b.flat_param.element_size()
-        starts: List[int] = []
-        lens: List[int] = []
-        for i in run.idx:
-            n = b.numels[i]
-            chunks = min(threads, -(-n // _ATEN_GRAIN)) if n > _ATEN_GRAIN else 1
-            size = max(1, -(-n // chunks))
-            for off in range(0, n, size):
-                starts.append(b.offsets[i] + off)
-                lens.append(min(size, n - off))
-        lens_a = np.array(lens, dtype=np.int64)
-        return (
-            *_K.make_plan(np.array(starts, dtype=np.int64), lens_a, lens_a - lens_a % width, _CHUNK),
-            int(lens_a.sum()),
-        )
-
-    return _cached_plan(b, (run.idx[0], run.idx[-1], "maximum", threads), build)
+    key = (run.idx[0], run.idx[-1], "maximum", threads)
+    plan = b.plan_cache.get(key)
+    if plan is not None:
+        return plan
+    width = 64 // b.flat_param.element_size()
+    starts: List[int] = []
+    lens: List[int] = []
+    for i in run.idx:
+        n = b.numels[i]
+        chunks = min(threads, -(-n // _ATEN_GRAIN)) if n > _ATEN_GRAIN else 1
+        size = max(1, -(-n // chunks))
+        for off in range(0, n, size):
+            starts.append(b.offsets[i] + off)
+            lens.append(min(size, n - off))
+    lens_a = np.array(lens, dtype=np.int64)
+    starts_a = np.array(starts, dtype=np.int64)
+    plan = (*_K.make_plan(starts_a, lens_a, lens_a - lens_a % width, _CHUNK), int(lens_a.sum()))
+    return _kept_plan(b, key, plan)
 
 
 def _dtype_code(dt: torch.dtype) -> int:
