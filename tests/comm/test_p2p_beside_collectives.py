@@ -874,6 +874,56 @@ def test_a_hierarchical_allreduce_across_nodes_beside_sends_and_receives():
     assert r1["recv"] == [2.0] * 4  # rank 0's allreduce read its 3s
 
 
+def _inter_fence_two_by_two(rank: int, ws: int) -> Dict[str, Any]:
+    """Two logical nodes of two ranks each, gloo. A leader's asynchronous hierarchical allreduce of a
+    column (staged: the result is copied back into it at the end of the last step, the intra-node
+    broadcast) runs only its middle step on the inter-node communicator. Node a's leader then sends
+    the column to node b's leader on that communicator. Its intra-node broadcast is held back 0.5 s,
+    so a send that followed only the middle step would send the column before the result is copied
+    into it: the sum must arrive, not the leader's own values."""
+    os.environ["TRAINLOOM_NODE_ID"] = "a" if rank < 2 else "b"
+
+    def send_on_inter() -> Any:
+        pg = C.get_default_group()
+        intra, inter = pg.get_intra_node_communicator(), pg.get_inter_node_communicator()  # every rank
+        m = torch.full((4, 2), float(rank + 1))
+        col = m[:, 1]
+        if rank not in (0, 2):
+            C.allreduce_inplace(col, hierarchical=True)
+            return col.tolist()
+        if rank == 0:
+            engine = intra.engine("cpu")
+            broadcast = engine.broadcast
+
+            def late_broadcast(tensor: torch.Tensor, src: int, timeout: Any = None) -> None:
+                time.sleep(0.5)
+                broadcast(tensor, src, timeout)
+
+            engine.broadcast = late_broadcast  # this rank's (Python) gloo engine object only
+        a = C.allreduce_inplace(col, async_op=True, hierarchical=True)
+        if rank == 0:
+            C.send(col, 1, comm=inter)
+            a.wait()
+            return col.tolist()
+        buf = torch.zeros(4)
+        C.recv(buf, 0, comm=inter)
+        a.wait()
+        return buf.tolist(), col.tolist()
+
+    return _run("gloo", [("connect", _connect_hierarchical), ("send_on_inter", send_on_inter)])
+
+
+def test_a_send_on_the_inter_node_communicator_waits_for_the_whole_hierarchical_allreduce():
+    """Guards the fence the asynchronous hierarchical allreduce sets on the inter-node communicator:
+    without it, node b's leader received [1.0] * 4."""
+    res = run_ranks(_inter_fence_two_by_two, 4, timeout=60, local_world_size=2)
+    for r in res:
+        assert "error" not in r, r
+    assert res[0]["send_on_inter"] == [10.0] * 4
+    assert res[1]["send_on_inter"] == res[3]["send_on_inter"] == [10.0] * 4
+    assert res[2]["send_on_inter"] == ([10.0] * 4, [10.0] * 4)
+
+
 # ------------------------------------------------------------------------------------------------
 # threads: a send or receive on another thread beside a collective (two collectives at once are
 # still refused: test_collectives.test_two_threads_issuing_collectives_at_once_abort_instead_of_mispairing)
