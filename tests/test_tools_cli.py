@@ -7,6 +7,7 @@ what a benchmark does (hang with a worker, write plots) and takes seconds.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -30,13 +31,43 @@ def _trainloom(*args: str, env: dict | None = None, opt: tuple = (), timeout: fl
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("name", ["all", "cache", "comm", "neighbor", "optim", "sampler"])
-def test_bench_help_under_OO(name: str) -> None:
+BENCHES = ["all", "cache", "comm", "neighbor", "optim", "sampler"]
+
+# Each ``trainloom bench NAME --help`` in one ``python -OO`` process (one torch import, not six: the
+# six processes took 17 s); the module entry point itself under -OO is test_cli's business.
+_HELP_UNDER_OO = """
+import contextlib, io, json, sys
+from trainloom.cli import main
+out = {}
+for name in sys.argv[1:]:
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            code = main(["bench", name, "--help"])
+        except SystemExit as exc:
+            code = exc.code
+    out[name] = [code, stdout.getvalue(), stderr.getvalue()]
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def help_under_OO() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRAINLOOM_TOOLS_DIR"}
+    cmd = [sys.executable, "-OO", "-c", _HELP_UNDER_OO, *BENCHES]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr == ""
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", BENCHES)
+def test_bench_help_under_OO(name: str, help_under_OO: dict) -> None:
     """-OO strips docstrings; the benchmarks' --help used their first line."""
-    out = _trainloom("bench", name, "--help", opt=("-OO",))
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.startswith(f"usage: trainloom bench {name} [-h]"), out.stdout[:500]
-    assert out.stderr == ""
+    code, stdout, stderr = help_under_OO[name]
+    assert code == 0, stderr[-3000:]
+    assert stdout.startswith(f"usage: trainloom bench {name} [-h]"), stdout[:500]
+    assert stderr == ""
 
 
 def _tools(tmp_path: Path, benches: dict) -> Path:
