@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar, cast
 
 from trainloom.data.codec import hash64
-from trainloom.data.stores.base import Key, Store, Value, check_mapping, key_bytes, mget_decode_missing
+from trainloom.data.stores.base import (
+    Key,
+    Store,
+    StoreFullError,
+    StoreValueRefusedError,
+    Value,
+    check_mapping,
+    key_bytes,
+    mget_decode_missing,
+)
+from trainloom.errors import ConfigError, StoreError
 
 __all__ = ["ClusterStore", "shard_of"]
 
@@ -92,8 +102,64 @@ class ClusterStore(Store):
         groups: Dict[int, Dict[Key, Value]] = {}
         for k, v in dictionary.items():
             groups.setdefault(self._shard(k), {})[k] = v
+        written: List[bytes] = []  # the keys of shards that took their whole part
+        failed: List[Tuple[int, Dict[Key, Value], Exception]] = []
         for shard, part in groups.items():
-            self.stores[shard].mset(part)
+            try:
+                self.stores[shard].mset(part)
+            except (StoreError, ConfigError) as exc:  # the other shards are still written
+                failed.append((shard, part, exc))
+            else:
+                written.extend(key_bytes(k) for k in part)
+        if failed:
+            raise self._batch_error(dictionary, written, failed)
+
+    def _batch_error(
+        self,
+        batch: Mapping[Key, Value],
+        written: List[bytes],
+        failed: List[Tuple[int, Dict[Key, Value], Exception]],
+    ) -> Exception:
+        """The error of a batch some shards failed to write, saying what the whole batch became: a
+        caller (the cache) takes a StoreFullError's ``written`` and a StoreValueRefusedError's
+        ``keys``/``others_written`` as facts about every key it passed, not only the failing shard's.
+
+        - every failing shard refused values it names and wrote the rest: one StoreValueRefusedError
+          naming them all, ``others_written=True``;
+        - else every failing shard is full (LMDB at ``max_map_size``) or refused named values: one
+          StoreFullError whose ``written`` holds the other shards' keys, what each full shard says it
+          wrote (nothing when it does not say) and the refusing shards' other keys;
+        - else (a shard unreachable, out of memory, or a failure that says nothing of what was
+          written) the first such error, as the shard raised it: the caller must assume none of
+          the batch was written."""
+        for _, _, e in failed:
+            known = isinstance(e, StoreValueRefusedError) and e.keys is not None and e.others_written
+            if not (known or isinstance(e, StoreFullError)):
+                return e
+        stored = list(written)
+        refused: List[bytes] = []
+        for _, part, e in failed:
+            if isinstance(e, StoreFullError):
+                stored.extend(e.written or ())
+            else:
+                gone = set(cast(StoreValueRefusedError, e).keys or ())
+                refused.extend(gone)
+                stored.extend(k for k in map(key_bytes, part) if k not in gone)
+        shard, _, first = next((f for f in failed if isinstance(f[2], StoreFullError)), failed[0])
+        e0 = cast(StoreError, first)
+        message = (
+            f"{e0.message} (ClusterStore shard {shard} of {len(self.stores)}; {len(stored)} of the batch's "
+            f"{len(batch)} value(s) written)"
+        )
+        err: StoreError
+        if isinstance(e0, StoreFullError):
+            done = set(stored)
+            rest = [k for k in map(key_bytes, batch) if k not in done]
+            err = StoreFullError(message, e0.backend, e0.key, written=stored, not_written=rest)
+        else:
+            err = StoreValueRefusedError(message, e0.backend, e0.key, keys=refused, others_written=True)
+        err.__cause__ = first
+        return err
 
     def num_keys(self) -> int:
         return sum(s.num_keys() for s in self.stores)
