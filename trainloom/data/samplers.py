@@ -107,6 +107,15 @@ def _seed64(*parts: object) -> int:
     return struct.unpack("<Q", h.digest())[0]
 
 
+def _is_bool(value: Any) -> bool:
+    """Whether ``value`` is a bool: Python's, numpy's, or a bool tensor or array."""
+    if isinstance(value, (bool, np.bool_)):
+        return True
+    if isinstance(value, torch.Tensor):
+        return value.dtype == torch.bool
+    return isinstance(value, np.ndarray) and value.dtype == np.bool_
+
+
 def _index(value: Any) -> Optional[int]:
     """``value`` as an int (int, numpy integer, 0-d integer tensor or array), or None for anything
     else: bool (also a bool tensor or array), float, str, None."""
@@ -136,6 +145,18 @@ def _scalar(value: Any) -> Any:
     if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "biuf":
         return value.item()
     return value
+
+
+def _real_as_float(value: Any, what: str, need: str) -> float:
+    """``float(value)`` of a number is_real accepted. One beyond float64's range (a Python int such as
+    10**400, which float() refuses with OverflowError) is a ConfigError, as the argument's other
+    bad values are: ``{what} must be {need}``; the message leaves its digits out."""
+    try:
+        return float(value)
+    except OverflowError:
+        raise ConfigError(
+            f"{what} must be {need}, got {type(value).__name__} too large for a float64"
+        ) from None
 
 
 def _launcher_world_size() -> Optional[int]:
@@ -201,14 +222,20 @@ def _as_complexities(values: Any, n_expected: Optional[int], who: str) -> Tuple[
             f"iterator {type(values).__name__}; pass list(...) of it"
         )
     if isinstance(values, (list, tuple)):
-        # numpy reads [1, True] as the ints [1, 1]: refuse a bool among numbers, as an all-bool
-        # list (dtype bool) and a bool from complexity_fn are refused (one C-level pass over types).
+        # numpy reads [1, True] as the ints [1, 1] (and [torch.tensor(True), 3] as [1., 3.]): refuse
+        # a bool among numbers, as an all-bool list (dtype bool) and a bool from complexity_fn are
+        # refused (one C-level pass over types; the values are looked at only when a bool, a
+        # tensor or an array is among them).
         kinds = set(map(type, values))
-        if (bool in kinds or np.bool_ in kinds) and not kinds <= {bool, np.bool_}:
-            i = next(i for i, v in enumerate(values) if isinstance(v, (bool, np.bool_)))
-            raise ConfigError(
-                f"{who}: complexities[{i}] is {type(values[i]).__name__}; complexities must be real numbers"
-            )
+        maybe_bool = (bool, np.bool_, torch.Tensor, np.ndarray)
+        if not kinds <= {bool, np.bool_} and any(issubclass(k, maybe_bool) for k in kinds):
+            i = next((i for i, v in enumerate(values) if _is_bool(v)), -1)
+            if i >= 0:
+                v = values[i]
+                kind = type(v).__name__
+                if isinstance(v, (torch.Tensor, np.ndarray)):
+                    kind += f" of dtype {v.dtype}"
+                raise ConfigError(f"{who}: complexities[{i}] is {kind}; complexities must be real numbers")
     try:
         arr = np.asarray(values)
     except (TypeError, ValueError) as exc:
@@ -462,7 +489,7 @@ class LoadBalancingDistributedSampler(_ResumeMixin, Sampler[int]):
         if c.shape[0] == 0:
             raise ConfigError(f"{who}: the dataset is empty (0 samples); there is nothing to sample")
         level = _scalar(random_level)  # a 0-d tensor or array counts as its number
-        if not is_real(level) or not 0 <= float(level) <= 1:
+        if not is_real(level) or not 0 <= _real_as_float(level, f"{who}: random_level", "in [0, 1]") <= 1:
             raise ConfigError(f"{who}: random_level must be in [0, 1], got {random_level!r}")
         n = int(c.shape[0])
         if drop_last and n < self.num_replicas:
@@ -797,7 +824,7 @@ def _as_cost(cost: Any, who: str) -> Tuple[float, float]:
             pair = None
     if pair is None or len(pair) != 2 or not all(is_real(x) for x in pair):
         raise ConfigError(f"{who}: cost must be a pair (a, b) of numbers, got {cost!r}")
-    a, b = float(pair[0]), float(pair[1])
+    a, b = (_real_as_float(x, f"{who}: cost[{i}]", "finite and >= 0") for i, x in enumerate(pair))
     if not (math.isfinite(a) and math.isfinite(b)) or a < 0 or b < 0 or a == b == 0:
         raise ConfigError(f"{who}: cost=(a, b) needs finite a >= 0 and b >= 0, not both 0; got {cost!r}")
     return a, b
@@ -934,7 +961,8 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
                 raise ConfigError(
                     f"{who}: max_complexity must be a number, got {type(max_complexity).__name__}"
                 )
-            if not (math.isfinite(max_complexity) and max_complexity > 0):
+            budget = _real_as_float(max_complexity, f"{who}: max_complexity", "finite and > 0")
+            if not (math.isfinite(budget) and max_complexity > 0):
                 raise ConfigError(f"{who}: max_complexity must be finite and > 0, got {max_complexity!r}")
             run_keys, run_ends = sampler._desc_runs()
             if run_keys[-1] < 0:  # the runs are largest first: the negative ones are last
@@ -1289,22 +1317,21 @@ class LoadBalancingDistributedBatchSampler(_ResumeMixin, Sampler[List[int]]):
             per_rank.append(batches)
         counts = [len(b) for b in per_rank]
         steps = min(counts) if self.drop_last else max(counts)
-        # The wrapped sampler's own padding (samples its ranks' streams repeat) and drop_last
-        # (samples none of them holds), then this sampler's repeated and cut batches.
-        duplicates = max(0, s.total_size - n)
-        dropped = max(0, n - s.total_size)
         slots: List[np.ndarray] = []
         for i in range(steps):
             for r in range(w):
                 bl = per_rank[r]
                 slots.append(bl[i % len(bl)])
-                if i >= len(bl):
-                    duplicates += bl[i % len(bl)].shape[0]
-        for r in range(w):
-            dropped += sum(int(x.shape[0]) for x in per_rank[r][steps:])
         sizes = np.array([x.shape[0] for x in slots], dtype=np.int64)
         bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         items = np.concatenate(slots).astype(np.int64)
+        # Counted from the plan, as the budget modes count them: the extra appearances of the
+        # samples that appear more than once, and the samples that do not appear. Both take in the
+        # wrapped sampler's padding and drop_last and this sampler's repeated and cut batches, and
+        # a padding copy in a cut batch is neither (counting those separately counted it as both).
+        present = int(np.count_nonzero(np.bincount(items, minlength=n)))
+        duplicates = int(items.shape[0]) - present
+        dropped = n - present
         return _Plan(
             items,
             bounds,
