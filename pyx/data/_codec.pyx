@@ -3,7 +3,8 @@
 #
 # Layout of an encoded value (all integers little-endian; x86-64 and aarch64 are both little-endian):
 #
-#   [0:4)   magic b"TLC\x01"
+#   [0:4)   magic b"TLC\x02" (b"TLC\x01": written before the checksum's key depended on the stripe's
+#           place; still read, verified with that checksum: see _checksum)
 #   [4:8)   meta_len   u32   length of the meta section (the object tree, small)
 #   [8:16)  data_len   u64   length of the data section (raw array bytes)
 #   [16:24) checksum   u64   _checksum over meta + padding, chained (as seed) into _checksum over data
@@ -68,7 +69,8 @@ cdef enum:
     # First tensor dtype code stored as the integer of its width (see _RAW_VIEW_DTYPES).
     FIRST_RAW_VIEW = 15
 
-cdef bytes MAGIC = b"TLC\x01"
+cdef bytes MAGIC = b"TLC\x02"
+cdef bytes MAGIC_V1 = b"TLC\x01"  # values checksummed with one key for every stripe (_checksum)
 
 _logger = logging.getLogger("trainloom.data.codec")
 
@@ -297,10 +299,22 @@ cdef uint64_t _xxh64(const uint8_t* p, size_t n, uint64_t seed, uint8_t* dst) no
 # It uses only 32x32->64 multiplies, which gcc vectorises with plain SSE2 (pmuludq): ~3x the speed
 # of XXH64 here, so the checksum does not dominate decoding a 150 KB image (memcpy does). Not
 # byte-compatible with XXH3 (own key, own finish); it only has to be stable and catch damage.
+#
+# As in XXH3, the k-th stripe of each 1 KiB block is mixed with its own key, the 8 words of _KEY
+# from word k on (k = 0..15), and the scramble uses words 16..23. Values of format 1 (magic
+# b"TLC\x01") used _KEY[0:8] for every stripe and for the scramble: within a block the lanes were a
+# plain sum, so swapped 64-byte stripes (two 512-byte sectors written in each other's place, two
+# blocks of a tensor exchanged) checksummed alike and decoded as if undamaged. They are still read.
 # ---------------------------------------------------------------------------------------------------
-cdef uint64_t[8] _KEY = [0xbe4ba423396cfeb8ULL, 0x1cad21f72c81017cULL, 0xdb979083e96dd4deULL,
-                         0x1f67b3b7a4a44072ULL, 0x78e5c0cc4ee679cbULL, 0x2172ffcc7dd05a82ULL,
-                         0x8e2443f7744608b8ULL, 0x4c263a81e69035e0ULL]
+cdef uint64_t[24] _KEY = [0xbe4ba423396cfeb8ULL, 0x1cad21f72c81017cULL, 0xdb979083e96dd4deULL,
+                          0x1f67b3b7a4a44072ULL, 0x78e5c0cc4ee679cbULL, 0x2172ffcc7dd05a82ULL,
+                          0x8e2443f7744608b8ULL, 0x4c263a81e69035e0ULL,
+                          0x2ef49c87b881f88fULL, 0x6a4ae6d5f29c53caULL, 0xd28d9fdd00f387bcULL,
+                          0x612104963b1dc246ULL, 0x3d780b712e639be5ULL, 0xf88fbd91b91036ffULL,
+                          0x2be874635288877bULL, 0x4927c0ff37cae95cULL, 0x5e91642df527ccadULL,
+                          0xf709afae04b98a6eULL, 0x28cc4e20f52deaebULL, 0xf83115f6282edefcULL,
+                          0xd09953c199fa1a86ULL, 0x4f8284d6c40ed028ULL, 0xc90c77041af335d9ULL,
+                          0xbf93b60d1ecf151dULL]
 
 cdef inline uint64_t _avalanche(uint64_t h) noexcept nogil:
     h = h ^ (h >> 33)
@@ -350,14 +364,15 @@ cdef extern from *:
     static inline void tl_scramble(uint64_t* acc, const uint64_t* key) {
         for (int i = 0; i < 8; i++) acc[i] = (acc[i] ^ (acc[i] >> 47) ^ key[i]) * 0x9E3779B1ULL;
     }
-    /* n stripes of 64 bytes; a scramble after every 16th stripe (counted from the value start). */
+    /* n stripes of 64 bytes; a scramble after every 16th stripe (counted from the value start). The
+       k-th stripe of a block (k = 0..15) is mixed with key + step * k; the scramble uses skey. */
     static void tl_stripes_generic(uint64_t* acc, const uint8_t* p, uint8_t* dst, const uint64_t* key,
-                                   size_t n) {
+                                   size_t step, const uint64_t* skey, size_t n) {
         for (size_t s = 1; s <= n; s++) {
-            tl_accumulate(acc, p, dst, key);
+            tl_accumulate(acc, p, dst, key + step * ((s - 1) & 15));
             p += 64;
             if (dst) dst += 64;
-            if ((s & 15) == 0) tl_scramble(acc, key);
+            if ((s & 15) == 0) tl_scramble(acc, skey);
         }
     }
     #if defined(__x86_64__) && defined(__GNUC__)
@@ -365,44 +380,65 @@ cdef extern from *:
     /* The same arithmetic on 256-bit registers (2 x 4 lanes instead of 4 x 2): identical results to the
        SSE2/scalar form, twice the multiply throughput. Compiled for AVX2 only in this function and
        chosen at run time, so the extension still runs on any x86-64 CPU. */
-    __attribute__((target("avx2")))
-    static void tl_stripes_avx2(uint64_t* acc, const uint8_t* p, uint8_t* dst, const uint64_t* key,
-                                size_t n) {
+    __attribute__((target("avx2"), always_inline))
+    static inline void tl_avx2_stripe(__m256i* a0, __m256i* a1, const uint8_t* p, uint8_t* dst,
+                                      const uint64_t* k) {
+        const __m256i k0 = _mm256_loadu_si256((const __m256i*)k);
+        const __m256i k1 = _mm256_loadu_si256((const __m256i*)(k + 4));
+        __builtin_prefetch(p + 512);
+        __builtin_prefetch(p + 512 + 64);
+        __m256i d0 = _mm256_loadu_si256((const __m256i*)p);
+        __m256i d1 = _mm256_loadu_si256((const __m256i*)(p + 32));
+        if (dst) {
+            _mm256_storeu_si256((__m256i*)dst, d0);
+            _mm256_storeu_si256((__m256i*)(dst + 32), d1);
+        }
+        __m256i dk0 = _mm256_xor_si256(d0, k0), dk1 = _mm256_xor_si256(d1, k1);
+        __m256i p0 = _mm256_mul_epu32(dk0, _mm256_shuffle_epi32(dk0, _MM_SHUFFLE(0, 3, 0, 1)));
+        __m256i p1 = _mm256_mul_epu32(dk1, _mm256_shuffle_epi32(dk1, _MM_SHUFFLE(0, 3, 0, 1)));
+        *a0 = _mm256_add_epi64(*a0, _mm256_add_epi64(p0, _mm256_shuffle_epi32(d0, _MM_SHUFFLE(1, 0, 3, 2))));
+        *a1 = _mm256_add_epi64(*a1, _mm256_add_epi64(p1, _mm256_shuffle_epi32(d1, _MM_SHUFFLE(1, 0, 3, 2))));
+    }
+    /* Whole 1 KiB blocks (16 stripes, each with key + step * its place, then a scramble), then the
+       remaining stripes. Inlined with a constant step, so the keys are fixed offsets. */
+    __attribute__((target("avx2"), always_inline))
+    static inline void tl_avx2_run(uint64_t* acc, const uint8_t* p, uint8_t* dst, const uint64_t* key,
+                                   const size_t step, const uint64_t* skey, size_t n) {
         __m256i a0 = _mm256_loadu_si256((const __m256i*)acc);
         __m256i a1 = _mm256_loadu_si256((const __m256i*)(acc + 4));
-        const __m256i k0 = _mm256_loadu_si256((const __m256i*)key);
-        const __m256i k1 = _mm256_loadu_si256((const __m256i*)(key + 4));
+        const __m256i s0 = _mm256_loadu_si256((const __m256i*)skey);
+        const __m256i s1 = _mm256_loadu_si256((const __m256i*)(skey + 4));
         const __m256i prime = _mm256_set1_epi32((int)0x9E3779B1U);
-        for (size_t s = 1; s <= n; s++) {
-            __builtin_prefetch(p + 512);
-            __builtin_prefetch(p + 512 + 64);
-            __m256i d0 = _mm256_loadu_si256((const __m256i*)p);
-            __m256i d1 = _mm256_loadu_si256((const __m256i*)(p + 32));
-            if (dst) {
-                _mm256_storeu_si256((__m256i*)dst, d0);
-                _mm256_storeu_si256((__m256i*)(dst + 32), d1);
-                dst += 64;
-            }
-            __m256i dk0 = _mm256_xor_si256(d0, k0), dk1 = _mm256_xor_si256(d1, k1);
-            __m256i p0 = _mm256_mul_epu32(dk0, _mm256_shuffle_epi32(dk0, _MM_SHUFFLE(0, 3, 0, 1)));
-            __m256i p1 = _mm256_mul_epu32(dk1, _mm256_shuffle_epi32(dk1, _MM_SHUFFLE(0, 3, 0, 1)));
-            a0 = _mm256_add_epi64(a0, _mm256_add_epi64(p0, _mm256_shuffle_epi32(d0, _MM_SHUFFLE(1, 0, 3, 2))));
-            a1 = _mm256_add_epi64(a1, _mm256_add_epi64(p1, _mm256_shuffle_epi32(d1, _MM_SHUFFLE(1, 0, 3, 2))));
-            p += 64;
-            if ((s & 15) == 0) {
-                __m256i x0 = _mm256_xor_si256(_mm256_xor_si256(a0, _mm256_srli_epi64(a0, 47)), k0);
-                __m256i x1 = _mm256_xor_si256(_mm256_xor_si256(a1, _mm256_srli_epi64(a1, 47)), k1);
-                a0 = _mm256_add_epi64(_mm256_mul_epu32(x0, prime),
-                                      _mm256_slli_epi64(_mm256_mul_epu32(_mm256_srli_epi64(x0, 32), prime), 32));
-                a1 = _mm256_add_epi64(_mm256_mul_epu32(x1, prime),
-                                      _mm256_slli_epi64(_mm256_mul_epu32(_mm256_srli_epi64(x1, 32), prime), 32));
-            }
+        for (; n >= 16; n -= 16) {
+            #pragma GCC unroll 4
+            for (size_t j = 0; j < 16; j++)
+                tl_avx2_stripe(&a0, &a1, p + 64 * j, dst ? dst + 64 * j : NULL, key + step * j);
+            p += 1024;
+            if (dst) dst += 1024;
+            __m256i x0 = _mm256_xor_si256(_mm256_xor_si256(a0, _mm256_srli_epi64(a0, 47)), s0);
+            __m256i x1 = _mm256_xor_si256(_mm256_xor_si256(a1, _mm256_srli_epi64(a1, 47)), s1);
+            a0 = _mm256_add_epi64(_mm256_mul_epu32(x0, prime),
+                                  _mm256_slli_epi64(_mm256_mul_epu32(_mm256_srli_epi64(x0, 32), prime), 32));
+            a1 = _mm256_add_epi64(_mm256_mul_epu32(x1, prime),
+                                  _mm256_slli_epi64(_mm256_mul_epu32(_mm256_srli_epi64(x1, 32), prime), 32));
         }
+        for (size_t j = 0; j < n; j++)
+            tl_avx2_stripe(&a0, &a1, p + 64 * j, dst ? dst + 64 * j : NULL, key + step * j);
         _mm256_storeu_si256((__m256i*)acc, a0);
         _mm256_storeu_si256((__m256i*)(acc + 4), a1);
     }
+    __attribute__((target("avx2")))
+    static void tl_stripes_avx2(uint64_t* acc, const uint8_t* p, uint8_t* dst, const uint64_t* key,
+                                size_t step, const uint64_t* skey, size_t n) {
+        /* four copies, each with its constants folded: the format's key step, and whether to copy */
+        if (step && dst) tl_avx2_run(acc, p, dst, key, 1, skey, n);
+        else if (step) tl_avx2_run(acc, p, NULL, key, 1, skey, n);
+        else if (dst) tl_avx2_run(acc, p, dst, key, 0, skey, n);
+        else tl_avx2_run(acc, p, NULL, key, 0, skey, n);
+    }
     #endif
-    typedef void (*tl_stripes_fn)(uint64_t*, const uint8_t*, uint8_t*, const uint64_t*, size_t);
+    typedef void (*tl_stripes_fn)(uint64_t*, const uint8_t*, uint8_t*, const uint64_t*, size_t,
+                                  const uint64_t*, size_t);
     static tl_stripes_fn tl_stripes_impl = tl_stripes_generic;
     static const char* tl_stripes_name = "sse2";
     /* Called once at import (GIL held). TRAINLOOM_CODEC_NO_AVX2 forces the portable path (tests). */
@@ -418,13 +454,14 @@ cdef extern from *:
     #endif
     }
     static inline void tl_stripes(uint64_t* acc, const uint8_t* p, uint8_t* dst, const uint64_t* key,
-                                  size_t n) {
-        tl_stripes_impl(acc, p, dst, key, n);
+                                  size_t step, const uint64_t* skey, size_t n) {
+        tl_stripes_impl(acc, p, dst, key, step, skey, n);
     }
     """
     void tl_accumulate(uint64_t* acc, const uint8_t* p, uint8_t* dst, const uint64_t* key) noexcept nogil
     void tl_scramble(uint64_t* acc, const uint64_t* key) noexcept nogil
-    void tl_stripes(uint64_t* acc, const uint8_t* p, uint8_t* dst, const uint64_t* key, size_t n) noexcept nogil
+    void tl_stripes(uint64_t* acc, const uint8_t* p, uint8_t* dst, const uint64_t* key, size_t step,
+                    const uint64_t* skey, size_t n) noexcept nogil
     void tl_select_stripes(int allow_avx2) noexcept
     const char* tl_stripes_name
 
@@ -444,9 +481,10 @@ def _select_kernel(bint allow_avx2):
     return checksum_kernel()
 
 
-cdef uint64_t _checksum(const uint8_t* p, size_t n, uint64_t seed, uint8_t* dst) noexcept nogil:
-    """Checksum of p[0:n]; when dst is not NULL also copies p to dst in the same pass (the source is
-    read from memory once for both: decoding is bound by memory bandwidth)."""
+cdef uint64_t _checksum(const uint8_t* p, size_t n, uint64_t seed, uint8_t* dst, int version) noexcept nogil:
+    """Checksum of p[0:n] in format ``version`` (2, or 1 for values with magic b"TLC\x01"); when dst is
+    not NULL also copies p to dst in the same pass (the source is read from memory once for both:
+    decoding is bound by memory bandwidth)."""
     cdef uint64_t acc[8]
     cdef uint64_t h
     cdef size_t i, stripe = 0
@@ -458,7 +496,10 @@ cdef uint64_t _checksum(const uint8_t* p, size_t n, uint64_t seed, uint8_t* dst)
         acc[i] = _KEY[i] ^ (seed * P1 + i)
     # Every 16 stripes (1 KiB) the lanes are scrambled, so they cannot cancel over long inputs.
     stripe = n // 64
-    tl_stripes(acc, p, dst, _KEY, stripe)
+    if version == 1:
+        tl_stripes(acc, p, dst, _KEY, 0, _KEY, stripe)
+    else:
+        tl_stripes(acc, p, dst, _KEY, 1, _KEY + 16, stripe)
     p += stripe * 64
     if dst != NULL:
         dst += stripe * 64
@@ -469,13 +510,16 @@ cdef uint64_t _checksum(const uint8_t* p, size_t n, uint64_t seed, uint8_t* dst)
     return _avalanche(_xxh64(p, <size_t>(end - p), h, dst) ^ h)
 
 
-def checksum(data, uint64_t seed=0):
-    """The codec's value checksum of a bytes-like object (for tests and tools)."""
+def checksum(data, uint64_t seed=0, int version=2):
+    """The codec's value checksum of a bytes-like object (for tests and tools); ``version=1``: the
+    checksum of values with magic b"TLC\x01"."""
     cdef Py_buffer view
     cdef uint64_t h
+    if version != 1 and version != 2:
+        raise ValueError(f"checksum: version must be 1 or 2, got {version}")
     PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
     try:
-        h = _checksum(<const uint8_t*>view.buf, <size_t>view.len, seed, NULL)
+        h = _checksum(<const uint8_t*>view.buf, <size_t>view.len, seed, NULL, version)
     finally:
         PyBuffer_Release(&view)
     return h
@@ -869,12 +913,12 @@ cdef class _Encoder:
             # The owners in self.keep pin every source pointer; nothing here touches Python objects.
             with nogil:
                 self._fill(o, data_start)
-                h = _checksum(o + HEADER, <size_t>(data_start - HEADER), self.data_len, NULL)
-                h = _checksum(o + data_start, <size_t>self.data_len, h, NULL)
+                h = _checksum(o + HEADER, <size_t>(data_start - HEADER), self.data_len, NULL, 2)
+                h = _checksum(o + data_start, <size_t>self.data_len, h, NULL, 2)
         else:
             self._fill(o, data_start)
-            h = _checksum(o + HEADER, <size_t>(data_start - HEADER), self.data_len, NULL)
-            h = _checksum(o + data_start, <size_t>self.data_len, h, NULL)
+            h = _checksum(o + HEADER, <size_t>(data_start - HEADER), self.data_len, NULL, 2)
+            h = _checksum(o + data_start, <size_t>self.data_len, h, NULL, 2)
         memcpy(o + 16, &h, 8)
         return out
 
@@ -1498,8 +1542,14 @@ def decode(buf, bint copy=True):
 
 cdef int _parse_header(const uint8_t* p, uint64_t total, uint32_t* meta_len, uint64_t* data_len,
                        uint64_t* stored, uint64_t* data_start) except -1:
-    """Read and check the 32-byte header of an encoded value of `total` bytes at p."""
-    if total < HEADER or memcmp4(p, <const char*>MAGIC) != 0:
+    """Read and check the 32-byte header of an encoded value of `total` bytes at p; returns the
+    value's format (its checksum's version: 2, or 1 for values written before format 2)."""
+    cdef int version
+    if total >= HEADER and memcmp4(p, <const char*>MAGIC) == 0:
+        version = 2
+    elif total >= HEADER and memcmp4(p, <const char*>MAGIC_V1) == 0:
+        version = 1
+    else:
         raise CodecError("not a trainloom-encoded value (bad magic or shorter than the 32-byte header)")
     memcpy(meta_len, p + 4, 4)
     memcpy(data_len, p + 8, 8)
@@ -1508,7 +1558,7 @@ cdef int _parse_header(const uint8_t* p, uint64_t total, uint32_t* meta_len, uin
     if data_start[0] > total or total - data_start[0] != data_len[0]:
         raise ChecksumError(
             f"damaged value: header says {meta_len[0]}+{data_len[0]} bytes, buffer holds {total}")
-    return 0
+    return version
 
 
 cdef object _decode(object buf, bint copy):
@@ -1540,12 +1590,13 @@ cdef object _decode_view(object buf, const uint8_t* p, uint64_t total, bint copy
     """_decode's work on the `total` bytes at p, which `buf` exports (the caller holds the view)."""
     cdef uint32_t meta_len
     cdef uint64_t data_len, stored, data_start
-    _parse_header(p, total, &meta_len, &data_len, &stored, &data_start)
-    return _decode_parsed(buf, p, meta_len, data_len, stored, data_start, copy, _Decoder.__new__(_Decoder))
+    cdef int version = _parse_header(p, total, &meta_len, &data_len, &stored, &data_start)
+    return _decode_parsed(buf, p, meta_len, data_len, stored, data_start, copy, _Decoder.__new__(_Decoder),
+                          version)
 
 
 cdef object _decode_parsed(object buf, const uint8_t* p, uint32_t meta_len, uint64_t data_len,
-                           uint64_t stored, uint64_t data_start, bint copy, _Decoder dec):
+                           uint64_t stored, uint64_t data_start, bint copy, _Decoder dec, int version):
     """_decode_view after _parse_header (a batch parses every header first). ``dec`` is a decoder
     whose fields are all set here (a batch reuses one for its small values)."""
     cdef uint64_t h
@@ -1565,11 +1616,11 @@ cdef object _decode_parsed(object buf, const uint8_t* p, uint32_t meta_len, uint
     if data_len >= NOGIL_MIN:
         # The caller's view pins the source and dec.arena owns dst: no Python object is touched here.
         with nogil:
-            h = _checksum(p + HEADER, <size_t>(data_start - HEADER), data_len, NULL)
-            h = _checksum(p + data_start, <size_t>data_len, h, dst)
+            h = _checksum(p + HEADER, <size_t>(data_start - HEADER), data_len, NULL, version)
+            h = _checksum(p + data_start, <size_t>data_len, h, dst, version)
     else:
-        h = _checksum(p + HEADER, <size_t>(data_start - HEADER), data_len, NULL)
-        h = _checksum(p + data_start, <size_t>data_len, h, dst)
+        h = _checksum(p + HEADER, <size_t>(data_start - HEADER), data_len, NULL, version)
+        h = _checksum(p + data_start, <size_t>data_len, h, dst, version)
     if h != stored:
         raise ChecksumError(f"damaged value: checksum {h:#018x} != stored {stored:#018x}")
     c.p = p + HEADER
@@ -1590,7 +1641,8 @@ def is_encoded(buf):
     cdef Py_buffer view
     PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
     try:
-        return view.len >= HEADER and memcmp4(<const uint8_t*>view.buf, <const char*>MAGIC) == 0
+        return view.len >= HEADER and (memcmp4(<const uint8_t*>view.buf, <const char*>MAGIC) == 0
+                                       or memcmp4(<const uint8_t*>view.buf, <const char*>MAGIC_V1) == 0)
     finally:
         PyBuffer_Release(&view)
 
@@ -1671,6 +1723,7 @@ cdef struct _Job:
     size_t n
     uint64_t seed           # checksum of the meta section, chained into the data's
     uint64_t h              # result
+    int version             # the value's format (_checksum)
 
 cdef struct _Queue:
     _Job* jobs
@@ -1680,7 +1733,7 @@ cdef struct _Queue:
     int aborted             # stop claiming (an exception in the main thread)
 
 cdef inline void _run_job(_Job* j) noexcept nogil:
-    j.h = _checksum(j.src, j.n, j.seed, j.dst)
+    j.h = _checksum(j.src, j.n, j.seed, j.dst, j.version)
 
 cdef void* _worker(void* arg) noexcept nogil:
     cdef _Queue* q = <_Queue*>arg
@@ -1762,6 +1815,7 @@ cdef tuple _decode_batch(object get, list items, object missing):
     cdef const uint8_t* p
     cdef uint32_t meta_len
     cdef uint64_t data_len, stored, data_start, total, large_bytes = 0
+    cdef int version
     cdef _Decoder dec
     cdef _Decoder sdec = _Decoder.__new__(_Decoder)   # reused for every small value of the batch
     cdef Cursor c
@@ -1807,10 +1861,10 @@ cdef tuple _decode_batch(object get, list items, object missing):
             total = <uint64_t>views[i].len
             nbytes += <Py_ssize_t>total
             tl_prefetch_head(p, <size_t>total)
-            _parse_header(p, total, &meta_len, &data_len, &stored, &data_start)
+            version = _parse_header(p, total, &meta_len, &data_len, &stored, &data_start)
             if data_len < NOGIL_MIN:
                 # Small values: decoding takes less than handing them to another thread.
-                out[i] = _decode_parsed(v, p, meta_len, data_len, stored, data_start, True, sdec)
+                out[i] = _decode_parsed(v, p, meta_len, data_len, stored, data_start, True, sdec, version)
                 PyBuffer_Release(&views[i])
                 held[i] = 0
                 continue
@@ -1824,7 +1878,8 @@ cdef tuple _decode_batch(object get, list items, object missing):
             q.jobs[nj].src = p + data_start
             q.jobs[nj].dst = <uint8_t*>(<_Block>blk).ptr
             q.jobs[nj].n = <size_t>data_len
-            q.jobs[nj].seed = _checksum(p + HEADER, <size_t>(data_start - HEADER), data_len, NULL)
+            q.jobs[nj].seed = _checksum(p + HEADER, <size_t>(data_start - HEADER), data_len, NULL, version)
+            q.jobs[nj].version = version
             job_item[nj] = i
             nj += 1
             tl_publish(&q.published, <size_t>nj)

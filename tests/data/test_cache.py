@@ -867,7 +867,7 @@ def test_old_entries_that_pickled_a_float8_tensor_are_recomputed(tmp_path):
     from trainloom.data.codec import checksum
 
     meta = bytes([13]) + struct.pack("<I", 0) + struct.pack("<Q", len(payload)) + payload
-    header = b"TLC\x01" + struct.pack("<IQ", len(meta), 0)
+    header = b"TLC\x02" + struct.pack("<IQ", len(meta), 0)
     padded = meta + b"\x00" * (-(32 + len(meta)) % 64)
     value = header + struct.pack("<Q", checksum(b"", checksum(padded, 0))) + b"\x00" * 8 + padded
     loader.store.mset({loader.key(0): value})

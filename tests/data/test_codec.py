@@ -146,7 +146,7 @@ def test_truncated_and_foreign_values():
 def test_forged_header_with_valid_checksum_is_rejected():
     # A structurally bad meta section with a correct checksum must raise, not crash.
     meta = bytes([7]) + struct.pack("<Q", 10**9)  # tuple claiming 1e9 items
-    header = b"TLC\x01" + struct.pack("<IQ", len(meta), 0)
+    header = b"TLC\x02" + struct.pack("<IQ", len(meta), 0)
     padded = meta + b"\x00" * (-(32 + len(meta)) % 64)
     h = checksum(b"", checksum(padded, 0))
     body = header + struct.pack("<Q", h) + b"\x00" * 8 + padded
@@ -156,7 +156,7 @@ def test_forged_header_with_valid_checksum_is_rejected():
 
 def forge(meta: bytes, data: bytes = b"") -> bytes:
     """A value with the given meta and data sections and a correct checksum."""
-    header = b"TLC\x01" + struct.pack("<IQ", len(meta), len(data))
+    header = b"TLC\x02" + struct.pack("<IQ", len(meta), len(data))
     padded = meta + b"\x00" * (-(32 + len(meta)) % 64)
     h = checksum(data, checksum(padded, len(data)))
     return header + struct.pack("<Q", h) + b"\x00" * 8 + padded + data

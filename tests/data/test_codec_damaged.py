@@ -24,7 +24,7 @@ K_RAW = 2
 
 def forge(meta: bytes, data: bytes = b"") -> bytes:
     """A value with the given meta and data sections and a correct checksum."""
-    header = b"TLC\x01" + struct.pack("<IQ", len(meta), len(data))
+    header = b"TLC\x02" + struct.pack("<IQ", len(meta), len(data))
     padded = meta + b"\x00" * (-(32 + len(meta)) % 64)
     h = checksum(data, checksum(padded, len(data)))
     return header + struct.pack("<Q", h) + b"\x00" * 8 + padded + data

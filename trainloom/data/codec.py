@@ -116,9 +116,13 @@ def decode(buf: BytesLike, copy: bool = True) -> Any:
         raise CodecError(f"encoded value is malformed (bad UTF-8 in a string: {exc})") from exc
 
 
-def checksum(buf: BytesLike, seed: int = 0) -> int:
-    """The 64-bit checksum the codec stores (SSE2 multiply-accumulate lanes + XXH64 finish)."""
-    return _codec.checksum(buf, seed)
+def checksum(buf: BytesLike, seed: int = 0, version: int = 2) -> int:
+    """The 64-bit checksum the codec stores (SSE2/AVX2 multiply-accumulate lanes + XXH64 finish).
+
+    ``version=1``: the checksum of values of format 1 (magic ``b"TLC\\x01"``), which mixed every
+    64-byte stripe with the same key, so that stripes swapped within 1 KiB went unnoticed; such
+    values are still read, and new values are written in format 2."""
+    return _codec.checksum(buf, seed, version)
 
 
 def hash64(data: Union[str, BytesLike], seed: int = 0) -> int:
