@@ -805,11 +805,13 @@ cdef class _Encoder:
         p = _Pickler(out, self)
         try:
             p.dump(obj)
-        except CodecError:
+        except (CodecError, MemoryError):
             raise
-        except (pickle.PicklingError, TypeError, AttributeError, RecursionError, RuntimeError, ValueError,
-                KeyError) as exc:
-            # RuntimeError/NotImplementedError/KeyError: torch refusing to pickle a tensor kind.
+        except Exception as exc:
+            # Whatever an object's own pickling raises (pickle.PicklingError, TypeError, torch's
+            # RuntimeError/NotImplementedError/KeyError for a tensor kind it refuses, an OSError or
+            # IndexError from a __getstate__ reading a truncated file) is this value's failure:
+            # named, and chained to the original, never a bare exception from deep inside pickle.
             raise CodecError(
                 f"cannot serialize a value of type {type(obj).__name__}: {type(exc).__name__}: {exc}"
             ) from exc

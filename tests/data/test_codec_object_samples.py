@@ -244,6 +244,49 @@ def test_errors_next_to_a_pickled_leaf_are_those_of_per_leaf_pickling(bad, messa
     assert message in str(got.value) and str(got.value) == str(per_leaf.value)
 
 
+class _TruncatedImage:
+    """An object whose own pickling fails the way a lazily loaded image does (PIL reads the file in
+    __getstate__)."""
+
+    def __init__(self, exc: Exception) -> None:
+        self.exc = exc
+
+    def __getstate__(self):
+        raise self.exc
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [OSError("image file is truncated"), IndexError("list index out of range"), KeyError("k")],
+    ids=lambda e: type(e).__name__,
+)
+@pytest.mark.parametrize("where", ["alone", "in a dict", "next to a pickled leaf"])
+def test_any_error_of_an_objects_own_pickling_is_a_codec_error_naming_its_type(exc, where):
+    # OSError and IndexError escaped as themselves, from deep inside pickle (KeyError was caught).
+    obj = _TruncatedImage(exc)
+    sample = {
+        "alone": obj,
+        "in a dict": {"img": obj, "label": 3},
+        "next to a pickled leaf": [Tok("a", 0, 1), obj],
+    }
+    with pytest.raises(CodecError) as got:
+        encode(sample[where])
+    assert str(got.value) == f"cannot serialize a value of type _TruncatedImage: {type(exc).__name__}: {exc}"
+    assert got.value.__cause__.__cause__ is exc  # (codec.CodecError from _codec.CodecError from exc)
+
+
+def test_the_cache_names_the_key_of_a_sample_whose_pickling_raises_oserror(tmp_path):
+    loader = CacheLoader(path=tmp_path, dataset_name="e", flush_interval=None)
+    with pytest.raises(CodecError) as got:
+        loader.get(3, lambda i: {"img": _TruncatedImage(OSError("image file is truncated")), "label": i})
+    assert str(got.value) == (
+        "CacheLoader('e'): the value for key 3 cannot be serialized for the cache: cannot serialize a value "
+        "of type _TruncatedImage: OSError: image file is truncated. Return tensors, numpy arrays, numbers, "
+        "str, bytes or picklable objects."
+    )
+    loader.close()
+
+
 # -- values written before still decode ------------------------------------------------------------
 
 

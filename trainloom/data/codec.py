@@ -8,8 +8,10 @@ Anything else is pickled with protocol 5, but tensors and arrays inside such obj
 pulled out and stored raw, so tensors never go through pickle. A sample holding such objects (a list of
 dataclass tokens or boxes, a big int, a tensor subclass) is pickled as a whole, once: one pickler
 for all of them, which takes about the time and size of ``pickle.dumps`` for the objects, and an object
-the sample holds twice decodes as one object twice, as with ``pickle``; tensors and arrays are still
-stored once per occurrence and decode as separate tensors. A sample with an ``nn.Parameter`` in its
+the sample holds twice decodes as one object twice, as with ``pickle``; plain tensors and arrays of a
+dtype the codec has a code for are still stored once per occurrence and decode as separate tensors
+(those pickle handles itself, such as tensor subclasses, sparse tensors and big-endian or structured
+arrays, keep their sharing on this path, as with ``pickle``). A sample with an ``nn.Parameter`` in its
 tuples/lists/dicts has its objects pickled one by one instead, so that the Parameter still decodes as
 a plain tensor. A tensor subclass (torchvision's
 ``tv_tensors``, ``class Image(torch.Tensor)``) is stored as its plain data, raw, plus its type and
@@ -99,7 +101,9 @@ def decode(buf: BytesLike, copy: bool = True) -> Any:
             ``buf`` (a ``bytearray``) returns arrays that view ``buf`` itself, with no copy at all.
 
     Returns:
-        The sample, with tensors and arrays writable.
+        The sample, with tensors and arrays writable; except an array pickle handles itself (a dtype
+        the codec has no code for, e.g. big-endian ``>i4`` or structured) that was read-only when
+        encoded, which decodes read-only as pickle returns it (a cache hit then matches its miss).
 
     Raises:
         ChecksumError: the value is damaged.
