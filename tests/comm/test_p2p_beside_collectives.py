@@ -390,7 +390,42 @@ def _disjoint(rank: int, ws: int, engine: str) -> Dict[str, Any]:
         C.send(torch.full((2,), 5.0), 0)
         return y.tolist()
 
-    return _run(engine, [("disjoint", recv_then_allreduce_of_another_part)])
+    def recv_into_a_column_then_allreduce_of_another() -> Any:
+        # two columns of one matrix: their address ranges interleave, their elements do not meet
+        # (compared by ranges only, they waited for each other until the timeout)
+        if rank == 0:
+            m = torch.ones(3, 2)
+            w = C.recv(m[:, 0], 1, async_op=True)
+            C.allreduce_inplace(m[:, 1])
+            w.wait()
+            return m.tolist()
+        y = torch.ones(3)
+        C.allreduce_inplace(y)
+        C.send(torch.full((3,), 5.0), 0)
+        return y.tolist()
+
+    def allreduce_of_the_odd_elements_then_send_of_the_even() -> Any:
+        # the reverse, x[1::2] against x[0::2]: the send does not wait for the async allreduce
+        if rank == 0:
+            x = torch.full((6,), 7.0)
+            a = C.allreduce_inplace(x[1::2], async_op=True)
+            C.send(x[0::2], 1)
+            a.wait()
+            return x.tolist()
+        buf = torch.zeros(3)
+        C.recv(buf, 0)
+        y = torch.ones(3)
+        C.allreduce_inplace(y)
+        return buf.tolist(), y.tolist()
+
+    return _run(
+        engine,
+        [
+            ("disjoint", recv_then_allreduce_of_another_part),
+            ("columns", recv_into_a_column_then_allreduce_of_another),
+            ("interleaved", allreduce_of_the_odd_elements_then_send_of_the_even),
+        ],
+    )
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -415,6 +450,10 @@ def test_a_collective_on_another_part_of_a_tensor_being_received_does_not_wait(e
     assert "error" not in r0 and "error" not in r1, (r0, r1)
     assert r0["disjoint"] == [5.0, 5.0, 2.0, 2.0]
     assert r1["disjoint"] == [2.0, 2.0]
+    assert r0["columns"] == [[5.0, 2.0]] * 3
+    assert r1["columns"] == [2.0] * 3
+    assert r0["interleaved"] == [7.0, 8.0] * 3  # the odd elements: 7 + 1
+    assert r1["interleaved"] == ([7.0] * 3, [8.0] * 3)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -419,12 +419,14 @@ def _go(
     operations of the other kind (collectives for a send or receive, sends and receives for a
     collective) on memory it uses, and an asynchronous one is booked with that memory (see
     ``Communicator.execute``'s ``touches``): for a collective ``keep``, ``staged``'s sources and
-    ``result``; for a send or receive (``p2p``) ``touches``, the caller's tensor."""
+    ``result`` unless ``touches`` names them (a rank that does not use an argument: reduce's and
+    gather's output elsewhere than on ``dst``); for a send or receive (``p2p``) ``touches``, the
+    caller's tensor."""
     if device != "cpu":
         return comm.execute(
             opname, device, staged.wrap(fn), async_op, result, staged.finish(), keep, check=check, p2p=p2p
         )
-    if p2p is None:
+    if p2p is None and touches is None:
         touches = (*keep, *staged.sources(), result)
     return comm.execute(
         opname,
@@ -811,10 +813,23 @@ def reduce(
             sc = rc
         elif _overlaps(sc, r):
             sc = st.copy_of(sc)
+        touches = None
     else:
+        # recv_tensor is neither read nor written here (both engines): not booked, so that a send
+        # or receive of it issued meanwhile does not wait for this reduce (torch's gloo runs that)
         rc = r if r.is_contiguous() else torch.empty(r.shape, dtype=r.dtype, device=r.device)
+        touches = (sc, *st.sources())
     return _go(
-        c, name, _where(s), lambda e: e.reduce(sc, rc, d, int(o)), async_op, r, st, (sc, rc), (s, int(o), d)
+        c,
+        name,
+        _where(s),
+        lambda e: e.reduce(sc, rc, d, int(o)),
+        async_op,
+        r,
+        st,
+        (sc, rc),
+        (s, int(o), d),
+        touches=touches,
     )
 
 
@@ -1224,13 +1239,26 @@ def _gather_staged(
     """:func:`gather` of checked arguments (``r`` is used on ``d`` only), staged by ``st`` (see
     :func:`_reduce_scatter_staged`)."""
     sc = st.input(s)
+    touches = None
     if c.rank() == d and r is not None:
         if _overlaps(sc, r):
             sc = st.copy_of(sc)
         rc = st.output(r, load=False)
     else:
         rc = torch.empty(0, dtype=s.dtype, device=s.device)
-    return _go(c, name, _where(s), lambda e: e.gather(sc, rc, d), async_op, result, st, (sc, rc), (s, -1, d))
+        touches = (sc, *st.sources())  # recv_tensor (the result) is not used here: not booked
+    return _go(
+        c,
+        name,
+        _where(s),
+        lambda e: e.gather(sc, rc, d),
+        async_op,
+        result,
+        st,
+        (sc, rc),
+        (s, -1, d),
+        touches=touches,
+    )
 
 
 def gather_inplace(
