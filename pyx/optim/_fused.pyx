@@ -102,7 +102,7 @@ cdef extern from *:
             if (a->l2) gv = FMA(pv, wd, gv);                                               \\
             if (a->decoupled) pv = pv * decay;                                             \\
             T mv = m[i];                                                                   \\
-            mv = small ? FMA(w, gv - mv, mv) : FMA(wm1, gv - mv, gv);                      \\
+            mv = small ? FMA(w, gv - mv, mv) : FMA((TAIL) ? nwm1 : wm1, gv - mv, gv);      \\
             T vv = v[i];                                                                   \\
             vv = (VALT) ? FMA(vv, b2, (c2 * gv) * gv) : FMA(c2 * gv, gv, vv * b2);         \\
             m[i] = mv;                                                                     \\
@@ -114,6 +114,10 @@ cdef extern from *:
 
     #define TL_ADAM_LOCALS(T)                                                              \\
         const T w = (T)a->w, wm1 = (T)a->w - (T)1, b2 = (T)a->b2, c2 = (T)a->c2;           \\
+        /* lerp's scalar tail computes end - (end - self) * (1 - w): the same bits as the vector */ \\
+        /* loop's fmadd(w - 1, end - self, end) but for the sign of a zero when w == 1, which */  \\
+        /* FMA(-(1 - w), ...) keeps (-0 there, +0 in w - 1) */                                \\
+        const T nwm1 = -((T)1 - (T)a->w);                                                  \\
         const T bc2s = (T)a->bc2s, eps = (T)a->eps, nss = (T)a->nss, ss = -nss;            \\
         const T wd = (T)a->wd, decay = (T)a->decay;                                        \\
         const int small = a->lerp_small != 0.0;                                            \\
@@ -142,13 +146,13 @@ cdef extern from *:
     }
 
     /* Two halves of the for-loop/foreach Adam, around torch's own sqrt (see adam_moments). */
-    #define TL_MOM_SCALAR(T, FMA, MAXF)                                                    \
+    #define TL_MOM_SCALAR(T, FMA, MAXF, TAIL)                                              \
         {                                                                                  \
             T gv = g[i];                                                                   \
             if (a->maximize) gv = -gv;                                                     \
             if (a->l2) gv = FMA(p[i], wd, gv);                                             \
             T mv = m[i];                                                                   \
-            m[i] = small ? FMA(w, gv - mv, mv) : FMA(wm1, gv - mv, gv);                    \
+            m[i] = small ? FMA(w, gv - mv, mv) : FMA((TAIL) ? nwm1 : wm1, gv - mv, gv);    \
             T vv = FMA(c2 * gv, gv, v[i] * b2);                                            \
             v[i] = vv;                                                                     \
             if (a->amsgrad) { T mx = vmax[i]; vmax[i] = MAXF(mx, vv); }                    \
@@ -167,27 +171,27 @@ cdef extern from *:
         TL_ADAM_LOCALS(float)
         (void)bc2s; (void)eps; (void)nss; (void)ss; (void)decay;
         int64_t i = 0;
-        for (; i < body; i++) TL_MOM_SCALAR(float, fmaf, tl_vmax_f32)
-        for (; i < n; i++) TL_MOM_SCALAR(float, fmaf, tl_smax_f32)
+        for (; i < body; i++) TL_MOM_SCALAR(float, fmaf, tl_vmax_f32, 0)
+        for (; i < n; i++) TL_MOM_SCALAR(float, fmaf, tl_smax_f32, 1)
     }
     static void tl_mom_f64_scalar(const double *p, const double *g, double *m, double *v,
                                   double *vmax, int64_t body, int64_t n, const tl_adam_args *a) {
         TL_ADAM_LOCALS(double)
         (void)bc2s; (void)eps; (void)nss; (void)ss; (void)decay;
         int64_t i = 0;
-        for (; i < body; i++) TL_MOM_SCALAR(double, fma, tl_vmax_f64)
-        for (; i < n; i++) TL_MOM_SCALAR(double, fma, tl_smax_f64)
+        for (; i < body; i++) TL_MOM_SCALAR(double, fma, tl_vmax_f64, 0)
+        for (; i < n; i++) TL_MOM_SCALAR(double, fma, tl_smax_f64, 1)
     }
     static void tl_apply_f32_scalar(float *p, const float *m, const float *sq, int64_t n,
                                     const tl_adam_args *a) {
         TL_ADAM_LOCALS(float)
-        (void)w; (void)wm1; (void)b2; (void)c2; (void)wd; (void)small; (void)ss;
+        (void)w; (void)wm1; (void)nwm1; (void)b2; (void)c2; (void)wd; (void)small; (void)ss;
         for (int64_t i = 0; i < n; i++) TL_APPLY_SCALAR(float)
     }
     static void tl_apply_f64_scalar(double *p, const double *m, const double *sq, int64_t n,
                                     const tl_adam_args *a) {
         TL_ADAM_LOCALS(double)
-        (void)w; (void)wm1; (void)b2; (void)c2; (void)wd; (void)small; (void)ss;
+        (void)w; (void)wm1; (void)nwm1; (void)b2; (void)c2; (void)wd; (void)small; (void)ss;
         for (int64_t i = 0; i < n; i++) TL_APPLY_SCALAR(double)
     }
 
@@ -361,8 +365,9 @@ cdef extern from *:
         const V C2 = _mm256_set1_##SUF(c2), WD = _mm256_set1_##SUF(wd);                    \
         const V NEG = _mm256_set1_##SUF(-0.0);                                             \
         int64_t i = 0;                                                                     \
-        /* AMSGrad: the vector loop stops where torch.maximum's vector loop does */         \
-        const int64_t vlim = f_ams ? body : n;                                             \
+        /* AMSGrad, and beta1 == 0 (w == 1, where lerp's scalar tail gives zeros of the other */ \
+        /* sign): the vector loop stops where torch's vector loop does */                    \
+        const int64_t vlim = (f_ams || wm1 == (T)0) ? body : n;                            \
         const int64_t vend = vlim - vlim % VL;                                             \
         for (; i < vend; i += VL) {                                                        \
             V gv = _mm256_loadu_##SUF(g + i);                                              \
@@ -381,11 +386,11 @@ cdef extern from *:
                 _mm256_storeu_##SUF(vmax + i, r);                                          \
             }                                                                              \
         }                                                                                  \
-        for (; i < body; i++) TL_MOM_SCALAR(T, FMA, VMAX)                                  \
-        for (; i < n; i++) TL_MOM_SCALAR(T, FMA, SMAX)
+        for (; i < body; i++) TL_MOM_SCALAR(T, FMA, VMAX, 0)                               \
+        for (; i < n; i++) TL_MOM_SCALAR(T, FMA, SMAX, 1)
     #define TL_APPLY_AVX(T, V, SUF, VL)                                                    \
         TL_ADAM_LOCALS(T)                                                                  \
-        (void)w; (void)wm1; (void)b2; (void)c2; (void)wd; (void)small; (void)ss;           \
+        (void)w; (void)wm1; (void)nwm1; (void)b2; (void)c2; (void)wd; (void)small; (void)ss;           \
         const V BC = _mm256_set1_##SUF(bc2s), EPS = _mm256_set1_##SUF(eps);                \
         const V NSS = _mm256_set1_##SUF(nss), DEC = _mm256_set1_##SUF(decay);              \
         int64_t i = 0;                                                                     \

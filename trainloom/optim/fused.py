@@ -241,8 +241,10 @@ def flat_buffers(optimizer: torch.optim.Optimizer, kind: str = "grad") -> List[t
     otherwise still hold its last gradient, and a collective would mix that into the other ranks'
     gradients. ``fuse_step`` still skips the parameter on a rank where its ``p.grad`` is None, as
     torch does, so that rank's copy drifts from the others' (docs/optim.md says how to avoid it).
-    A gradient assigned by hand (``p.grad = t``) is copied into its slot, and ``p.grad`` becomes the
-    slot, so the collective reaches it too.
+    A gradient of its own, assigned by hand (``p.grad = t``), re-pointed (``p.grad.data = t``,
+    ``set_``) or made by ``backward(create_graph=True)``, is copied into its slot, and ``p.grad``
+    becomes the slot (without the gradient's graph), so the collective reaches it too and
+    ``fuse_step`` steps with what the collective made of it.
 
     Returns:
         1-D tensors. Alignment padding between views is always zero in ``"grad"`` buffers.
@@ -266,8 +268,8 @@ def flat_buffers(optimizer: torch.optim.Optimizer, kind: str = "grad") -> List[t
         _scan(b, optimizer.state, light=True)
         for i in np.flatnonzero(b.status == 1):  # p.grad is None: its slot holds a stale gradient
             b.grad_views[i].zero_()
-        for i in np.flatnonzero(b.status == 2):  # a gradient set by hand (p.grad = ...): into the slot
-            _to_flat(b, int(i), b.params[i])
+        for i in np.flatnonzero(b.status == 2):  # a gradient of its own (p.grad = ...): into the slot
+            _grad_into_slot(b, int(i))
     return [b.flat_grad for b in info.buckets]
 
 
@@ -310,6 +312,8 @@ class _Bucket:
         self.ptrs = [v.data_ptr() for v in self.param_views]
         self.state_flat: Dict[Any, torch.Tensor] = {}
         self.state_views: Dict[Any, List[Optional[torch.Tensor]]] = {}
+        # (view, its address in the flat state buffer) of one view per key (see state_repointed)
+        self.state_probe: Optional[List[Tuple[torch.Tensor, int]]] = None
         self.index = {id(p): i for i, p in enumerate(params)}
         self.hooks: List[Any] = []
         self.plan_cache: Dict[Any, Any] = {}
@@ -342,7 +346,47 @@ class _Bucket:
         if v is None:
             v = self._view(flat, i)
             views[i] = v
+            self.state_probe = None
         return v
+
+    def state_repointed(self) -> bool:
+        """Whether a state view's storage was replaced in place (``v.data = t``, ``v.set_(t)``: the
+        forum's "move the optimizer state" snippet does it to every state tensor). The state is
+        checked by identity per step; this looks at one view of each key only (one data_ptr() call
+        per key, ~0.1 us a step), enough for code that re-points them all."""
+        probe = self.state_probe
+        if probe is None:
+            probe = self.state_probe = []
+            for key, views in self.state_views.items():
+                flat = self.state_flat[key]
+                for i, v in enumerate(views):
+                    if v is not None:
+                        probe.append((v, flat.data_ptr() + self.offsets[i] * flat.element_size()))
+                        break
+        for v, ptr in probe:
+            if v.data_ptr() != ptr:
+                return True
+        return False
+
+    def repair_state(self, state: Any) -> None:
+        """After :meth:`state_repointed`: every state view whose storage was replaced gets a fresh
+        view of the flat buffer holding its values, in its place in ``state`` too (a tensor of another
+        shape, dtype or device stays where it is: the state is then not flat, and torch's own
+        handling takes it)."""
+        self.state_probe = None
+        with torch.no_grad():
+            for key, views in self.state_views.items():
+                flat = self.state_flat[key]
+                base, size = flat.data_ptr(), flat.element_size()
+                for i, v in enumerate(views):
+                    if v is None or v.data_ptr() == base + self.offsets[i] * size:
+                        continue
+                    fresh = views[i] = self._view(flat, i)
+                    st = state.get(self.params[i])
+                    if v.shape == fresh.shape and v.dtype == fresh.dtype and v.device == fresh.device:
+                        fresh.copy_(v)
+                        if st is not None and st.get(key) is v:
+                            st[key] = fresh
 
     def remove_hooks(self) -> None:
         for h in self.hooks:
@@ -928,6 +972,21 @@ def _to_flat(b: _Bucket, i: int, param: torch.Tensor) -> None:
     param.grad = view
 
 
+def _grad_into_slot(b: _Bucket, i: int) -> None:
+    """A gradient of its own (status 2: ``p.grad = t``, ``p.grad.data = t`` or ``set_``, a gradient
+    with a graph from ``backward(create_graph=True)``) into its slot of the flat buffer, and
+    ``p.grad`` re-pointed there (the graph is not kept: the step and a collective on the buffer
+    must see the same tensor). One of another shape, dtype or device stays (torch's own handling)."""
+    p = b.params[i]
+    g, view = cast(torch.Tensor, p.grad), b.grad_views[i]
+    if g is view:  # the view object itself was re-pointed (p.grad.data = t, set_)
+        view = b.grad_views[i] = b._view(b.flat_grad, i)
+    if g.shape == view.shape and g.dtype == view.dtype and g.device == view.device:
+        with torch.no_grad():
+            view.copy_(g)
+        p.grad = view
+
+
 def _adopt_unfrozen(info: _FusedInfo) -> None:
     """Give parameters that require grad since their hooks were installed a hook, and move the
     gradient they already have into the flat buffer."""
@@ -1194,6 +1253,9 @@ def _step_fast(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> bool:
         info.fast = None
         return False
     for b in info.buckets:
+        if b.state_views and b.state_repointed():  # the slow path repairs it
+            info.fast = None
+            return False
         # light: the state tensors are only re-checked on the slow path; step() and
         # load_state_dict() invalidate info.fast (step post-hook, state identity in _sync).
         _scan(b, state, light=True)
@@ -1270,6 +1332,8 @@ def _step_flat(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> None:
     for _ in range(2):
         moved = None
         for b in info.buckets:
+            if b.state_views and b.state_repointed():
+                b.repair_state(state)
             kern = _kernel_for(optimizer, groups[b.group_index], b)
             _scan_args(b, kern)
             _scan(b, state)
@@ -1288,16 +1352,8 @@ def _step_flat(optimizer: torch.optim.Optimizer, info: _FusedInfo) -> None:
         _scan_args(b, kern)
         status = b.status
         if (status == 2).any():
-            with torch.no_grad():
-                for i in np.flatnonzero(status == 2).tolist():
-                    p = b.params[i]
-                    # status 2: p.grad is a tensor of its own, not the bucket's view
-                    g, view = cast(torch.Tensor, p.grad), b.grad_views[i]
-                    if g is view:  # the view object itself was re-pointed (p.grad.data = t, set_)
-                        view = b.grad_views[i] = b._view(b.flat_grad, i)
-                    if g.shape == view.shape and g.dtype == view.dtype and g.device == view.device:
-                        view.copy_(g)
-                        p.grad = view
+            for i in np.flatnonzero(status == 2).tolist():
+                _grad_into_slot(b, i)
             _scan(b, state)
         stateless = isinstance(optimizer, torch.optim.SGD) and group["momentum"] == 0
         # Without a compiled kernel that reproduces torch's per-tensor rounding, stay per tensor.
@@ -1653,10 +1709,11 @@ class _AdamKernel(_Kernel):
             b.step_objs[i] = s  # scan() then checks identity; run() bumps it through its pointer
         return s.item()
 
-    def _loop_plan(self, b: _Bucket, run: _Run) -> _PlanT:
+    def _loop_plan(self, b: _Bucket, run: _Run, beta1: float) -> _PlanT:
         """The plan of the for-loop/foreach kernels: with AMSGrad, segments ending where
-        torch.maximum's vector loop ends in each tensor (the NaN it gives there differs)."""
-        return _maximum_plan(b, run) if self.amsgrad else _plan(b, run, 1)
+        torch.maximum's vector loop ends in each tensor (the NaN it gives there differs), and with
+        beta1 == 0 where lerp's does (its scalar tail gives +0.0 where its vector loop gives -0.0)."""
+        return _maximum_plan(b, run) if self.amsgrad or beta1 == 0 else _plan(b, run, 1)
 
     def run(self, opt: Any, group: Dict[str, Any], b: _Bucket, run: _Run) -> None:
         if run.step_ptrs is None:
@@ -1681,7 +1738,7 @@ class _AdamKernel(_Kernel):
         decay = (1 - lr * wd) if self.decoupled else 1.0
         if not self.fused and _vml_ready():
             # torch's for-loop and foreach paths in one cache-blocked pass, with torch's own sqrt
-            plan = self._loop_plan(b, run)
+            plan = self._loop_plan(b, run, beta1)
             _K.adam_loop_step(
                 code,
                 b.flat_param.data_ptr(),
@@ -1712,7 +1769,7 @@ class _AdamKernel(_Kernel):
             # torch's for-loop and foreach paths: the same rounding sequence, but the square root
             # comes from torch (MKL's vectorised sqrt is not correctly rounded): moments kernel,
             # torch.sqrt over the run's flat range, then the update kernel.
-            plan = self._loop_plan(b, run)
+            plan = self._loop_plan(b, run, beta1)
             n = plan[3]
             nt = _nthreads(n)
             _K.adam_moments(
@@ -2057,6 +2114,11 @@ def _kernel_for(opt: Any, group: Dict[str, Any], b: _Bucket) -> Optional[_Kernel
             return None
         if not _kernel_verified("adam", _flavour(group), b.dtype):
             return None
-        decoupled = bool(group.get("decoupled_weight_decay", False)) or isinstance(opt, torch.optim.AdamW)
+        # torch >= 2.6 reads the group's flag (an AdamW group may set it False: L2 decay, as Adam);
+        # an older torch's AdamW is a class of its own, without the flag
+        if "decoupled_weight_decay" in group:
+            decoupled = bool(group["decoupled_weight_decay"])
+        else:
+            decoupled = isinstance(opt, torch.optim.AdamW)
         return _AdamKernel(bool(group.get("fused")), decoupled, bool(group["amsgrad"]))
     return None
