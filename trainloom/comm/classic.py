@@ -219,7 +219,8 @@ class _AnySource:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.head: Dict[str, int] = defaultdict(int)  # next announcement index to read, per comm
+        # the last announcement index read, per (store namespace, communicator name)
+        self.head: Dict[str, int] = defaultdict(int)
 
     def clear(self) -> None:
         self.head.clear()
@@ -326,17 +327,20 @@ def recv(tensor: torch.Tensor, src: Optional[int] = None, group: GroupArg = None
         raise ValueError(f"{opname}: src=None (any source) in a group of one rank: there is no sender")
     store = _store()
     key = f"anysrc/{c.name}/{c.rank()}"
+    # per generation of the default group: its store namespace is new, and so are the announcement
+    # counters (the core destroy_process_group(), which bf.shutdown() uses too, does not clear head)
+    head = f"{_group._STATE.namespace}/{c.name}"
     while True:
         with _ANY.lock:
-            _ANY.head[c.name] += 1
-            idx = _ANY.head[c.name]
+            _ANY.head[head] += 1
+            idx = _ANY.head[head]
         try:
             # polled, not a blocking get: Ctrl-C must not wait for the group's timeout
             poll_keys(store, [f"{key}/{idx}"], c.timeout)
             sender, place = (int(x) for x in bytes(store.get(f"{key}/{idx}")).decode().split(":"))
         except _tdist.DistStoreError:
             with _ANY.lock:
-                _ANY.head[c.name] -= 1
+                _ANY.head[head] -= 1
             raise CommTimeoutError(
                 f"{opname}(src=None) on rank {c.global_ranks[c.rank()]}: no message was sent to this rank "
                 f"within the group's timeout ({c.timeout:g} s); messages must come from "

@@ -374,6 +374,7 @@ class Communicator:
         self._p2p_issued_lock = threading.Lock()
         self._engine_lock = threading.Lock()  # engine creation (send and recv may run at once)
         self._destroyed = False
+        self._draining = False  # destroy() is letting the queued operations finish
         self._xseq = 0
         # Set by ProcessGroup on global communicators: what hierarchical allreduce uses.
         self.intra: Optional[Communicator] = None
@@ -393,7 +394,9 @@ class Communicator:
 
     # ------------------------------------------------------------ engines
     def check_alive(self, opname: str) -> None:
-        if self._destroyed:
+        # While destroy() lets the queued operations finish, the steps they issue from the worker
+        # threads (a composite's nested allgather) still run; nothing else does.
+        if self._destroyed and not (self._draining and getattr(self._tls, "inside", False)):
             raise CommError(
                 f"{opname}: communicator {self.name} was used after destroy_process_group(); "
                 "call init_process_group()/new_group() again and use the new communicators"
@@ -629,10 +632,23 @@ class Communicator:
         else:
             lock = self._p2p_locks.get(queue) or self._p2p_locks.setdefault(queue, threading.Lock())
 
+        # An operation queued on a worker thread runs in the issuing thread's inference mode: tensors
+        # made under torch.inference_mode() (an eval metric) can only be written in it (staging
+        # copies, an AVG's division, a composite's local steps raised "Inplace update to inference
+        # tensor outside InferenceMode").
+        inference = async_op and torch.is_inference_mode_enabled()
+
         def run(deps: Sequence[concurrent.futures.Future]) -> None:
             if deps:
                 # Completion, not success: a failed earlier operation is reported by its own Work.
                 concurrent.futures.wait(deps)
+            if inference:
+                with torch.inference_mode():
+                    locked()
+            else:
+                locked()
+
+        def locked() -> None:
             with lock:
                 inside = getattr(self._tls, "inside", False)
                 self._tls.inside = True
@@ -885,11 +901,15 @@ class Communicator:
         if self._destroyed:
             return
         self._destroyed = True
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
-        for executor in self._p2p_executors.values():
-            executor.shutdown(wait=True)
+        self._draining = True
+        try:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+            for executor in self._p2p_executors.values():
+                executor.shutdown(wait=True)
+        finally:
+            self._draining = False
         self._p2p_executors = {}
         self._p2p_last = {}
         self._fence = None
