@@ -21,12 +21,13 @@ import os
 import queue
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from trainloom.comm.env import STORE_GONE_HINT
+from trainloom.comm.ops import divide_
 from trainloom.errors import CommError, CommTimeoutError, ConfigError
 
 logger = logging.getLogger("trainloom.comm")
@@ -318,6 +319,15 @@ def _is_timeout(exc: BaseException) -> bool:
     """Whether a torch/gloo error reports a deadline (their messages say "timeout" or "timed out")."""
     low = str(exc).lower()
     return "timed out" in low or "timeout" in low
+
+
+def writing(t: torch.Tensor) -> ContextManager[Any]:
+    """The mode in which torch ops may write ``t``, the caller's tensor: an nn.Parameter (a leaf that
+    requires grad) only under no_grad, a tensor made under torch.inference_mode() (an eval metric)
+    only in inference mode. gloo's own collectives write without autograd, as does the shm engine;
+    the engine's torch ops around them (a copy into the output, AVG's division) raised instead,
+    after the data was exchanged (a Parameter then held the SUM)."""
+    return torch.inference_mode() if t.is_inference() else torch.no_grad()
 
 
 class GlooEngine:
@@ -677,17 +687,18 @@ class GlooEngine:
         if work_t is not buf and buf.dtype == torch.int16:
             buf.copy_(work_t)
         if op == AVG and (root is None or root == self.rank):
-            buf.div_(self.world_size)
+            divide_(buf, self.world_size)
 
     def allreduce(
         self, send: torch.Tensor, recv: torch.Tensor, op: int, timeout: Optional[float] = None
     ) -> None:
         seq = self._begin("allreduce")
         self._agree("allreduce", seq, make_header("allreduce", seq, send, op=op), timeout)
-        if recv.data_ptr() != send.data_ptr():
-            recv.view(-1).copy_(send.view(-1))  # same count, maybe another shape (as on shm)
-        if recv.numel():
-            self._reduce_buffer(recv, op, "allreduce", seq, timeout)
+        with writing(recv):
+            if recv.data_ptr() != send.data_ptr():
+                recv.view(-1).copy_(send.view(-1))  # same count, maybe another shape (as on shm)
+            if recv.numel():
+                self._reduce_buffer(recv, op, "allreduce", seq, timeout)
 
     def reduce(
         self, send: torch.Tensor, recv: torch.Tensor, dst: int, op: int, timeout: Optional[float] = None
@@ -696,13 +707,14 @@ class GlooEngine:
         self._agree("reduce", seq, make_header("reduce", seq, send, op=op, root=dst), timeout)
         if not send.numel():
             return
-        if self.rank == dst:
-            if recv.data_ptr() != send.data_ptr():
-                recv.view(-1).copy_(send.view(-1))  # same count, maybe another shape (as on shm)
-            buf = recv
-        else:
-            buf = send.clone()  # gloo uses non-root buffers as scratch; never touch the caller's input
-        self._reduce_buffer(buf, op, "reduce", seq, timeout, root=dst)
+        with writing(recv if self.rank == dst else send):
+            if self.rank == dst:
+                if recv.data_ptr() != send.data_ptr():
+                    recv.view(-1).copy_(send.view(-1))  # same count, maybe another shape (as on shm)
+                buf = recv
+            else:
+                buf = send.clone()  # gloo uses non-root buffers as scratch; never touch the caller's input
+            self._reduce_buffer(buf, op, "reduce", seq, timeout, root=dst)
 
     def reduce_scatter(
         self, send: torch.Tensor, recv: torch.Tensor, op: int, timeout: Optional[float] = None
@@ -712,10 +724,11 @@ class GlooEngine:
         if not recv.numel():
             return
         # gloo's own reduce_scatter is an allreduce plus a copy (FINDINGS.md); do that explicitly.
-        tmp = send.reshape(-1).clone()
-        self._reduce_buffer(tmp, op, "reduce_scatter", seq, timeout)
-        n = recv.numel()
-        recv.reshape(-1).copy_(tmp[self.rank * n : (self.rank + 1) * n])
+        with writing(recv):
+            tmp = send.reshape(-1).clone()
+            self._reduce_buffer(tmp, op, "reduce_scatter", seq, timeout)
+            n = recv.numel()
+            recv.reshape(-1).copy_(tmp[self.rank * n : (self.rank + 1) * n])
 
     # ---------------------------------------------------------- data movement
     def broadcast(self, tensor: torch.Tensor, src: int, timeout: Optional[float] = None) -> None:

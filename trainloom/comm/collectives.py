@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from trainloom.comm.env import as_int
 from trainloom.comm.group import _STATE, NON_COMM_MEMBER, WORLD, Communicator, NonCommMember, _span
-from trainloom.comm.ops import ReduceOp
+from trainloom.comm.ops import ReduceOp, divide_
 from trainloom.comm.work import CompletedWork, FutureWork, ThenWork, Work
 from trainloom.errors import CommError
 
@@ -642,7 +642,7 @@ def _hierarchical(
                 if wide:
                     r.copy_(out.div_(n).reshape(r.shape))
                 elif avg:
-                    r.div_(n)
+                    divide_(r, n)
         broadcast(r, 0, comm=intra)
 
     if s.device.type == "cuda":
@@ -712,7 +712,7 @@ def _hierarchical_async(
                     if wide:
                         out.copy_(acc.div_(n))
                     elif avg:
-                        out.div_(n)
+                        divide_(out, n)
                 if not one:
                     e.broadcast(out, 0)
 

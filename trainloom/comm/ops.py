@@ -2,6 +2,8 @@
 
 import enum
 
+import torch
+
 __all__ = ["ReduceOp", "OP_NAMES"]
 
 
@@ -20,3 +22,12 @@ class ReduceOp(enum.IntEnum):
 
 #: int code -> name, for messages.
 OP_NAMES = {int(op): op.name for op in ReduceOp}
+
+
+def divide_(t: torch.Tensor, n: int) -> None:
+    """``t /= n``, a complex tensor part by part: torch's complex division rounds otherwise than
+    dividing the two parts, which the shared-memory engine does (1 ulp in 29 of 64 elements)."""
+    if t.is_complex():
+        torch.view_as_real(t).div_(n)
+    else:
+        t.div_(n)
