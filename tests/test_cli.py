@@ -384,3 +384,55 @@ def test_bench_leaves_sys_path_and_argv(no_measuring, capsys):
     before_path, before_argv = list(sys.path), list(sys.argv)
     assert cli.main(["bench", "comm", "--min", "0"]) == 2
     assert (sys.path, sys.argv) == (before_path, before_argv)
+
+
+def test_output_into_a_closed_pipe_ends_without_a_traceback():
+    # `trainloom info | head -1`: stdout's reader is gone; a BrokenPipeError traceback ended it
+    r, w = os.pipe()
+    os.close(r)  # every write to w now fails with EPIPE
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "trainloom", "info"],
+            stdout=w,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(w)
+    assert proc.stderr == ""
+    assert proc.returncode == 1
+
+
+def test_an_unreadable_sys_path_entry_is_not_an_nccl_candidate(monkeypatch, tmp_path):
+    # Path.is_file() raises for ENAMETOOLONG/EACCES (it swallows only ENOENT and the like): with a
+    # sys.path directory whose name is near PATH_MAX, <dir>/nvidia/nccl/lib/libnccl.so.2 is too long,
+    # and nccl.is_available(), documented never to raise, and `trainloom info` raised OSError.
+    from trainloom import _locate
+
+    deep = str(tmp_path)
+    while len(deep) < 4080:
+        deep = os.path.join(deep, "x" * min(200, 4080 - len(deep) - 1))
+    os.makedirs(deep)
+    monkeypatch.setattr(sys, "path", [deep, *sys.path])
+    assert "libnccl.so.2" in _locate.nccl_candidates()
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainloom", "info"],
+        env={**os.environ, "PYTHONPATH": deep},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "NCCL" in proc.stdout
+
+
+def test_a_relative_nccl_library_path_is_made_absolute(monkeypatch, tmp_path):
+    # library_path() echoed "./libnccl.so.2", which named another file (or none) after a chdir
+    from trainloom import _locate
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TRAINLOOM_NCCL_LIBRARY", "./libnccl-custom.so.2")
+    assert _locate.nccl_candidates()[0] == str(tmp_path / "libnccl-custom.so.2")
+    monkeypatch.setenv("TRAINLOOM_NCCL_LIBRARY", "libnccl-custom.so.2")  # a bare name: the loader's search
+    assert _locate.nccl_candidates()[0] == "libnccl-custom.so.2"

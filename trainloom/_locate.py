@@ -56,10 +56,16 @@ def nccl_candidates() -> List[str]:
     out: List[str] = []
     explicit = os.environ.get(NCCL_LIBRARY_ENV)
     if explicit:
-        out.append(explicit)
+        # a path (not a bare name the loader searches for) made absolute now: library_path() names
+        # the file loaded, also after the script changes its working directory
+        out.append(os.path.abspath(explicit) if os.sep in explicit else explicit)
     out.append("libnccl.so.2")
     for site in _site_dirs():
         candidate = site / "nvidia" / "nccl" / "lib" / "libnccl.so.2"
-        if candidate.is_file() and str(candidate) not in out:
+        try:
+            found = candidate.is_file()
+        except OSError:  # an unreadable or odd sys.path entry (EACCES, ENAMETOOLONG): not a candidate
+            found = False
+        if found and str(candidate) not in out:
             out.append(str(candidate))
     return out

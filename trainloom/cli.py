@@ -133,6 +133,17 @@ def _build_parser() -> Tuple[argparse.ArgumentParser, Dict[str, str]]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``trainloom`` console script."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # The reader of stdout went away (`trainloom info | head -1`): no traceback. Python's own
+        # recipe: the rest of the output to /dev/null (its flush at exit would raise again), exit 1.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     parser, unavailable = _build_parser()
     if args_list and args_list[0] in unavailable:
