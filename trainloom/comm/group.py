@@ -544,8 +544,17 @@ class Communicator:
         self.check_alive(opname)
         is_cpu = device == "cpu" if isinstance(device, str) else device.type == "cpu"
         if not is_cpu:
+            checking = check is not None and self.nccl_checks()
+            if checking and not getattr(self._tls, "inside", False):
+                # The check's header allgather runs on the CPU engine from this thread: it follows the
+                # asynchronous CPU collectives issued before it, as on every rank. It used to race
+                # them for the engine and pair with a peer's pending one ("ranks disagree" on every
+                # rank, for calls issued in the same order everywhere).
+                pending = [f for f in (self._last, self._fence) if f is not None and not f.done()]
+                if pending:
+                    concurrent.futures.wait(pending)
             with self._lock:
-                if check is not None and self.nccl_checks():
+                if checking and check is not None:
                     self.cross_check(opname, *check)
                 engine = self.engine(device)
                 event = fn(engine)
