@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import trainloom.data.cache as cache_mod
+from trainloom import cli
 from trainloom.data.cache import META_KEY, CachedDataset, CacheLoader, fingerprint_digest
 from trainloom.data.stores import LmdbStore, StoreError, StoreFullError, StoreValueRefusedError
 from trainloom.data.stores.redis_server import RedisServer
@@ -284,6 +285,36 @@ def test_a_redis_server_of_the_users_own_is_persistent_too(own_redis, monkeypatc
         warnings.simplefilter("always")
         CacheLoader("redis", "", hosts=None).get(0, lambda k: k)
     assert not _messages(rec, "dataset_name") and not _messages(rec, "reusing")
+
+
+def test_the_reuse_warning_names_a_clear_command_per_shard_with_its_db(own_redis, monkeypatch, capsys):
+    # The hint named the first server in db 0 only: on a cache sharded over two servers it cleared
+    # one shard, and for a server in db 3 it cleared another cache of the same name in db 0. Now one
+    # command per server, with its db; running them clears every entry.
+    a, b = own_redis(), own_redis()
+    hosts = [a.address(), {**b.address(), "db": 3}]
+    earlier = CacheLoader("redis", "r2", hosts=hosts)
+    [earlier.get(i, lambda k: ("earlier", k)) for i in range(12)]
+    earlier.close()
+    cache_mod._OPENED.clear()  # as in a new run
+    monkeypatch.setenv("RANK", "0")
+    with pytest.warns(RuntimeWarning) as rec:
+        CacheLoader("redis", "r2", hosts=hosts).close()
+    [message] = _messages(rec, "reusing")
+    first = f"trainloom cache clear --redis {a.host}:{a.port} --namespace r2"
+    second = f"trainloom cache clear --redis redis://{b.host}:{b.port}/3 --namespace r2"
+    assert f"(`{first}`, then `{second}` (the entries are sharded over these 2 servers))" in message
+    for command, srv in ((first, a), (second, b)):
+        monkeypatch.setenv("REDISCLI_AUTH", srv.password or "")
+        assert cli.main(command.split()[1:]) == 0
+    capsys.readouterr()
+    cache_mod._OPENED.clear()
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        later = CacheLoader("redis", "r2", hosts=hosts)
+        assert later.contains_many(range(12)) == [False] * 12
+        later.close()
+    assert not _messages(rec, "reusing")
 
 
 def test_entries_of_an_earlier_run_without_fingerprint_warn_once(tmp_path, caplog):

@@ -44,6 +44,7 @@ import struct
 import sys
 import threading
 import time
+import urllib.parse
 import warnings
 import weakref
 from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar, cast
@@ -167,6 +168,19 @@ def cached_values(store: Store) -> int:
     CachedDataset and CacheLoader(fingerprint=...) keep there (one per shard of a Redis cluster)."""
     n = store.num_keys()
     return n - store.copies(META_KEY) if n else 0
+
+
+def _redis_cli_target(h: Mapping[str, Any]) -> str:
+    """``trainloom cache clear --redis``'s form of one server of a RedisStore: HOST:PORT, or a
+    redis:// URL when it names a user or a db other than 0 (never the password: the CLI takes it
+    from REDISCLI_AUTH or --password)."""
+    host = str(h["host"])
+    shown = f"[{host}]" if ":" in host else host
+    user, db = h.get("username"), int(h.get("db") or 0)
+    if not user and db == 0:
+        return f"{shown}:{int(h['port'])}"
+    userinfo = f"{urllib.parse.quote(str(user), safe='')}@" if user else ""
+    return f"redis://{userinfo}{shown}:{int(h['port'])}" + (f"/{db}" if db else "")
 
 
 def _short_repr(key: Any, limit: int = 80) -> str:
@@ -1012,18 +1026,27 @@ class CacheLoader:
             return
         ns = getattr(self.store, "namespace", self.dataset_name)
         if self.store.backend == "redis":
-            h = self.store.hosts[0]  # type: ignore[attr-defined]
-            where_opt = f"--redis {shlex.quote(str(h['host']))}:{int(h['port'])}"
+            # one command per server the keys are sharded over, each with its db and user (the
+            # hint named the first server, db 0, only: it cleared another cache there, or a shard)
+            hosts = self.store.hosts  # type: ignore[attr-defined]
+            quoted_ns = shlex.quote(ns)
+            commands = [
+                f"trainloom cache clear --redis {shlex.quote(_redis_cli_target(h))} --namespace {quoted_ns}"
+                for h in hosts
+            ]
+            clear = "`" + "`, then `".join(commands) + "`"
+            if len(hosts) > 1:
+                clear += f" (the entries are sharded over these {len(hosts)} servers)"
         else:
-            where_opt = f"--path {shlex.quote(str(getattr(self.store, 'path', '')))}"
+            where_opt = f"--path {shlex.quote(os.path.abspath(str(getattr(self.store, 'path', ''))))}"
+            clear = f"`trainloom cache clear {where_opt} --namespace {shlex.quote(ns)}`"
         _warn_process_once(
             ("reuse", self._location),
             f"CacheLoader({self.dataset_name!r}): reusing {n} cached entries written by an earlier run "
             f"from {where} (namespace {ns!r}). No fingerprint= was given, so they are served as they are "
             "even if the preprocessing changed since. Pass fingerprint= (e.g. a version string or the "
-            "transform parameters; a change drops the old entries once), or clear the cache "
-            f"(`trainloom cache clear {where_opt} --namespace {shlex.quote(ns)}`) when the "
-            "preprocessing changes.",
+            f"transform parameters; a change drops the old entries once), or clear the cache ({clear}) "
+            "when the preprocessing changes.",
         )
 
     def _quiesce(self) -> None:
