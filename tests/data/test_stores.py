@@ -796,3 +796,36 @@ def test_redis_hosts_entry_with_password_none_takes_password_argument(redis_serv
     assert s.get("k") == b"v"
     s.clear()
     s.close()
+
+
+def test_a_cache_in_a_directory_this_user_may_only_read_opens_read_only(tmp_path):
+    # A pre-built cache owned by another user (files 444, directory 555): LMDB's lock file needs
+    # write access, so readonly=True and `trainloom cache info` failed with "Permission denied"
+    # (plain lmdb.open(readonly=True, lock=False) read it). Root ignores permissions, so the reader
+    # runs without CAP_DAC_OVERRIDE/CAP_DAC_READ_SEARCH (util-linux's setpriv).
+    path = tmp_path / "shared"
+    with LmdbStore(path, namespace="ds") as store:
+        store.mset({"k": b"v" * 100})
+    for f in path.iterdir():
+        f.chmod(0o444)
+    path.chmod(0o555)
+    script = textwrap.dedent(
+        f"""
+        from trainloom.data.stores import LmdbStore, StoreError
+        with LmdbStore({str(path)!r}, namespace="ds", readonly=True) as s:
+            print(s.get("k") == b"v" * 100, s.num_keys())
+        try:
+            LmdbStore({str(path)!r}, namespace="ds").mset({{"x": b"1"}})
+        except StoreError as exc:
+            print(type(exc).__name__, "cannot open" in str(exc))
+        """
+    )
+    drop = "-dac_override,-dac_read_search"
+    cmd = ["setpriv", f"--inh-caps={drop}", f"--bounding-set={drop}", sys.executable, "-c", script]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    finally:
+        path.chmod(0o755)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split("\n")[:2] == ["True 1", "StoreError True"]
+    assert "opened read-only without LMDB's lock file" in proc.stderr

@@ -184,8 +184,9 @@ def _acquire_env(store: LmdbStore) -> Tuple[Any, str]:
                 backend="lmdb",
             )
         if entry is None:
-            try:
-                env = lmdb.open(
+
+            def open_env(lock: bool) -> Any:
+                return lmdb.open(
                     key,
                     map_size=store.map_size,
                     subdir=True,
@@ -196,12 +197,32 @@ def _acquire_env(store: LmdbStore) -> Tuple[Any, str]:
                     meminit=False,
                     sync=store.sync,
                     metasync=store.sync,
-                    lock=True,
+                    lock=lock,
                 )
+
+            locked = True
+            try:
+                env = open_env(True)
             except lmdb.Error as exc:
-                raise StoreError(f"LmdbStore: cannot open {store.path}: {exc}", backend="lmdb") from exc
+                if not store.readonly:
+                    raise StoreError(f"LmdbStore: cannot open {store.path}: {exc}", backend="lmdb") from exc
+                # A pre-built cache this user may read but not write (a shared one owned by another
+                # user): LMDB's lock file needs write access. Read it without (as a read-only mount
+                # does): nothing may write it meanwhile, which such a directory rules out for us.
+                try:
+                    env = open_env(False)
+                except lmdb.Error:
+                    raise StoreError(f"LmdbStore: cannot open {store.path}: {exc}", backend="lmdb") from exc
+                locked = False
+                log.warning(
+                    "LmdbStore: %s opened read-only without LMDB's lock file (%s); no process may "
+                    "write this cache while it is read",
+                    store.path,
+                    exc,
+                )
             # Reclaim reader slots of processes that died (killed DataLoader workers) at every open.
-            store.reader_checks += env.reader_check()
+            if locked:
+                store.reader_checks += env.reader_check()
             entry = _ENVS[key] = [env, pid, 0, store.readonly]
         entry[2] += 1
         return entry[0], key
