@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from redisutil import requires_redis
 
@@ -295,3 +297,34 @@ def test_cache_cli_never_prints_the_redis_password(own_redis, capsys):
         out, err = capsys.readouterr()
         assert out == "" and pw not in err and ":***@" in err, err
     loader.close()
+
+
+def test_cache_info_counts_the_reader_slots_in_use_not_ever_used(tmp_path, capsys):
+    # LMDB's num_readers is a high-water mark: `cache info` said "2/126 reader slots in use" after
+    # every reader had exited (LMDB's own reader list was empty), misleading whoever chases a
+    # "readers full" error.
+    import subprocess
+    import sys
+
+    script = (
+        "from trainloom.data.cache import CacheLoader\n"
+        f"c = CacheLoader(path={str(tmp_path)!r}, dataset_name='ds', flush_interval=None)\n"
+        "[c.get(i, lambda k: k) for i in range(3)]\n"
+        "c.flush()\n"
+        "assert c.contains_many(range(3)) == [True] * 3\n"
+        "c.close()\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)  # a reader that has exited
+    assert main(["cache", "info", "--path", str(tmp_path)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert re.search(
+        r", 0/\d+ reader slots in use \([1-9]\d* used since the environment was created\)$", first
+    ), first
+
+
+def test_cache_clear_all_of_a_cache_without_namespaces_says_so(tmp_path, capsys):
+    import lmdb
+
+    lmdb.open(str(tmp_path), max_dbs=1).close()  # an environment with no trainloom namespace
+    assert main(["cache", "clear", "--path", str(tmp_path), "--all"]) == 0
+    assert capsys.readouterr().out == f"nothing to clear in {tmp_path}: it holds no namespaces\n"

@@ -207,7 +207,8 @@ def _info(args: argparse.Namespace) -> int:
         if first:
             print(
                 f"LMDB cache {path}: {_human(i['used_bytes'])} used, map {_human(i['map_size'])}, "
-                f"{i['readers']}/{i['max_readers']} reader slots in use"
+                f"{i['active_readers']}/{i['max_readers']} reader slots in use "
+                f"({i['readers']} used since the environment was created)"
             )
             first = False
         print(f"  namespace {ns!r}: {i['entries']} entries")
@@ -251,6 +252,9 @@ def _clear(args: argparse.Namespace) -> int:
         return 1
     names = _lmdb_namespaces(path)
     targets = names if args.all else [args.namespace]
+    if not targets:  # --all on a cache without namespaces (it printed nothing)
+        print(f"nothing to clear in {path}: it holds no namespaces")
+        return 0
     for ns in targets:
         if ns not in names:
             print(f"namespace {ns!r} not found in {path} (have: {names})", file=sys.stderr)

@@ -823,17 +823,24 @@ class LmdbStore(Store):
         return self._call("namespaces", run)
 
     def info(self) -> Dict[str, Any]:
-        """Path, map size, bytes used, readers and this namespace's entry count."""
+        """Path, map size, bytes used, reader slots and this namespace's entry count.
+
+        ``readers`` is LMDB's count of reader slots ever used in the environment's lock file (its
+        high-water mark, not what is in use: it stays after every reader exited); ``active_readers``
+        counts the slots held by live readers now."""
 
         def run(env: Any) -> Dict[str, Any]:
             i, s = env.info(), env.stat()
             used = (i["last_pgno"] + 1) * s["psize"]
+            table = env.readers()  # "(no active readers)", or a header line and one line per reader
+            active = 0 if "no active readers" in table else max(0, len(table.strip().splitlines()) - 1)
             return {
                 "path": str(self.path),
                 "namespace": self.namespace,
                 "map_size": i["map_size"],
                 "used_bytes": used,
                 "readers": i["num_readers"],
+                "active_readers": active,
                 "max_readers": i["max_readers"],
                 "entries": self.num_keys(),
             }
