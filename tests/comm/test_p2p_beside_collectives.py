@@ -378,31 +378,30 @@ def _disjoint(rank: int, ws: int, engine: str) -> Dict[str, Any]:
     """Rank 0 receives into one half of a tensor, then allreduces the other half; rank 1 sends
     only after its allreduce: a wait for the receive would deadlock (it did until the timeout)."""
 
-    def recv_then_allreduce_of_another_part() -> Any:
+    def recv_into_one_part_then_allreduce_of_another(
+        shape: Tuple[int, ...],
+        recv_part: Callable[[torch.Tensor], torch.Tensor],
+        other: Callable[[torch.Tensor], torch.Tensor],
+    ) -> Any:
         if rank == 0:
-            x = torch.ones(4)
-            w = C.recv(x[0:2], 1, async_op=True)
-            C.allreduce_inplace(x[2:4])
+            x = torch.ones(shape)
+            w = C.recv(recv_part(x), 1, async_op=True)
+            C.allreduce_inplace(other(x))
             w.wait()
             return x.tolist()
-        y = torch.ones(2)
+        n = recv_part(torch.ones(shape)).numel()
+        y = torch.ones(n)
         C.allreduce_inplace(y)
-        C.send(torch.full((2,), 5.0), 0)
+        C.send(torch.full((n,), 5.0), 0)
         return y.tolist()
+
+    def recv_then_allreduce_of_another_part() -> Any:
+        return recv_into_one_part_then_allreduce_of_another((4,), lambda x: x[0:2], lambda x: x[2:4])
 
     def recv_into_a_column_then_allreduce_of_another() -> Any:
         # two columns of one matrix: their address ranges interleave, their elements do not meet
         # (compared by ranges only, they waited for each other until the timeout)
-        if rank == 0:
-            m = torch.ones(3, 2)
-            w = C.recv(m[:, 0], 1, async_op=True)
-            C.allreduce_inplace(m[:, 1])
-            w.wait()
-            return m.tolist()
-        y = torch.ones(3)
-        C.allreduce_inplace(y)
-        C.send(torch.full((3,), 5.0), 0)
-        return y.tolist()
+        return recv_into_one_part_then_allreduce_of_another((3, 2), lambda m: m[:, 0], lambda m: m[:, 1])
 
     def allreduce_of_the_odd_elements_then_send_of_the_even() -> Any:
         # the reverse, x[1::2] against x[0::2]: the send does not wait for the async allreduce

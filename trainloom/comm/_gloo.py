@@ -21,13 +21,13 @@ import os
 import queue
 import threading
 import time
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from trainloom.comm.env import STORE_GONE_HINT
-from trainloom.comm.ops import divide_
+from trainloom.comm.ops import divide_, writing
 from trainloom.errors import CommError, CommTimeoutError, ConfigError
 
 logger = logging.getLogger("trainloom.comm")
@@ -319,15 +319,6 @@ def _is_timeout(exc: BaseException) -> bool:
     """Whether a torch/gloo error reports a deadline (their messages say "timeout" or "timed out")."""
     low = str(exc).lower()
     return "timed out" in low or "timeout" in low
-
-
-def writing(t: torch.Tensor) -> ContextManager[Any]:
-    """The mode in which torch ops may write ``t``, the caller's tensor: an nn.Parameter (a leaf that
-    requires grad) only under no_grad, a tensor made under torch.inference_mode() (an eval metric)
-    only in inference mode. gloo's own collectives write without autograd, as does the shm engine;
-    the engine's torch ops around them (a copy into the output, AVG's division) raised instead,
-    after the data was exchanged (a Parameter then held the SUM)."""
-    return torch.inference_mode() if t.is_inference() else torch.no_grad()
 
 
 class GlooEngine:

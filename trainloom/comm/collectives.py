@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from trainloom.comm.env import as_int
 from trainloom.comm.group import _STATE, NON_COMM_MEMBER, WORLD, Communicator, NonCommMember, _span
-from trainloom.comm.ops import ReduceOp, divide_
+from trainloom.comm.ops import ReduceOp, divide_, writing
 from trainloom.comm.work import CompletedWork, FutureWork, ThenWork, Work
 from trainloom.errors import CommError
 
@@ -484,10 +484,7 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _write(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)``, also into a tensor made under ``torch.inference_mode()`` (an eval metric):
     torch refuses in-place updates of those outside inference mode, and the engines write them."""
-    if dst.is_inference():
-        with torch.inference_mode():
-            dst.copy_(src)
-    else:
+    with writing(dst):
         dst.copy_(src)
 
 

@@ -1,6 +1,7 @@
 """Reduction operation codes shared by the collective API and every engine."""
 
 import enum
+from typing import Any, ContextManager
 
 import torch
 
@@ -31,3 +32,12 @@ def divide_(t: torch.Tensor, n: int) -> None:
         torch.view_as_real(t).div_(n)
     else:
         t.div_(n)
+
+
+def writing(t: torch.Tensor) -> ContextManager[Any]:
+    """The mode in which torch ops may write ``t``, the caller's tensor: an nn.Parameter (a leaf that
+    requires grad) only under no_grad, a tensor made under torch.inference_mode() (an eval metric)
+    only in inference mode. The engines' collectives write without autograd; the torch ops around
+    them (gloo's copy into the output and AVG's division, copies back into staged outputs) must
+    too (on gloo they raised after the data was exchanged: a Parameter then held the SUM)."""
+    return torch.inference_mode() if t.is_inference() else torch.no_grad()

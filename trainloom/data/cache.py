@@ -544,9 +544,9 @@ def _known_refusal(exc: BaseException, items: Mapping[bytes, Any]) -> Optional[L
     """The keys of ``items`` the store refused, when ``exc`` names them all and says that every other
     value of ``items`` was written (LmdbStore at max_map_size); else None (the caller then writes the
     values one by one to find out)."""
-    if not isinstance(exc, StoreValueRefusedError) or exc.keys is None or not exc.others_written:
+    if not isinstance(exc, StoreValueRefusedError) or not exc.accounts_for_batch:
         return None
-    keys = list(dict.fromkeys(exc.keys))
+    keys = list(dict.fromkeys(exc.keys or ()))
     if not keys or any(k not in items for k in keys):
         return None
     return keys

@@ -349,6 +349,11 @@ class _Bucket:
             self.state_probe = None
         return v
 
+    def _state_addr(self, key: Any, i: int) -> int:
+        """Where parameter ``i``'s view of state ``key`` lives in the flat state buffer."""
+        flat = self.state_flat[key]
+        return flat.data_ptr() + self.offsets[i] * flat.element_size()
+
     def state_repointed(self) -> bool:
         """Whether a state view's storage was replaced in place (``v.data = t``, ``v.set_(t)``: the
         forum's "move the optimizer state" snippet does it to every state tensor). The state is
@@ -358,10 +363,9 @@ class _Bucket:
         if probe is None:
             probe = self.state_probe = []
             for key, views in self.state_views.items():
-                flat = self.state_flat[key]
                 for i, v in enumerate(views):
                     if v is not None:
-                        probe.append((v, flat.data_ptr() + self.offsets[i] * flat.element_size()))
+                        probe.append((v, self._state_addr(key, i)))
                         break
         for v, ptr in probe:
             if v.data_ptr() != ptr:
@@ -376,12 +380,10 @@ class _Bucket:
         self.state_probe = None
         with torch.no_grad():
             for key, views in self.state_views.items():
-                flat = self.state_flat[key]
-                base, size = flat.data_ptr(), flat.element_size()
                 for i, v in enumerate(views):
-                    if v is None or v.data_ptr() == base + self.offsets[i] * size:
+                    if v is None or v.data_ptr() == self._state_addr(key, i):
                         continue
-                    fresh = views[i] = self._view(flat, i)
+                    fresh = views[i] = self._view(self.state_flat[key], i)
                     st = state.get(self.params[i])
                     if v.shape == fresh.shape and v.dtype == fresh.dtype and v.device == fresh.device:
                         fresh.copy_(v)
@@ -960,16 +962,11 @@ def _grad_hook(info: _FusedInfo, bucket: _Bucket, i: int) -> Callable[[torch.Ten
 def _to_flat(b: _Bucket, i: int, param: torch.Tensor) -> None:
     """Copy ``param``'s gradient into its flat view and re-point ``param.grad`` there."""
     g = param.grad
-    view = b.grad_views[i]
-    if g is None or g is view:
-        return
-    if g.is_sparse or g.shape != view.shape or g.dtype != view.dtype or g.device != view.device:
-        return  # fuse_step falls back to torch's own handling for this parameter
+    if g is None or g is b.grad_views[i] or g.is_sparse:
+        return  # sparse: fuse_step falls back to torch's own handling for this parameter
     if g.requires_grad:
         return  # backward(create_graph=True): keep the gradient's graph, as torch does (fuse_step copies it)
-    with torch.no_grad():
-        view.copy_(g)
-    param.grad = view
+    _grad_into_slot(b, i)
 
 
 def _grad_into_slot(b: _Bucket, i: int) -> None:

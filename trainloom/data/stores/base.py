@@ -89,6 +89,12 @@ class StoreValueRefusedError(StoreError):
         self.keys: Optional[Tuple[bytes, ...]] = tuple(keys) if keys is not None else None
         self.others_written = bool(others_written)
 
+    @property
+    def accounts_for_batch(self) -> bool:
+        """Whether it names every refused key and says every other value of the batch was written
+        (the caller then knows the fate of each value without writing anything again)."""
+        return self.keys is not None and self.others_written
+
 
 def key_bytes(key: Key) -> bytes:
     """A key as bytes (str keys are UTF-8)."""

@@ -133,7 +133,7 @@ class ClusterStore(Store):
           written) the first such error, as the shard raised it: the caller must assume none of
           the batch was written."""
         for _, _, e in failed:
-            known = isinstance(e, StoreValueRefusedError) and e.keys is not None and e.others_written
+            known = isinstance(e, StoreValueRefusedError) and e.accounts_for_batch
             if not (known or isinstance(e, StoreFullError)):
                 return e
         stored = list(written)
